@@ -1,0 +1,161 @@
+"""Run configuration: pydantic models, YAML presets, and ``load_config(preset_or_path, **overrides)``.
+
+Cross-field rules live here, where a bad combination is rejected before anything starts:
+- a sampler that may train on stale data needs an importance-sampling correction in the loss;
+- the buffer must hold at least the sampler's ``required_buffer_capacity(groups_per_step)``;
+- chunk bounds fit inside a step.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from asyncrl.algorithms import LossConfig
+from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
+
+PRESETS = Path(__file__).parent / "presets"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``."""
+
+    hidden_size: int = Field(128, ge=1)
+    intermediate_size: int = Field(344, ge=1)
+    num_hidden_layers: int = Field(2, ge=1)
+    num_attention_heads: int = Field(4, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    max_position_embeddings: int = Field(64, ge=8)
+    rope_theta: float = 10000.0
+    tie_word_embeddings: bool = True
+    hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+
+class GenerationConfig(_Strict):
+    backend: Literal["torch", "vllm", "simulated"] = "torch"
+    max_new_tokens: int = Field(4, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    device: str = "cpu"
+    placement: Literal["local", "ray"] = "local"
+    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm
+    enforce_eager: bool = True  # vllm
+    options: dict[str, Any] = Field(default_factory=dict)  # backend-specific extras (e.g. simulated latency)
+
+
+class TrainerConfig(_Strict):
+    backend: Literal["torch", "megatron", "simulated"] = "torch"
+    lr: float = Field(1e-4, gt=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float | None = Field(1.0, gt=0)
+    micro_batch_size: int | None = Field(None, ge=1)  # sequences per forward/backward; None: a whole chunk
+    device: str = "cpu"
+    placement: Literal["local", "ray"] = "local"
+    tensor_parallel: int = Field(1, ge=1)
+    data_parallel: int = Field(1, ge=1)
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class TaskConfig(_Strict):
+    name: str = "copy_digit"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Config(_Strict):
+    seed: int = 0
+    groups_per_step: int = Field(8, ge=1)  # N: prompt groups per optimizer step (one batch)
+    group_size: int = Field(8, ge=1)  # G: completions per prompt
+    min_groups_per_chunk: int | None = Field(None, ge=1)  # None: the whole step in one chunk
+    max_groups_per_chunk: int | None = Field(None, ge=1)
+    max_buffered_groups: int | None = Field(None, ge=1)  # None: the sampler's required capacity (or 4N)
+    max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
+    max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
+    eval_every: int | None = Field(None, ge=1)
+    sampler: SamplerConfig = Field(default_factory=InOrderConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        N = self.groups_per_step
+        if self.min_groups_per_chunk is not None and self.min_groups_per_chunk > N:
+            raise ValueError(f"min_groups_per_chunk {self.min_groups_per_chunk} > groups_per_step {N}")
+        if self.max_groups_per_chunk is not None and self.max_groups_per_chunk < self.chunk_bounds[0]:
+            raise ValueError(
+                f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
+            )
+        if isinstance(self.sampler, CustomConfig):
+            return self  # capacity and on-policy checks happen once the class is built (Controller.from_config)
+        sampler = SAMPLERS[self.sampler.name](None, **self.sampler.model_dump(exclude={"name"}))
+        check_sampler_fits(sampler, self)
+        return self
+
+    @property
+    def chunk_bounds(self) -> tuple[int, int]:
+        lo = self.min_groups_per_chunk or self.groups_per_step
+        return lo, self.max_groups_per_chunk or self.groups_per_step
+
+    def buffer_capacity(self, required: int | None) -> int:
+        if self.max_buffered_groups is not None:
+            return self.max_buffered_groups
+        return required if required is not None else 4 * self.groups_per_step
+
+
+def check_sampler_fits(sampler: Any, cfg: Config) -> None:
+    """Reject a sampler the rest of the config cannot serve (raises ValueError naming both sides)."""
+    if not sampler.is_on_policy and cfg.loss.importance_correction == "none":
+        raise ValueError(
+            f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
+            "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
+        )
+    required = sampler.required_buffer_capacity(cfg.groups_per_step)
+    if required is not None and cfg.max_buffered_groups is not None and cfg.max_buffered_groups < required:
+        raise ValueError(
+            f"max_buffered_groups {cfg.max_buffered_groups} is smaller than the {required} groups sampler "
+            f"{sampler!r} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
+        )
+
+
+def _merge(base: dict, overrides: dict) -> dict:
+    out = dict(base)
+    for key, value in overrides.items():
+        # A new sampler name replaces the sampler block: knobs of one policy are errors for another.
+        if key == "sampler" and isinstance(value, dict) and value.get("name") not in (None, out.get(key, {}).get("name")):
+            out[key] = dict(value)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def presets() -> list[str]:
+    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
+
+
+def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: Any) -> Config:
+    """A preset name (``quickstart``, ...) or a YAML path, with nested overrides applied on top:
+    ``load_config("quickstart", seed=1, sampler={"name": "weight_fifo", "max_staleness_versions": 2})``."""
+    data: dict = {}
+    if preset_or_path is not None:
+        path = Path(preset_or_path)
+        if not path.suffix and not path.exists():
+            path = PRESETS / f"{preset_or_path}.yaml"
+            if not path.exists():
+                raise ValueError(f"unknown preset {str(preset_or_path)!r}; presets: {presets()}, or a YAML path")
+        elif not path.exists():
+            raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+    return Config.model_validate(_merge(data, overrides))

@@ -1,0 +1,60 @@
+"""``in_order`` (the default): each batch is stamped with the step it is for, and step ``T`` trains exactly the
+groups stamped ``target_step == T``.
+
+Admission is gated by the lookahead ``L``: batch ``k`` is admitted once ``k <= T + L`` and stamped
+``target_step = k``. ``L = 0`` is synchronous GRPO (generate batch ``T`` with weights ``T``, then train on it).
+The staleness window is not consulted: the stamp alone decides. Evicts ready slots whose target step has passed,
+which is exactly what ``select`` will never take. Capacity ``N (L + 1)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from asyncrl.samplers.base import KnobModel, SamplerBase
+
+if TYPE_CHECKING:
+    from asyncrl.buffer import ReplayBuffer, Slot
+
+
+class InOrderConfig(KnobModel):
+    name: Literal["in_order"] = "in_order"
+    max_lookahead_versions: int = Field(1, ge=0, strict=True)
+
+
+class InOrderSampler(SamplerBase):
+    name: ClassVar[str] = "in_order"
+    stamps_target: ClassVar[bool] = True
+
+    def __init__(self, buffer: ReplayBuffer, max_lookahead_versions: int = 1):
+        super().__init__(buffer)
+        self.knobs = InOrderConfig(max_lookahead_versions=max_lookahead_versions)
+
+    @property
+    def window(self) -> int:
+        return self.knobs.max_lookahead_versions
+
+    def _candidates(self, T: int) -> Iterator[Slot]:
+        yield from self.buffer.by_target.ready.get(T, {}).values()
+
+    def _evictable(self, T: int) -> Iterator[Slot]:
+        index = self.buffer.by_target
+        for t in index.keys_between(hi=T - 1):
+            yield from list(index.ready[t].values())
+
+    def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
+        return "past_target_step", f"target_step {slot.target_step} < T={T}: its step has passed"
+
+    def _select_reason(self, slot: Slot, T: int) -> str:
+        return f"ready, target_step {slot.target_step} == T"
+
+    def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
+        t = slot.target_step
+        if not slot.ready:
+            return "pending", f"pending: rollouts for target_step {t} are not committed yet"
+        if t is None:
+            return "no_target_step", "ready but has no target_step; in_order only trains stamped groups"
+        return "wrong_target_step", f"wrong target step: target_step {t} != T={T}, kept for step {t}"

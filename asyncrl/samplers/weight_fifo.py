@@ -1,0 +1,61 @@
+"""``weight_fifo``: train weight versions strictly oldest first, waiting for a version to finish.
+
+The target version is the oldest ``w`` among *all* in-window slots (``lo <= w <= T``), ready or pending; only
+ready slots of exactly that version are candidates. It never skips ahead: while the oldest in-window version
+still has pending rollouts and too few ready ones, ``select`` waits rather than mixing in newer data. Gated
+admission bounds the buffer to ``N (W + 1)``. Never aborts in-flight work: every admitted batch is waited for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from asyncrl.samplers.base import KnobModel, SamplerBase
+
+if TYPE_CHECKING:
+    from asyncrl.buffer import ReplayBuffer, Slot
+
+
+class WeightFifoConfig(KnobModel):
+    name: Literal["weight_fifo"] = "weight_fifo"
+    max_staleness_versions: int = Field(1, ge=0, strict=True)
+
+
+class WeightFifoSampler(SamplerBase):
+    name: ClassVar[str] = "weight_fifo"
+
+    def __init__(self, buffer: ReplayBuffer, max_staleness_versions: int = 1):
+        super().__init__(buffer)
+        self.knobs = WeightFifoConfig(max_staleness_versions=max_staleness_versions)
+
+    @property
+    def window(self) -> int:
+        return self.knobs.max_staleness_versions
+
+    def target_version(self, T: int) -> int | None:
+        """The oldest weight version among in-window slots, ready or pending; None when the window is empty."""
+        versions = self.buffer.by_version.keys_between(self.lower_bound(T), T)
+        return versions[0] if versions else None
+
+    def _candidates(self, T: int) -> Iterator[Slot]:
+        target = self.target_version(T)
+        if target is not None:
+            yield from self.buffer.by_version.ready[target].values()
+
+    def _select_reason(self, slot: Slot, T: int) -> str:
+        return f"ready at the target version {slot.weight_version}, the oldest in [{self.lower_bound(T)}, {T}]"
+
+    def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
+        target = self.target_version(T)
+        w = slot.weight_version
+        if target is not None and self.lower_bound(T) <= w <= T and w != target:
+            waiting = len(self.buffer.by_version.pending[target])
+            state = "ready" if slot.ready else "pending"
+            return "not_oldest_version", (
+                f"{state}, not the oldest version: weight_version {w} waits until version {target} is trained "
+                f"({waiting} group(s) of it still pending)"
+            )
+        return super()._keep(slot, T)

@@ -1,0 +1,53 @@
+"""``windowed``: train on any ready group whose weights are at most ``W`` versions old.
+
+Admission is always open (only the buffer and in-flight limits bound dispatch), so it needs no fixed buffer
+capacity. Candidates: ready slots with ``lo <= w <= T``, in buffer order, or freshest first (sorted by
+``(T - w, position)``). Evicts ready slots with ``w < lo``; an in-flight rollout that started below ``lo`` can only
+be evicted later, so it may be aborted now.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import Field
+
+from asyncrl.samplers.base import KnobModel, SamplerBase
+
+if TYPE_CHECKING:
+    from asyncrl.buffer import ReplayBuffer, Slot
+
+
+class WindowedConfig(KnobModel):
+    name: Literal["windowed"] = "windowed"
+    max_staleness_versions: int = Field(1, ge=0, strict=True)
+    freshest_first: bool = Field(False, strict=True)
+
+
+class WindowedSampler(SamplerBase):
+    name: ClassVar[str] = "windowed"
+    gated: ClassVar[bool] = False
+
+    def __init__(self, buffer: ReplayBuffer, max_staleness_versions: int = 1, freshest_first: bool = False):
+        super().__init__(buffer)
+        self.knobs = WindowedConfig(max_staleness_versions=max_staleness_versions, freshest_first=freshest_first)
+
+    @property
+    def window(self) -> int:
+        return self.knobs.max_staleness_versions
+
+    def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
+        return weight_version < self.lower_bound(trainer_version)
+
+    def _candidates(self, T: int) -> Iterator[Slot]:
+        index = self.buffer.by_version
+        versions = index.keys_between(self.lower_bound(T), T)
+        if self.knobs.freshest_first:
+            versions = versions[::-1]
+        for v in versions:
+            yield from index.ready[v].values()
+
+    def _select_reason(self, slot: Slot, T: int) -> str:
+        order = "freshest first" if self.knobs.freshest_first else "buffer order"
+        return f"{super()._select_reason(slot, T)}, {order}"
