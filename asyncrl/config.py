@@ -49,6 +49,7 @@ class GenerationConfig(_Strict):
     gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm
     enforce_eager: bool = True  # vllm
     options: dict[str, Any] = Field(default_factory=dict)  # backend-specific extras (e.g. simulated latency)
+    ray_options: dict[str, Any] = Field(default_factory=dict)  # actor options when placement is ray
 
 
 class TrainerConfig(_Strict):
@@ -63,6 +64,7 @@ class TrainerConfig(_Strict):
     tensor_parallel: int = Field(1, ge=1)
     data_parallel: int = Field(1, ge=1)
     options: dict[str, Any] = Field(default_factory=dict)
+    ray_options: dict[str, Any] = Field(default_factory=dict)
 
 
 class TaskConfig(_Strict):

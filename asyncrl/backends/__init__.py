@@ -1,5 +1,60 @@
-"""Backends: generation (rollouts) and policy (training) behind two small Protocols (see ``base``)."""
+"""Backends: generation (rollouts) and policy (training) behind two small Protocols (see ``base``).
+
+``build_backends(cfg)`` picks the implementations named in the config and places them in-process or as Ray
+actors (``placement: ray``): placement is configuration, not code.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
 
 from asyncrl.backends.base import GenerationBackend, GenerationRequest, GroupRollouts, PolicyBackend, TrainBatch
 
-__all__ = ["GenerationBackend", "GenerationRequest", "GroupRollouts", "PolicyBackend", "TrainBatch"]
+POLICIES = {
+    "torch": "asyncrl.backends.torch:TorchPolicy",
+    "megatron": "asyncrl.backends.megatron:MegatronPolicy",
+    "simulated": "asyncrl.backends.simulated:SimulatedPolicy",
+}
+GENERATORS = {
+    "torch": "asyncrl.backends.torch:TorchGenerator",
+    "vllm": "asyncrl.backends.vllm:VLLMGenerator",
+    "simulated": "asyncrl.backends.simulated:SimulatedGenerator",
+}
+
+
+def _load(target: str) -> type:
+    module, name = target.split(":")
+    return getattr(import_module(module), name)
+
+
+def build_backends(cfg):
+    """``(policy, generator, tokenizer)`` for a ``Config``."""
+    from asyncrl.tokenizer import build_tokenizer
+
+    tokenizer = build_tokenizer() if cfg.model.hf_path is None else _hf_tokenizer(cfg.model.hf_path)
+    policy_cls = _load(POLICIES[cfg.trainer.backend])
+    generator_cls = _load(GENERATORS[cfg.generation.backend])
+    policy_args = (cfg.model, cfg.trainer, cfg.loss, cfg.seed, tokenizer)
+    generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
+    if cfg.trainer.placement == "ray" or cfg.generation.placement == "ray":
+        from asyncrl.backends.ray import remote
+
+        policy = remote(policy_cls, policy_args, cfg.trainer) if cfg.trainer.placement == "ray" else policy_cls(*policy_args)
+        generator = (
+            remote(generator_cls, generator_args, cfg.generation)
+            if cfg.generation.placement == "ray"
+            else generator_cls(*generator_args)
+        )
+        return policy, generator, tokenizer
+    return policy_cls(*policy_args), generator_cls(*generator_args), tokenizer
+
+
+def _hf_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+__all__ = [
+    "GenerationBackend", "GenerationRequest", "GroupRollouts", "PolicyBackend", "TrainBatch", "build_backends",
+]

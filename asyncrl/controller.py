@@ -1,0 +1,490 @@
+"""The single controller: a rollout pump and a train pump around one replay buffer, following one sampler.
+
+Read this file top to bottom: ``rollout_tick`` (admit, dispatch, collect, score, commit), ``train_tick`` (evict,
+select, logprobs, advantages, train, and at the end of a step: optimizer step, ``T += 1``, weight sync, abort),
+then ``run``, which drives the same two ticks from two threads so generation overlaps training.
+
+Invariants:
+- The pumps never encode a policy: every admit/select/evict/abort decision is the sampler's.
+- Every admitted group is, exactly once, trained, evicted, or aborted (skipped), and the trace says which and why.
+- Permits: ``len(buffer) <= capacity`` (a batch is dispatched only when all its groups fit) and in-flight groups
+  never exceed ``max_inflight_groups``.
+- ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
+  the generator still holds weights ``T``. That is what makes ``in_order`` with no lookahead synchronous GRPO.
+- Stepping is deterministic for a seed: the torch generator consumes its own seeded RNG once per generate call,
+  and step mode generates each dispatched batch inside the tick that dispatched it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+
+from asyncrl.algorithms import make_train_batch
+from asyncrl.backends.base import GenerationRequest, GroupRollouts
+from asyncrl.buffer import ReplayBuffer, Slot
+from asyncrl.config import Config, check_sampler_fits
+from asyncrl.samplers import Admission, build_sampler, explain_frame
+
+TRACE_COLUMNS = [
+    "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
+]
+
+
+@dataclass
+class TickReport:
+    """What one tick did. ``str(report)`` is the one line a notebook shows."""
+
+    kind: str
+    trainer_version: int
+    admitted: Admission | None = None
+    dispatched: list[int] = field(default_factory=list)
+    committed: list[int] = field(default_factory=list)
+    evicted: list[int] = field(default_factory=list)
+    selected: list[int] = field(default_factory=list)
+    aborted: list[int] = field(default_factory=list)
+    step_finished: bool = False
+    note: str = ""
+
+    @property
+    def progressed(self) -> bool:
+        return bool(self.dispatched or self.committed or self.evicted or self.selected or self.aborted)
+
+    def merge(self, other: TickReport) -> TickReport:
+        return TickReport(
+            "tick", other.trainer_version, self.admitted, self.dispatched + other.dispatched,
+            self.committed + other.committed, self.evicted + other.evicted, self.selected + other.selected,
+            self.aborted + other.aborted, other.step_finished, "; ".join(n for n in (self.note, other.note) if n),
+        )
+
+    def __str__(self) -> str:
+        parts = [f"{self.kind} T={self.trainer_version}"]
+        for name in ("dispatched", "committed", "evicted", "selected", "aborted"):
+            ids = getattr(self, name)
+            if ids:
+                parts.append(f"{name} {len(ids)} {_ids(ids)}")
+        if self.step_finished:
+            parts.append("step finished")
+        if self.note:
+            parts.append(self.note)
+        return " | ".join(parts)
+
+
+def _ids(ids: list[int]) -> str:
+    return "[" + ",".join(map(str, ids[:8])) + (",…]" if len(ids) > 8 else "]")
+
+
+class Controller:
+    def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
+        from asyncrl.tasks import PromptStream
+
+        self.cfg = cfg
+        self.task = task
+        self.policy = policy
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.buffer = buffer if buffer is not None else ReplayBuffer()
+        self.sampler = sampler if sampler is not None else build_sampler(cfg.sampler, self.buffer)
+        check_sampler_fits(self.sampler, cfg)
+        self.capacity = cfg.buffer_capacity(self.sampler.required_buffer_capacity(cfg.groups_per_step))
+        self.stream = PromptStream(task.train_prompts, seed=cfg.seed, max_epochs=cfg.max_epochs)
+        self.trainer_version = 0
+        self.data_position = 0
+        self.exhausted = False
+        self.inflight: dict[int, int] = {}  # group id -> weight version at dispatch
+        self.last_report: TickReport | None = None
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._trace: list[tuple] = []
+        self._metrics: list[dict] = []
+        self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
+        self._new_step()
+        self.generator.load_weights(self.policy.export_weights(), 0)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> Controller:
+        from asyncrl.backends import build_backends
+        from asyncrl.tasks import build_task
+
+        torch.manual_seed(cfg.seed)
+        task = build_task(cfg.task)
+        policy, generator, tokenizer = build_backends(cfg)
+        return cls(cfg, task, policy, generator, tokenizer)
+
+    # ------------------------------------------------------------------------------------------ rollout pump
+    def rollout_tick(self) -> TickReport:
+        """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit."""
+        with self._lock:
+            report = self._dispatch()
+        self._collect(self.generator.poll(timeout=0.0), report)
+        self.last_report = report
+        return report
+
+    def _dispatch(self) -> TickReport:
+        N, T = self.cfg.groups_per_step, self.trainer_version
+        report = TickReport("rollout", T)
+        limit = self.cfg.max_inflight_groups
+        if self.exhausted:
+            report.note = "no dispatch: the prompt stream is exhausted"
+        elif len(self.buffer) + N > self.capacity:
+            report.note = f"no dispatch: buffer holds {len(self.buffer)}, a batch of {N} needs room (capacity {self.capacity})"
+        elif limit is not None and len(self.inflight) + N > limit:
+            report.note = f"no dispatch: {len(self.inflight)} in flight, limit {limit}"
+        elif not self.stream.has(self.data_position + N - 1):
+            self.exhausted = True
+            report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
+        else:
+            admission = self.sampler.admit(T)
+            report.admitted = admission
+            if admission is None:
+                report.note = f"gate closed at T={T} (dispatch index {getattr(self.sampler, 'dispatch_index', '?')})"
+                return report
+            version = self.generator.version
+            self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}",
+                        f"{self.sampler.__class__.__name__}.admit({T}) opened the gate")
+            requests = []
+            for _ in range(N):
+                prompt = self.stream.get(self.data_position)
+                self.data_position += 1
+                gid = self.buffer.reserve(version, admission.target_step, prompt=prompt)
+                ids = self.tokenizer.encode(prompt.text)  # the tokenizer adds <bos>
+                requests.append(GenerationRequest(gid, ids, self.cfg.group_size))
+                self.inflight[gid] = version
+                report.dispatched.append(gid)
+                self._event("dispatch", gid, version, admission.target_step, None, prompt.text, "")
+            self.generator.submit(requests)
+        return report
+
+    def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
+        for group in finished:  # scoring is pure Python on the task; done outside the lock
+            if group.rewards is None:
+                prompt = self.buffer[group.group_id].prompt
+                group.texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in group.completion_ids]
+                group.rewards = [self.task.reward(prompt, text) for text in group.texts]
+        with self._changed:
+            for group in finished:
+                if self.inflight.pop(group.group_id, None) is None:
+                    continue  # aborted while it was finishing: already accounted for
+                slot = self.buffer.commit(group.group_id, group, end_weight_version=group.end_weight_version)
+                report.committed.append(group.group_id)
+                self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
+                            f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
+                            f"generated with weights {group.weight_version}..{group.end_weight_version}")
+            if finished:
+                self._changed.notify_all()
+
+    # -------------------------------------------------------------------------------------------- train pump
+    def train_tick(self) -> TickReport:
+        """Evict; select a chunk; train on it; when the step's groups are all trained, finish the step."""
+        N = self.cfg.groups_per_step
+        with self._lock:
+            T = self.trainer_version
+            report = TickReport("train", T)
+            for slot in self.sampler.evict(T):
+                report.evicted.append(slot.group_id)
+                self._step["evicted"] += 1
+                self._event("evict", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                            "", f"{self.sampler.__class__.__name__}.evict({T}) dropped it")
+            remaining = N - self._step["groups"]
+            lo, hi = self.cfg.chunk_bounds
+            chunk = self.sampler.select(T, min(lo, remaining), min(hi, remaining))
+            if chunk is None:
+                report.note = (
+                    f"select waits: {self.buffer.num_ready} ready, {self.buffer.num_pending} pending, "
+                    f"needs {min(lo, remaining)}"
+                )
+                self.last_report = report
+                return report
+            for slot in chunk:
+                report.selected.append(slot.group_id)
+                self._event("select", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                            "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
+        self._train_chunk(chunk, T)
+        with self._changed:
+            if self._step["groups"] == N:
+                self._finish_step(report)
+            self._changed.notify_all()
+        report.trainer_version = self.trainer_version
+        self.last_report = report
+        return report
+
+    def _train_chunk(self, chunk: list[Slot], T: int) -> None:
+        groups = [slot.rollouts for slot in chunk]
+        batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
+        batch.prev_logprobs = self.policy.logprobs(batch)
+        if not self._step["started"]:
+            self.policy.begin_train_step()
+            self._step["started"] = True
+        self.policy.train_microbatches(batch)
+        step = self._step
+        step["groups"] += len(chunk)
+        step["rewards"].extend(r for g in groups for r in g.rewards)
+        step["lags"].extend(T - slot.weight_version for slot in chunk)
+        step["tokens"] += sum(g.num_tokens for g in groups)
+        self._event("train", None, None, None, None, f"{len(chunk)} groups, {batch.num_tokens} tokens",
+                    f"chunk {step['chunks']} of step {T}")
+        step["chunks"] += 1
+
+    def _finish_step(self, report: TickReport) -> None:
+        """One optimizer step, ``T += 1``, weight sync, then abort what the sampler no longer wants."""
+        out = self.policy.finish_train_step()
+        T = self.trainer_version + 1
+        sync_start = time.perf_counter()
+        self.generator.load_weights(self.policy.export_weights(), T)
+        sync_s = time.perf_counter() - sync_start
+        self.trainer_version = T
+        self._event("sync", None, T, None, None, f"{sync_s * 1e3:.1f} ms", f"generator now holds weights {T}")
+        doomed = [g for g, w in self.inflight.items() if self.sampler.should_abort_inflight(w, T)]
+        for gid in self.generator.abort(doomed) if doomed else []:
+            w = self.inflight.pop(gid)
+            slot = self.buffer.remove([gid])[0]
+            report.aborted.append(gid)
+            self._step["aborted"] += 1
+            self._event("abort", gid, w, slot.target_step, T - w, "",
+                        f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
+        step, now = self._step, time.perf_counter()
+        elapsed = now - step["start"]
+        lags = step["lags"]
+        row = {
+            "step": T - 1,
+            "trainer_version": T,
+            "reward_mean": sum(step["rewards"]) / len(step["rewards"]),
+            "loss": out.get("loss", math.nan),
+            "lag_mean": sum(lags) / len(lags),
+            "lag_max": max(lags),
+            "groups_evicted": step["evicted"],
+            "groups_aborted": step["aborted"],
+            "chunks": step["chunks"],
+            "step_time_s": elapsed,
+            "tokens_per_s": step["tokens"] / elapsed if elapsed > 0 else math.nan,
+            "sync_time_s": sync_s,
+            "buffered": len(self.buffer),
+            "inflight": len(self.inflight),
+        }
+        row.update({k: v for k, v in out.items() if k not in row})
+        if self.cfg.eval_every and T % self.cfg.eval_every == 0:
+            ev = self.evaluate()
+            row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]
+        self._metrics.append(row)
+        self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row['reward_mean']:.3f}",
+                    f"optimizer step {T - 1} done")
+        report.step_finished = True
+        self._new_step()
+
+    def _new_step(self) -> None:
+        self._step = {"groups": 0, "chunks": 0, "started": False, "rewards": [], "lags": [], "tokens": 0,
+                      "evicted": 0, "aborted": 0, "start": time.perf_counter()}
+
+    def tick(self) -> TickReport:
+        """One rollout tick, then one train tick."""
+        report = self.rollout_tick().merge(self.train_tick())
+        self.last_report = report
+        return report
+
+    # ------------------------------------------------------------------------------------------------ running
+    def run(self, steps: int, progress: bool = True) -> pd.DataFrame:
+        """Train ``steps`` more optimizer steps with both pumps running concurrently (generation overlaps
+        training). Blocks; works from a notebook cell too. Stops early, cleanly, when the data runs out.
+        Returns the metrics of the steps it ran."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        start_rows, target = len(self._metrics), self.trainer_version + steps
+        stop = threading.Event()
+        errors: list[BaseException] = []
+        bar = _progress(steps) if progress else None
+
+        def guarded(fn):
+            def body():
+                try:
+                    fn()
+                except BaseException as exc:  # surfaced in the caller's thread below
+                    errors.append(exc)
+                finally:
+                    stop.set()
+                    with self._changed:
+                        self._changed.notify_all()
+            return body
+
+        def rollout_pump():
+            while not stop.is_set():
+                with self._lock:
+                    report = self._dispatch()
+                finished = self.generator.poll(timeout=0.05 if self.inflight else 0.0)
+                self._collect(finished, report)
+                if not report.dispatched and not finished:
+                    with self._changed:
+                        if self.exhausted and not self.inflight:
+                            return
+                        self._changed.wait(0.05)
+
+        def train_pump():
+            while self.trainer_version < target and not stop.is_set():
+                report = self.train_tick()
+                if report.step_finished and bar is not None:
+                    _advance(bar, self._metrics[-1])
+                if report.selected or report.evicted:
+                    continue
+                with self._changed:
+                    if self.exhausted and not self.inflight:
+                        return  # nothing more will arrive: the data ran out
+                    self._changed.wait(0.05)
+
+        threads = [threading.Thread(target=guarded(f), name=f.__name__, daemon=True) for f in (rollout_pump, train_pump)]
+        for t in threads:
+            t.start()
+        for t in threads[::-1]:
+            t.join()
+        if bar is not None:
+            bar.close()
+        self._drain()
+        if errors:
+            raise errors[0]
+        return self.metrics.iloc[start_rows:]
+
+    async def arun(self, steps: int, progress: bool = True) -> pd.DataFrame:
+        """``run`` without blocking the event loop (a notebook stays responsive)."""
+        return await asyncio.to_thread(self.run, steps, progress)
+
+    def _drain(self) -> None:
+        """Collect what finished after the pumps stopped, so nothing is left half-accounted."""
+        report = TickReport("rollout", self.trainer_version)
+        self._collect(self.generator.poll(timeout=0.0), report)
+
+    # ------------------------------------------------------------------------------------------------ reading
+    def _event(self, event, group_id, weight_version, target_step, lag, detail, reason) -> None:
+        self._trace.append((len(self._trace), event, self.trainer_version, group_id, weight_version, target_step,
+                            lag, detail, reason))
+
+    def _frame(self, name: str, rows: list, columns=None) -> pd.DataFrame:
+        cached = self._frames.get(name)
+        if cached is None or cached[0] != len(rows):
+            cached = (len(rows), pd.DataFrame(list(rows), columns=columns))
+            self._frames[name] = cached
+        return cached[1]
+
+    @property
+    def trace(self) -> pd.DataFrame:
+        """Every admit/dispatch/commit/evict/select/train/sync/abort/step event, in order, with its reason."""
+        with self._lock:
+            return self._frame("trace", self._trace, TRACE_COLUMNS)
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """One row per optimizer step."""
+        with self._lock:
+            return self._frame("metrics", self._metrics)
+
+    @property
+    def generation_version(self) -> int:
+        return self.generator.version
+
+    def explain(self) -> pd.DataFrame:
+        """The sampler's verdict for every buffered group now, as a table. Changes nothing."""
+        with self._lock:
+            return explain_frame(self.sampler.explain(self.trainer_version))
+
+    def state(self) -> dict[str, Any]:
+        """A consistent snapshot for widgets: versions, the buffer by version, verdicts, the last report."""
+        with self._lock:
+            T = self.trainer_version
+            window = getattr(self.sampler, "window", None)
+            return {
+                "trainer_version": T,
+                "generation_version": self.generator.version,
+                "sampler": getattr(self.sampler, "name", type(self.sampler).__name__),
+                "sampler_repr": repr(self.sampler),
+                "window": window,
+                "lower_bound": self.sampler.lower_bound(T) if hasattr(self.sampler, "lower_bound") else None,
+                "buffer": self.buffer.summary(),
+                "capacity": self.capacity,
+                "inflight": len(self.inflight),
+                "step_groups_trained": self._step["groups"],
+                "groups_per_step": self.cfg.groups_per_step,
+                "data_position": self.data_position,
+                "exhausted": self.exhausted,
+                "verdicts": explain_frame(self.sampler.explain(T)),
+                "last_report": self.last_report,
+            }
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy``."""
+        from asyncrl.tasks import evaluate
+
+        return evaluate(self.generator, self.task, self.tokenizer)
+
+    # ------------------------------------------------------------------------------------------- checkpoints
+    def save(self, path: str | Path) -> Path:
+        """Weights, optimizer, buffer (rollouts included), sampler dispatch index, data position, RNG, history.
+        Groups still in flight are saved as pending slots and re-submitted on restore."""
+        path = Path(path)
+        with self._lock:
+            if self._step["started"]:
+                raise RuntimeError(
+                    f"cannot save in the middle of step {self.trainer_version}: {self._step['groups']} of "
+                    f"{self.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
+                )
+            path.mkdir(parents=True, exist_ok=True)
+            state = {
+                "config": self.cfg.model_dump(mode="json"),
+                "trainer_version": self.trainer_version,
+                "data_position": self.data_position,
+                "exhausted": self.exhausted,
+                "dispatch_index": getattr(self.sampler, "dispatch_index", None),
+                "buffer": self.buffer.state_dict(),
+                "policy": self.policy.state_dict(),
+                "generator": self.generator.state_dict() if hasattr(self.generator, "state_dict") else None,
+                "torch_rng": torch.get_rng_state(),
+                "trace": list(self._trace),
+                "metrics": list(self._metrics),
+            }
+        torch.save(state, path / "controller.pt")
+        return path
+
+    @classmethod
+    def restore(cls, path: str | Path) -> Controller:
+        state = torch.load(Path(path) / "controller.pt", weights_only=False)
+        ctrl = cls.from_config(Config.model_validate(state["config"]))
+        ctrl.policy.load_state_dict(state["policy"])
+        ctrl.buffer = ReplayBuffer.from_state_dict(state["buffer"])
+        ctrl.sampler = build_sampler(ctrl.cfg.sampler, ctrl.buffer)
+        ctrl.trainer_version = state["trainer_version"]
+        ctrl.sampler.set_dispatch_index(ctrl.trainer_version)
+        if state["dispatch_index"] is not None:  # exact, including batches admitted ahead of T
+            ctrl.sampler.dispatch_index = state["dispatch_index"]
+        ctrl.data_position, ctrl.exhausted = state["data_position"], state["exhausted"]
+        ctrl.generator.load_weights(ctrl.policy.export_weights(), ctrl.trainer_version)
+        if state["generator"] is not None:
+            ctrl.generator.load_state_dict(state["generator"])
+        torch.set_rng_state(state["torch_rng"])
+        ctrl._trace, ctrl._metrics = state["trace"], state["metrics"]
+        pending = ctrl.buffer.pending_slots()
+        for slot in pending:
+            ctrl.inflight[slot.group_id] = slot.weight_version
+        if pending:
+            ctrl.generator.submit(
+                [GenerationRequest(s.group_id, ctrl.tokenizer.encode(s.prompt.text), ctrl.cfg.group_size) for s in pending]
+            )
+        return ctrl
+
+    def __repr__(self) -> str:
+        return (f"Controller(T={self.trainer_version}, sampler={self.sampler!r}, buffer={self.buffer!r}, "
+                f"inflight={len(self.inflight)})")
+
+
+def _progress(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="steps", unit="step")
+
+
+def _advance(bar, row: dict) -> None:
+    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=f"{row['lag_mean']:.2f}", refresh=False)
+    bar.update(1)
