@@ -34,6 +34,8 @@ from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.samplers import Admission, build_sampler, explain_frame
 
+STALL_S = 10.0  # run() gives up when nothing is in flight and neither pump has moved for this long
+
 TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
 ]
@@ -138,7 +140,7 @@ class Controller:
             report.note = f"no dispatch: buffer holds {len(self.buffer)}, a batch of {N} needs room (capacity {self.capacity})"
         elif limit is not None and len(self.inflight) + N > limit:
             report.note = f"no dispatch: {len(self.inflight)} in flight, limit {limit}"
-        elif not self.stream.has(self.data_position + N - 1):
+        elif self.stream.exhausted(self.data_position + N - 1):
             self.exhausted = True
             report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
         else:
@@ -164,15 +166,17 @@ class Controller:
         return report
 
     def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
-        for group in finished:  # scoring is pure Python on the task; done outside the lock
+        with self._lock:  # an aborted group may still come back finished: it was already accounted for
+            finished = [g for g in finished if g.group_id in self.inflight]
+            prompts = [self.buffer[g.group_id].prompt for g in finished]
+        for group, prompt in zip(finished, prompts):  # scoring is pure Python; done outside the lock
             if group.rewards is None:
-                prompt = self.buffer[group.group_id].prompt
-                group.texts = [self.tokenizer.decode(c, skip_special_tokens=True) for c in group.completion_ids]
+                group.texts = self.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
                 group.rewards = [self.task.reward(prompt, text) for text in group.texts]
         with self._changed:
             for group in finished:
                 if self.inflight.pop(group.group_id, None) is None:
-                    continue  # aborted while it was finishing: already accounted for
+                    continue  # aborted while it was being scored
                 slot = self.buffer.commit(group.group_id, group, end_weight_version=group.end_weight_version)
                 report.committed.append(group.group_id)
                 self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
@@ -241,7 +245,7 @@ class Controller:
         self.generator.load_weights(self.policy.export_weights(), T)
         sync_s = time.perf_counter() - sync_start
         self.trainer_version = T
-        self._event("sync", None, T, None, None, f"{sync_s * 1e3:.1f} ms", f"generator now holds weights {T}")
+        self._event("sync", None, T, None, None, "", f"generator now holds weights {T}")  # no timings: traces replay
         doomed = [g for g, w in self.inflight.items() if self.sampler.should_abort_inflight(w, T)]
         for gid in self.generator.abort(doomed) if doomed else []:
             w = self.inflight.pop(gid)
@@ -297,24 +301,12 @@ class Controller:
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         start_rows, target = len(self._metrics), self.trainer_version + steps
-        stop = threading.Event()
+        done = threading.Event()  # set when training reached its target, ran dry, or a pump failed
         errors: list[BaseException] = []
         bar = _progress(steps) if progress else None
 
-        def guarded(fn):
-            def body():
-                try:
-                    fn()
-                except BaseException as exc:  # surfaced in the caller's thread below
-                    errors.append(exc)
-                finally:
-                    stop.set()
-                    with self._changed:
-                        self._changed.notify_all()
-            return body
-
         def rollout_pump():
-            while not stop.is_set():
+            while not done.is_set():
                 with self._lock:
                     report = self._dispatch()
                 finished = self.generator.poll(timeout=0.05 if self.inflight else 0.0)
@@ -322,20 +314,44 @@ class Controller:
                 if not report.dispatched and not finished:
                     with self._changed:
                         if self.exhausted and not self.inflight:
-                            return
+                            return  # the trainer drains what is buffered
                         self._changed.wait(0.05)
 
         def train_pump():
-            while self.trainer_version < target and not stop.is_set():
+            seen, since = len(self._trace), time.perf_counter()
+            while self.trainer_version < target:
                 report = self.train_tick()
                 if report.step_finished and bar is not None:
                     _advance(bar, self._metrics[-1])
                 if report.selected or report.evicted:
                     continue
                 with self._changed:
+                    if len(self._trace) != seen:  # the rollout pump moved: look again before waiting
+                        seen, since = len(self._trace), time.perf_counter()
+                        continue
                     if self.exhausted and not self.inflight:
-                        return  # nothing more will arrive: the data ran out
+                        return  # nothing more will arrive and select has nothing: the data ran out
+                    if not self.inflight and time.perf_counter() - since > STALL_S:
+                        raise RuntimeError(
+                            f"stalled at T={self.trainer_version}: nothing in flight, the rollout pump cannot "
+                            f"dispatch ({getattr(self.last_report, 'note', '')}) and select waits; verdicts:\n"
+                            + explain_frame(self.sampler.explain(self.trainer_version)).to_string(max_rows=20)
+                        )
                     self._changed.wait(0.05)
+
+        def guarded(pump):
+            def body():
+                try:
+                    pump()
+                except BaseException as exc:  # re-raised in the caller's thread below
+                    errors.append(exc)
+                    done.set()
+                finally:
+                    if pump is train_pump:
+                        done.set()
+                    with self._changed:
+                        self._changed.notify_all()
+            return body
 
         threads = [threading.Thread(target=guarded(f), name=f.__name__, daemon=True) for f in (rollout_pump, train_pump)]
         for t in threads:
@@ -418,7 +434,7 @@ class Controller:
         """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy``."""
         from asyncrl.tasks import evaluate
 
-        return evaluate(self.generator, self.task, self.tokenizer)
+        return evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:

@@ -92,7 +92,7 @@ class SimulatedGenerator:
         with self._cond:
             self._version = version
 
-    def greedy(self, prompts: Sequence[list[int]]) -> list[list[int]]:
+    def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
         p = min(self.reward_max, self.reward_base + self.reward_gain * self._version)
         return [[self.eos_id] if self.rng.random() < p else [0, self.eos_id] for _ in prompts]
 
