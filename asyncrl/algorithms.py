@@ -74,30 +74,37 @@ def group_advantages(
 
 
 def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: int) -> TrainBatch:
-    """Pad the completions of ``groups`` into one batch and compute their advantages (per group)."""
-    rows, gen_rows, advs, sizes = [], [], [], []
+    """Pad the completions of ``groups`` into one batch and compute their advantages (per group).
+
+    Built from Python lists with one tensor per field: this runs on the controller's hot path every chunk."""
     for group in groups:
         if group.rewards is None:
             raise ValueError(f"group {group.group_id} has no rewards; score it before training")
-        adv = group_advantages(torch.tensor([group.rewards]), cfg.advantage, cfg.scale_by_std)[0]
-        sizes.append(len(group.completion_ids))
-        for completion, lps, a in zip(group.completion_ids, group.logprobs, adv.tolist()):
-            rows.append((group.prompt_ids, completion))
-            gen_rows.append(lps)
-            advs.append(a)
-    width = max(len(p) + len(c) for p, c in rows)
-    B = len(rows)
-    input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-    attention = torch.zeros((B, width), dtype=torch.long)
-    loss_mask = torch.zeros((B, width), dtype=torch.float32)
-    gen = torch.zeros((B, width), dtype=torch.float32)
-    for i, ((prompt, completion), lps) in enumerate(zip(rows, gen_rows)):
+    sizes = [len(g.completion_ids) for g in groups]
+    if len(set(sizes)) == 1:
+        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        adv = group_advantages(rewards, cfg.advantage, cfg.scale_by_std).flatten()
+    else:
+        adv = torch.cat([group_advantages(torch.tensor([g.rewards]), cfg.advantage, cfg.scale_by_std)[0] for g in groups])
+    rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completion_ids, g.logprobs)]
+    width = max(len(p) + len(c) for p, c, _ in rows)
+    ids, gen, starts, stops = [], [], [], []
+    for prompt, completion, lps in rows:
         p, n = len(prompt), len(completion)
-        input_ids[i, : p + n] = torch.tensor(list(prompt) + list(completion), dtype=torch.long)
-        attention[i, : p + n] = 1
-        loss_mask[i, p : p + n] = 1.0
-        gen[i, p : p + n] = torch.tensor(lps, dtype=torch.float32)
-    return TrainBatch(input_ids, attention, loss_mask, gen, torch.tensor(advs, dtype=torch.float32), sizes)
+        ids.append([*prompt, *completion] + [pad_id] * (width - p - n))
+        gen.append([0.0] * p + list(lps) + [0.0] * (width - p - n))
+        starts.append(p)
+        stops.append(p + n)
+    pos = torch.arange(width)
+    start, stop = torch.tensor(starts).unsqueeze(-1), torch.tensor(stops).unsqueeze(-1)
+    return TrainBatch(
+        input_ids=torch.tensor(ids, dtype=torch.long),
+        attention_mask=(pos < stop).long(),
+        loss_mask=((pos >= start) & (pos < stop)).float(),
+        gen_logprobs=torch.tensor(gen, dtype=torch.float32),
+        advantages=adv.to(torch.float32),
+        group_sizes=sizes,
+    )
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,8 @@ import torch
 
 from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
 
+LOG_HALF = math.log(0.5)
+
 
 class SimulatedGenerator:
     def __init__(self, model_cfg, gen_cfg, seed: int, tokenizer) -> None:
@@ -70,10 +72,10 @@ class SimulatedGenerator:
     def _rollouts(self, req: GenerationRequest, start_version: int) -> GroupRollouts:
         p = min(self.reward_max, self.reward_base + self.reward_gain * start_version)
         completions, logprobs, rewards = [], [], []
-        for _ in range(req.n):
+        for _ in range(req.n):  # content is irrelevant here, only lengths and rewards are modelled
             length = self.rng.randint(1, self.max_new_tokens)
-            completions.append([self.rng.randrange(256) for _ in range(length - 1)] + [self.eos_id])
-            logprobs.append([math.log(0.5)] * length)
+            completions.append([ord("x")] * (length - 1) + [self.eos_id])
+            logprobs.append([LOG_HALF] * length)
             rewards.append(1.0 if self.rng.random() < p else 0.0)
         return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start_version, self._version,
                              ["stop"] * req.n, rewards=rewards)
