@@ -1,0 +1,419 @@
+"""The Megatron-core policy backend's real code paths on CPU (gloo, world size 1; TP=2 / DP=2 in two processes).
+
+Megatron-core on a CPU needs two workarounds (shared/FACTS.md), applied here and only here:
+``torch.cuda.current_device`` answering ``"cpu"`` and an inference RNG tracker (dropout is 0, so it is never
+consulted for randomness). The library itself runs unpatched on GPUs (tests/gpu/).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'asyncrl[megatron]')")
+
+from asyncrl.algorithms import LossConfig  # noqa: E402
+from asyncrl.backends.base import PolicyBackend, TrainBatch  # noqa: E402
+from asyncrl.backends.megatron import (  # noqa: E402
+    ArchSpec,
+    MegatronPolicy,
+    build_hf_config,
+    hf_to_megatron,
+    init_hf_model,
+    megatron_to_hf,
+    shard_for_tp,
+    unshard_from_tp,
+)
+from asyncrl.config import ModelConfig, TrainerConfig  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def make_tokenizer():
+    try:
+        from asyncrl.tokenizer import build_tokenizer
+    except ImportError:  # the project's tokenizer module is not there yet: the same byte-level design, here
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": 0, "<s>": 1, "</s>": 2}
+        for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+            vocab[ch] = len(vocab)
+        tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+        tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tk.decoder = decoders.ByteLevel()
+        return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    return build_tokenizer()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _cpu_workarounds(monkeypatch_like) -> None:
+    monkeypatch_like.setattr(torch.cuda, "current_device", lambda: "cpu")
+
+
+@pytest.fixture(scope="module")
+def megatron_cpu():
+    """A world of one (gloo), Megatron's model-parallel groups (1, 1), and the CPU workarounds."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    mp = pytest.MonkeyPatch()
+    _cpu_workarounds(mp)
+    owned = not dist.is_initialized()
+    if owned:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    yield
+    parallel_state.destroy_model_parallel()
+    if owned:
+        dist.destroy_process_group()
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_tokenizer()
+
+
+def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, **model_kw):
+    model_cfg = ModelConfig(**model_kw)
+    trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=lr, grad_clip=grad_clip,
+                                micro_batch_size=micro_batch_size, options={"optimizer": "torch"})
+    return MegatronPolicy(model_cfg, trainer_cfg, loss or LossConfig(), seed, tok)
+
+
+def make_batch(B=8, prompt=4, completion=6, vocab=259, seed=0, ragged=True) -> TrainBatch:
+    g = torch.Generator().manual_seed(seed)
+    S = prompt + completion
+    ids = torch.randint(3, vocab, (B, S), generator=g)
+    attn = torch.ones(B, S, dtype=torch.long)
+    loss_mask = torch.zeros(B, S)
+    loss_mask[:, prompt:] = 1
+    if ragged:  # right padding: completions of different lengths
+        for i in range(B):
+            n = completion - (i % 3)
+            loss_mask[i, prompt + n:] = 0
+            attn[i, prompt + n:] = 0
+            ids[i, prompt + n:] = 0
+    adv = torch.randn(B, generator=g)
+    return TrainBatch(ids, attn, loss_mask, torch.zeros(B, S), adv, [B])
+
+
+def with_logprobs(batch: TrainBatch, lp: torch.Tensor) -> TrainBatch:
+    batch.prev_logprobs = lp.clone()
+    batch.gen_logprobs = lp.clone()
+    return batch
+
+
+def hf_logprobs(model, batch: TrainBatch) -> torch.Tensor:
+    from asyncrl.algorithms import token_logprobs
+
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids).logits
+    return token_logprobs(logits, batch.input_ids) * batch.loss_mask
+
+
+def weights(policy) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in policy.model.named_parameters()}
+
+
+# ---- the mapping, as pure tensor code ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_hf_megatron_mapping_round_trips(tok, model_type):
+    from transformers import Qwen2Config
+
+    if model_type == "llama":
+        cfg = build_hf_config(ModelConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                          num_key_value_heads=2, tie_word_embeddings=False), tok)
+    else:
+        cfg = Qwen2Config(vocab_size=259, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    spec = ArchSpec(cfg)
+    hf = dict(init_hf_model(cfg, seed=3).state_dict())
+    back = megatron_to_hf(hf_to_megatron(hf, spec), spec)
+    assert list(back) == list(hf)  # exactly LlamaForCausalLM/Qwen2ForCausalLM.state_dict()'s names, in order
+    for k in hf:
+        assert torch.equal(back[k], hf[k]), k
+
+
+def test_qkv_interleaving_puts_each_groups_heads_together(tok):
+    cfg = build_hf_config(ModelConfig(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                      num_key_value_heads=2, num_hidden_layers=1), tok)
+    spec = ArchSpec(cfg)
+    d = spec.head_dim
+    hf = dict(init_hf_model(cfg, seed=0).state_dict())
+    qkv = hf_to_megatron(hf, spec)["decoder.layers.0.self_attention.linear_qkv.weight"]
+    q, k, v = (hf[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv")
+    # group 0: query heads 0 and 1, key head 0, value head 0; then group 1
+    expected = torch.cat([q[0:2 * d], k[0:d], v[0:d], q[2 * d:4 * d], k[d:2 * d], v[d:2 * d]])
+    assert torch.equal(qkv, expected)
+    gate_up = hf_to_megatron(hf, spec)["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(gate_up, torch.cat([hf["model.layers.0.mlp.gate_proj.weight"],
+                                           hf["model.layers.0.mlp.up_proj.weight"]]))
+
+
+def test_tensor_parallel_sharding_round_trips(tok):
+    cfg = build_hf_config(ModelConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8,
+                                      num_key_value_heads=4, tie_word_embeddings=False), tok)
+    spec = ArchSpec(cfg)
+    full = hf_to_megatron(dict(init_hf_model(cfg, 0).state_dict()), spec)
+    for name, t in full.items():
+        for tp in (1, 2, 4):
+            padded = -(-spec.vocab_size // tp) * tp
+            pieces = [shard_for_tp(name, t, r, tp, padded) for r in range(tp)]
+            joined = unshard_from_tp(name, pieces)
+            assert torch.equal(joined[: t.shape[0]], t), (name, tp)
+    # SwiGLU: each rank holds [its gate rows; its up rows]
+    fc1 = full["decoder.layers.0.mlp.linear_fc1.weight"]
+    gate, up = fc1.chunk(2)
+    piece = shard_for_tp("decoder.layers.0.mlp.linear_fc1.weight", fc1, 1, 2, 260)
+    assert torch.equal(piece, torch.cat([gate.chunk(2)[1], up.chunk(2)[1]]))
+
+
+# ---- the policy on Megatron-core ----------------------------------------------------------------------------------
+
+
+def test_satisfies_the_protocol(megatron_cpu, tok):
+    assert isinstance(make_policy(tok), PolicyBackend)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_logprobs_match_transformers(megatron_cpu, tok, tied):
+    """A transformers LlamaForCausalLM and the Megatron GPTModel with the mapped weights agree (fp32)."""
+    policy = make_policy(tok, seed=5, tie_word_embeddings=tied, num_attention_heads=4, num_key_value_heads=2)
+    hf = init_hf_model(policy.hf_config, seed=5)  # the same initial weights, built by transformers
+    batch = make_batch()
+    ours, ref = policy.logprobs(batch), hf_logprobs(hf, batch)
+    assert ours.shape == batch.input_ids.shape and ours.dtype == torch.float32
+    assert (ours[batch.loss_mask == 0] == 0).all()
+    torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
+
+
+def test_loads_a_hugging_face_checkpoint(megatron_cpu, tok, tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=259, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=6, num_key_value_heads=3, max_position_embeddings=64,
+                      tie_word_embeddings=False, rope_theta=5000.0, rms_norm_eps=1e-5)
+    torch.manual_seed(11)
+    hf = LlamaForCausalLM(cfg).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    policy = make_policy(tok, hf_path=str(tmp_path))
+    assert policy.spec.rope_theta == 5000.0 and policy.spec.rms_norm_eps == 1e-5
+    batch = make_batch(seed=2)
+    torch.testing.assert_close(policy.logprobs(batch), hf_logprobs(hf, batch), atol=2e-5, rtol=0)
+    exported = policy.export_weights()
+    assert set(exported) == set(hf.state_dict())
+    for k, v in hf.state_dict().items():
+        assert torch.equal(exported[k], v), k
+
+
+def test_export_weights_round_trips_to_identical_hf_tensors(megatron_cpu, tok):
+    from transformers import LlamaForCausalLM
+
+    policy = make_policy(tok, seed=7)
+    hf = init_hf_model(policy.hf_config, seed=7)
+    exported = policy.export_weights()
+    assert list(exported) == list(hf.state_dict())
+    for k, v in hf.state_dict().items():
+        assert exported[k].dtype == v.dtype and torch.equal(exported[k], v), k
+    # tied embeddings: one tensor under both names, as in transformers' own state_dict
+    assert exported["lm_head.weight"] is exported["model.embed_tokens.weight"]
+    # transformers accepts the export strictly, and it is a copy (training does not change it later)
+    fresh = LlamaForCausalLM(policy.hf_config)
+    fresh.load_state_dict(exported, strict=True)
+    before = {k: v.clone() for k, v in exported.items()}
+    batch = make_batch()
+    batch = with_logprobs(batch, policy.logprobs(batch))
+    policy.begin_train_step()
+    policy.train_microbatches(batch)
+    policy.finish_train_step()
+    assert all(torch.equal(before[k], exported[k]) for k in exported)
+    assert not torch.equal(policy.export_weights()["model.layers.0.self_attn.q_proj.weight"],
+                           before["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_random_init_is_deterministic_in_seed(megatron_cpu, tok):
+    a, b, c = make_policy(tok, seed=1), make_policy(tok, seed=1), make_policy(tok, seed=2)
+    wa, wb, wc = a.export_weights(), b.export_weights(), c.export_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert not torch.equal(wa["model.embed_tokens.weight"], wc["model.embed_tokens.weight"])
+
+
+def test_starts_from_the_same_weights_as_the_torch_backend(megatron_cpu, tok):
+    """Same config and seed: Megatron, torch and (through the same HF init) vLLM start at identical weights."""
+    torch_backend = pytest.importorskip("asyncrl.backends.torch")
+    ref = torch_backend.TorchPolicy(ModelConfig(), TrainerConfig(), LossConfig(), 4, tok).export_weights()
+    ours = make_policy(tok, seed=4).export_weights()
+    assert list(ours) == list(ref)
+    assert all(torch.equal(ours[k], ref[k]) for k in ref)
+
+
+def test_train_steps_change_weights_and_reduce_the_loss(megatron_cpu, tok):
+    policy = make_policy(tok, seed=0, lr=1e-4)
+    batch = make_batch(B=8, seed=1)
+    batch = with_logprobs(batch, policy.logprobs(batch))  # a fixed "old policy": the surrogate must improve on it
+    w0 = weights(policy)
+    losses = []
+    for step in range(4):
+        policy.begin_train_step()
+        out = policy.train_microbatches(batch)
+        assert out["normaliser"] == batch.num_tokens
+        metrics = policy.finish_train_step()
+        losses.append(metrics["loss"])
+        assert metrics["tokens"] == batch.num_tokens
+        assert metrics["grad_norm"] > 0 or step > 0
+    assert policy.steps == 4
+    assert all(b < a for a, b in zip(losses, losses[1:])), losses
+    assert all(not torch.equal(w0[k], v) for k, v in weights(policy).items())
+    # the advantage-weighted logprob went up: positive-advantage completions became more likely
+    delta = ((policy.logprobs(batch) - batch.prev_logprobs) * batch.loss_mask).sum(-1)
+    assert float((delta * batch.advantages).sum()) > 0
+
+
+@pytest.mark.parametrize("normalisation", ["token", "sequence"])
+def test_whole_step_normalisation_is_independent_of_chunking(megatron_cpu, tok, normalisation):
+    loss_cfg = LossConfig(normalisation=normalisation)
+    batch = make_batch(B=8, seed=4)  # ragged: the chunks below hold different token counts
+    one = make_policy(tok, seed=3, loss=loss_cfg, grad_clip=None)
+    two = make_policy(tok, seed=3, loss=loss_cfg, grad_clip=None, micro_batch_size=2)
+    for p in (one, two):
+        p.optimizer = torch.optim.SGD(p.model.parameters(), lr=1.0)
+    w0 = weights(one)
+    batch = with_logprobs(batch, one.logprobs(batch))
+    batch.gen_logprobs = batch.gen_logprobs - 0.1 * batch.loss_mask  # a non-trivial importance weight
+
+    one.begin_train_step()
+    one.train_microbatches(batch)
+    m1 = one.finish_train_step()
+
+    two.begin_train_step()
+    a = two.train_microbatches(batch.slice(0, 3))
+    b = two.train_microbatches(batch.slice(3, 8))
+    m2 = two.finish_train_step()
+
+    assert a["tokens"] != b["tokens"] * 3 / 5  # really uneven
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert m1["tokens"] == m2["tokens"] and m1["is_weight_mean"] == pytest.approx(m2["is_weight_mean"])
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
+    # plain SGD with lr 1 (set below): the weight change *is* the normalised gradient, compared element-wise
+    # (AdamW's first step, ~lr * sign(grad), would amplify summation-order noise on near-zero gradients)
+    w1, w2 = weights(one), weights(two)
+    for k in w1:
+        torch.testing.assert_close(w1[k] - w0[k], w2[k] - w0[k], atol=1e-6, rtol=1e-4)
+
+
+def test_state_dict_round_trip_resumes_identically(megatron_cpu, tok):
+    batch = make_batch(seed=6)
+    a = make_policy(tok, seed=2)
+    batch = with_logprobs(batch, a.logprobs(batch))
+    for _ in range(2):
+        a.begin_train_step()
+        a.train_microbatches(batch)
+        a.finish_train_step()
+    b = make_policy(tok, seed=9)
+    b.load_state_dict(a.state_dict())
+    assert b.steps == 2
+    for p in (a, b):
+        p.begin_train_step()
+        p.train_microbatches(batch)
+        p.finish_train_step()
+    wa, wb = a.export_weights(), b.export_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_step_api_misuse_is_an_error(megatron_cpu, tok):
+    policy = make_policy(tok)
+    with pytest.raises(RuntimeError):
+        policy.train_microbatches(make_batch())
+    with pytest.raises(RuntimeError):
+        policy.finish_train_step()
+
+
+def test_unsupported_architectures_are_rejected(tok):
+    from transformers import LlamaConfig
+
+    with pytest.raises(ValueError, match="attention_bias"):
+        ArchSpec(LlamaConfig(vocab_size=10, hidden_size=8, num_attention_heads=2, attention_bias=True))
+    with pytest.raises(ValueError, match="hidden_act"):
+        ArchSpec(LlamaConfig(vocab_size=10, hidden_size=8, num_attention_heads=2, hidden_act="gelu"))
+
+
+# ---- tensor and data parallelism: two gloo processes on the CPU ---------------------------------------------------
+
+
+def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_path: str) -> None:
+    import torch.distributed as dist
+    from megatron.core import parallel_state, tensor_parallel
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    mp = pytest.MonkeyPatch()
+    _cpu_workarounds(mp)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    parallel_state.initialize_model_parallel(tp, 1)
+    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    tok = make_tokenizer()
+    trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp,
+                                options={"optimizer": "torch"})
+    policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                            trainer_cfg, LossConfig(), 0, tok)
+    out = _one_step(policy)
+    if rank == 0:
+        torch.save(out, out_path)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+def _run_world_one(tok) -> dict:
+    policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                            TrainerConfig(backend="megatron", device="cpu", lr=1e-3, options={"optimizer": "torch"}),
+                            LossConfig(), 0, tok)
+    return _one_step(policy)
+
+
+def _one_step(policy) -> dict:
+    """Initial export, logprobs, one step with plain SGD (lr 1: the weight change is the normalised gradient)."""
+    initial = policy.export_weights()
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    batch = make_batch(seed=8)
+    lp = policy.logprobs(batch)
+    batch = with_logprobs(batch, lp)
+    batch.gen_logprobs = batch.gen_logprobs - 0.1 * batch.loss_mask
+    policy.begin_train_step()
+    policy.train_microbatches(batch)
+    metrics = policy.finish_train_step()
+    after = policy.export_weights()
+    return {"initial": initial, "logprobs": lp, "metrics": metrics, "delta": {k: after[k] - initial[k] for k in after}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
+def test_tensor_and_data_parallel_match_a_single_process(megatron_cpu, tok, tmp_path, tp, dp):
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "rank0.pt"
+    mp.start_processes(_parallel_worker, args=(2, _free_port(), tp, dp, str(out)), nprocs=2, start_method="spawn")
+    par = torch.load(out, weights_only=False)
+    ref = _run_world_one(tok)
+    torch.testing.assert_close(par["logprobs"], ref["logprobs"], atol=2e-5, rtol=0)
+    assert par["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], abs=1e-5)
+    assert par["metrics"]["tokens"] == ref["metrics"]["tokens"]
+    assert par["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=1e-4)
+    assert list(par["initial"]) == list(ref["initial"])
+    for k, v in ref["initial"].items():
+        assert torch.equal(par["initial"][k], v), k  # sharding and gathering move bits, they do not round them
+    for k, v in ref["delta"].items():
+        torch.testing.assert_close(par["delta"][k], v, atol=1e-6, rtol=1e-4, msg=k)
