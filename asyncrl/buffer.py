@@ -8,6 +8,8 @@ Invariants (what every sampler and the controller rely on):
 - Indexes by weight version and by target step are kept next to the slot table, so a sampler can find its
   candidates in O(candidates + versions) instead of scanning the buffer. Versions present are few (a window's
   worth), so a sorted list of them is enough.
+- Every index bucket iterates in dispatch (``group_id``) order whatever order commits arrive in (rollouts finish
+  out of order), so "buffer order" among a sampler's candidates is dispatch order.
 
 The buffer holds metadata and whatever it is given as a group's rollouts; it never interprets the rollouts.
 """
@@ -15,8 +17,10 @@ The buffer holds metadata and whatever it is given as a group's rollouts; it nev
 from __future__ import annotations
 
 import bisect
+import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import pandas as pd
@@ -41,33 +45,154 @@ class Slot:
         return f"Slot(group_id={self.group_id}, weight_version={self.weight_version}{target}, {self.state})"
 
 
+class _SortedIds:
+    """Ascending distinct ints in blocks of at most ``2 * LOAD`` (a minimal ``sortedcontainers.SortedList``).
+
+    ``add`` is O(1) when ids arrive in order (the common case: rollouts mostly finish in dispatch order) and
+    O(log n + LOAD) otherwise; ``remove`` is O(log n + LOAD); iteration is in ascending order."""
+
+    __slots__ = ("blocks", "maxes")
+    LOAD = 256
+
+    def __init__(self) -> None:
+        self.blocks: list[list[int]] = []
+        self.maxes: list[int] = []  # maxes[i] == blocks[i][-1]; no block is ever empty
+
+    def add(self, x: int) -> None:
+        blocks, maxes = self.blocks, self.maxes
+        if not maxes:
+            blocks.append([x])
+            maxes.append(x)
+            return
+        if x > maxes[-1]:
+            i = len(maxes) - 1
+            block = blocks[i]
+            block.append(x)
+            maxes[i] = x
+        else:
+            i = bisect.bisect_left(maxes, x)
+            block = blocks[i]
+            bisect.insort(block, x)
+        if len(block) > 2 * self.LOAD:
+            half = self.LOAD
+            blocks[i : i + 1] = [block[:half], block[half:]]
+            maxes[i : i + 1] = [block[half - 1], block[-1]]
+
+    def remove(self, x: int) -> None:
+        maxes = self.maxes
+        i = bisect.bisect_left(maxes, x)
+        block = self.blocks[i]
+        j = bisect.bisect_left(block, x)
+        del block[j]
+        if not block:
+            del self.blocks[i], maxes[i]
+        elif j == len(block):
+            maxes[i] = block[-1]
+
+    def remove_many(self, xs: list[int]) -> None:
+        """Remove ``xs`` (ascending, all present). A run of ids that sit next to each other in a block (what
+        ``select`` takes: the first candidates of a bucket) goes in one slice deletion."""
+        blocks, maxes = self.blocks, self.maxes
+        n, p, i = len(xs), 0, 0
+        while p < n:
+            x = xs[p]
+            i = bisect.bisect_left(maxes, x, i)
+            block = blocks[i]
+            q = bisect.bisect_right(xs, maxes[i], p)  # xs[p:q] all lie in this block
+            j = bisect.bisect_left(block, x)
+            if block[j + q - p - 1] == xs[q - 1]:  # contiguous in the block
+                del block[j : j + q - p]
+            else:
+                drop = set(xs[p:q])
+                block[:] = [y for y in block if y not in drop]
+            if block:
+                maxes[i] = block[-1]
+                i += 1
+            else:
+                del blocks[i], maxes[i]
+            p = q
+
+    def __iter__(self) -> Iterator[int]:
+        return chain.from_iterable(self.blocks)
+
+
+def _as_int(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as a plain int >= ``minimum`` (numpy integers welcome; bools are not versions)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+class Bucket:
+    """The slots of one index key in one state, in dispatch (``group_id``) order whatever order they arrive in.
+
+    Iterating gives slots; do not change the bucket while iterating it (copy to a list first)."""
+
+    __slots__ = ("_slots", "_order")
+
+    def __init__(self) -> None:
+        self._slots: dict[int, Slot] = {}
+        self._order = _SortedIds()
+
+    def add(self, slot: Slot) -> None:
+        self._slots[slot.group_id] = slot
+        self._order.add(slot.group_id)
+
+    def remove(self, slot: Slot) -> None:
+        del self._slots[slot.group_id]
+        self._order.remove(slot.group_id)
+
+    def remove_many(self, group_ids: list[int]) -> None:
+        slots = self._slots
+        for gid in group_ids:
+            del slots[gid]
+        self._order.remove_many(sorted(group_ids))
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __iter__(self) -> Iterator[Slot]:
+        return map(self._slots.__getitem__, self._order)
+
+    def __repr__(self) -> str:
+        return f"Bucket({[s.group_id for s in self]})"
+
+
 class _Index:
     """Slots bucketed by an integer key (a version or a target step), each bucket split by state and kept in
-    dispatch order. Python dicts keep insertion order and delete in O(1), which is all a bucket needs."""
+    dispatch order (``Bucket``)."""
 
     def __init__(self) -> None:
         self.keys: list[int] = []  # sorted keys with at least one slot
-        self.ready: dict[int, dict[int, Slot]] = {}
-        self.pending: dict[int, dict[int, Slot]] = {}
+        self.ready: dict[int, Bucket] = {}
+        self.pending: dict[int, Bucket] = {}
 
     def add(self, key: int, slot: Slot) -> None:
         if key not in self.ready:
             bisect.insort(self.keys, key)
-            self.ready[key], self.pending[key] = {}, {}
-        (self.ready if slot.ready else self.pending)[key][slot.group_id] = slot
+            self.ready[key], self.pending[key] = Bucket(), Bucket()
+        (self.ready if slot.ready else self.pending)[key].add(slot)
 
     def mark_ready(self, key: int, slot: Slot) -> None:
-        del self.pending[key][slot.group_id]
-        self.ready[key][slot.group_id] = slot
+        self.pending[key].remove(slot)
+        self.ready[key].add(slot)
 
     def discard(self, key: int, slot: Slot) -> None:
-        del (self.ready if slot.ready else self.pending)[key][slot.group_id]
+        (self.ready if slot.ready else self.pending)[key].remove(slot)
+        if not self.ready[key] and not self.pending[key]:
+            del self.ready[key], self.pending[key]
+            self.keys.pop(bisect.bisect_left(self.keys, key))
+
+    def discard_many(self, key: int, ready: bool, group_ids: list[int]) -> None:
+        (self.ready if ready else self.pending)[key].remove_many(group_ids)
         if not self.ready[key] and not self.pending[key]:
             del self.ready[key], self.pending[key]
             self.keys.pop(bisect.bisect_left(self.keys, key))
 
     def count(self, key: int) -> int:
-        return len(self.ready.get(key, ())) + len(self.pending.get(key, ()))
+        if key not in self.ready:
+            return 0
+        return len(self.ready[key]) + len(self.pending[key])
 
     def keys_between(self, lo: int | None = None, hi: int | None = None) -> list[int]:
         """Keys k with lo <= k <= hi (either bound may be open), ascending."""
@@ -76,13 +201,24 @@ class _Index:
         return self.keys[start:stop]
 
 
+def _discard_grouped(index: _Index, slots: list[Slot], keys: list[tuple[bool, int]]) -> None:
+    """Take ``slots`` out of ``index``, one batch per (state, key); ``keys[i]`` is ``slots[i]``'s."""
+    first = keys[0]
+    if keys.count(first) == len(keys):  # the usual case: one version (or target step), one state
+        index.discard_many(first[1], first[0], [s.group_id for s in slots])
+        return
+    groups: dict[tuple[bool, int], list[int]] = {}
+    for slot, key in zip(slots, keys):
+        groups.setdefault(key, []).append(slot.group_id)
+    for (ready, key), gids in groups.items():
+        index.discard_many(key, ready, gids)
+
+
 class ReplayBuffer:
     """Prompt-group slots in dispatch order. ``capacity`` (optional) bounds ``len(buffer)``."""
 
     def __init__(self, capacity: int | None = None) -> None:
-        if capacity is not None and (not isinstance(capacity, int) or capacity < 1):
-            raise ValueError(f"capacity must be a positive int or None, got {capacity!r}")
-        self.capacity = capacity
+        self.capacity = None if capacity is None else _as_int("capacity", capacity, 1)
         self._slots: dict[int, Slot] = {}
         self._next_id = 0
         self._pending = 0
@@ -91,10 +227,9 @@ class ReplayBuffer:
 
     # ----------------------------------------------------------------------------------------------- writes
     def reserve(self, weight_version: int, target_step: int | None = None, prompt: Any = None) -> int:
-        if not isinstance(weight_version, int) or weight_version < 0:
-            raise ValueError(f"weight_version must be an int >= 0, got {weight_version!r}")
-        if target_step is not None and (not isinstance(target_step, int) or target_step < 0):
-            raise ValueError(f"target_step must be an int >= 0 or None, got {target_step!r}")
+        weight_version = _as_int("weight_version", weight_version)
+        if target_step is not None:
+            target_step = _as_int("target_step", target_step)
         newest = self.by_version.keys[-1] if self.by_version.keys else None
         if newest is not None and weight_version < newest:
             raise ValueError(
@@ -118,11 +253,8 @@ class ReplayBuffer:
             raise KeyError(f"commit of unknown group_id {group_id!r}: it was never reserved or was already removed")
         if slot.ready:
             raise ValueError(f"group_id {group_id} is already committed; a group is committed exactly once")
-        if end_weight_version is not None and end_weight_version < slot.weight_version:
-            raise ValueError(
-                f"end_weight_version {end_weight_version} is older than the slot's weight_version "
-                f"{slot.weight_version}; it must be >= it or None"
-            )
+        if end_weight_version is not None:
+            end_weight_version = _as_int("end_weight_version", end_weight_version, slot.weight_version)
         slot.rollouts = rollouts
         slot.end_weight_version = slot.weight_version if end_weight_version is None else end_weight_version
         self.by_version.mark_ready(slot.weight_version, slot)
@@ -141,14 +273,15 @@ class ReplayBuffer:
         if len(set(ids)) != len(ids):
             dup = sorted({g for g in ids if ids.count(g) > 1})
             raise ValueError(f"group_id(s) {dup} given more than once; nothing was removed")
-        removed = []
-        for gid in ids:
-            slot = self._slots.pop(gid)
-            self.by_version.discard(slot.weight_version, slot)
-            if slot.target_step is not None:
-                self.by_target.discard(slot.target_step, slot)
-            self._pending -= not slot.ready
-            removed.append(slot)
+        if not ids:
+            return []
+        slots = self._slots
+        removed = [slots.pop(gid) for gid in ids]
+        _discard_grouped(self.by_version, removed, [(s.ready, s.weight_version) for s in removed])
+        stamped = [s for s in removed if s.target_step is not None]
+        if stamped:
+            _discard_grouped(self.by_target, stamped, [(s.ready, s.target_step) for s in stamped])
+        self._pending -= sum(not s.ready for s in removed)
         return removed
 
     # ------------------------------------------------------------------------------------------------ views

@@ -35,7 +35,10 @@ def sampler_config(config: Any) -> Any:
         return config
     if not isinstance(config, Mapping):
         raise TypeError(f"sampler config must be a mapping or a sampler config model, got {type(config).__name__}")
-    return _adapter.validate_python(dict(config))
+    config = dict(config)
+    if "name" not in config:
+        raise ValueError(f"sampler config needs a 'name', one of {[*SAMPLERS, 'custom']}; got keys {list(config)}")
+    return _adapter.validate_python(config)
 
 
 def build_sampler(config: Any, buffer) -> PromptGroupSampler:

@@ -15,12 +15,13 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import numbers
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
-from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, model_validator
 
 if TYPE_CHECKING:
     from asyncrl.buffer import ReplayBuffer, Slot
@@ -77,15 +78,27 @@ class PromptGroupSampler(Protocol):
 
 
 class KnobModel(BaseModel):
-    """Base of the per-policy config models: unknown keys are errors, values are validated on assignment."""
+    """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_knobs(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and cls.model_config.get("extra") == "forbid":
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                name = cls.model_fields["name"].default if "name" in cls.model_fields else cls.__name__
+                knobs = [key for key in cls.model_fields if key != "name"]
+                raise ValueError(f"unknown knob(s) {unknown} for sampler {name!r}; its knobs are {knobs}")
+        return data
 
-def check_version(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be an int >= 0, got {value!r}")
-    return value
+
+def check_version(name: str, value: object, minimum: int = 0) -> int:
+    """``value`` as a plain int >= ``minimum`` (numpy integers welcome, bools refused), else ``ValueError``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
 
 
 class SamplerBase:
@@ -117,37 +130,34 @@ class SamplerBase:
 
     # ------------------------------------------------------------------------------------------- admission
     def admit(self, trainer_version: int) -> Admission | None:
-        check_version("trainer_version", trainer_version)
+        trainer_version = check_version("trainer_version", trainer_version)
         if self.gated and self.dispatch_index >= trainer_version + self.window:
             return None
         self.dispatch_index += 1
         return Admission(self.dispatch_index, self.dispatch_index if self.stamps_target else None)
 
     def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        check_version("groups_per_step", groups_per_step)
-        if groups_per_step < 1:
-            raise ValueError(f"groups_per_step must be >= 1, got {groups_per_step}")
+        groups_per_step = check_version("groups_per_step", groups_per_step, 1)
         return groups_per_step * (self.window + 1) if self.gated else None
 
     def set_dispatch_index(self, resume_step: int) -> None:
-        check_version("resume_step", resume_step)
-        self.dispatch_index = resume_step - 1
+        self.dispatch_index = check_version("resume_step", resume_step) - 1
 
     def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
         return False
 
     # ------------------------------------------------------------------------------------ select and evict
     def select(self, trainer_version: int, min_groups: int, max_groups: int) -> list[Slot] | None:
-        check_version("trainer_version", trainer_version)
+        T = check_version("trainer_version", trainer_version)
         _check_chunk(min_groups, max_groups)
-        picked = list(islice(self._candidates(trainer_version), max_groups))
+        picked = list(islice(self._candidates(T), max_groups))
         if len(picked) < min_groups:
             return None
         return self.buffer.remove([s.group_id for s in picked])
 
     def evict(self, trainer_version: int) -> list[Slot]:
-        check_version("trainer_version", trainer_version)
-        doomed = [s.group_id for s in self._evictable(trainer_version)]
+        T = check_version("trainer_version", trainer_version)
+        doomed = [s.group_id for s in self._evictable(T)]
         return self.buffer.remove(doomed) if doomed else []
 
     def explain(self, trainer_version: int, min_groups: int = 1, max_groups: int | None = None) -> list[Verdict]:
@@ -167,7 +177,10 @@ class SamplerBase:
                 pos = order[gid]
                 if n < min_groups:
                     action, code = "keep", "below_min_groups"
-                    reason = f"eligible, but only {n} candidate(s) < min_groups {min_groups}: select waits"
+                    reason = (
+                        f"eligible, but only {n} candidate(s) < min_groups {min_groups}: select waits"
+                        f"{self._wait_hint(T)}"
+                    )
                 elif max_groups is not None and pos >= max_groups:
                     action, code = "keep", "beyond_max_groups"
                     reason = f"eligible, candidate #{pos + 1} of {n}; this chunk takes max_groups {max_groups}"
@@ -187,7 +200,7 @@ class SamplerBase:
         """Default eviction: ready slots with ``weight_version < lo``."""
         index = self.buffer.by_version
         for v in index.keys_between(hi=self.lower_bound(T) - 1):
-            yield from list(index.ready[v].values())
+            yield from list(index.ready[v])
 
     def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
         lo = self.lower_bound(T)
@@ -195,6 +208,10 @@ class SamplerBase:
 
     def _select_reason(self, slot: Slot, T: int) -> str:
         return f"ready, weight_version {slot.weight_version} in [{self.lower_bound(T)}, {T}]"
+
+    def _wait_hint(self, T: int) -> str:
+        """What ``select`` is waiting for when it has too few candidates (appended to ``below_min_groups``)."""
+        return ""
 
     def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
         """Why a slot that is neither evictable nor a candidate stays. Shared cases first."""

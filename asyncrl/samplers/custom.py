@@ -15,10 +15,15 @@ from pydantic import ConfigDict, field_validator
 from asyncrl.samplers.base import KnobModel, PromptGroupSampler
 
 # Members the Protocol requires; checked on the class so a bad target fails at configuration time.
-PROTOCOL_MEMBERS = (
-    "admit", "select", "evict", "should_abort_inflight", "explain", "is_on_policy",
-    "required_buffer_capacity", "set_dispatch_index",
+PROTOCOL_METHODS = (
+    "admit", "select", "evict", "should_abort_inflight", "explain", "required_buffer_capacity", "set_dispatch_index",
 )
+PROTOCOL_ATTRIBUTES = ("is_on_policy",)  # a class attribute, a property, or at least an annotation on the class
+PROTOCOL_MEMBERS = PROTOCOL_METHODS + PROTOCOL_ATTRIBUTES
+
+
+def _declares(cls: type, name: str) -> bool:
+    return hasattr(cls, name) or any(name in vars(k).get("__annotations__", {}) for k in cls.__mro__)
 
 
 def load_target(target: str) -> type:
@@ -27,21 +32,30 @@ def load_target(target: str) -> type:
     module_name, class_name = target.split(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"custom sampler target {target!r}: module {module_name!r} does not import ({exc})") from exc
+    except Exception as exc:  # not only ImportError: a module that raises while importing does not import either
+        raise ValueError(
+            f"custom sampler target {target!r}: module {module_name!r} does not import "
+            f"({type(exc).__name__}: {exc})"
+        ) from exc
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
-        raise ValueError(f"custom sampler target {target!r}: module {module_name!r} has no class {class_name!r}")
-    missing = [m for m in PROTOCOL_MEMBERS if not hasattr(cls, m) and m not in getattr(cls, "__annotations__", {})]
+        found = "nothing" if cls is None else f"a {type(cls).__name__}"
+        raise ValueError(
+            f"custom sampler target {target!r}: module {module_name!r} has no class {class_name!r} (found {found})"
+        )
+    missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
+    missing += [m for m in PROTOCOL_ATTRIBUTES if not _declares(cls, m)]
     if missing:
         raise ValueError(
-            f"custom sampler target {target!r} does not satisfy PromptGroupSampler: missing {missing}"
+            f"custom sampler target {target!r} does not satisfy PromptGroupSampler: missing or not callable "
+            f"{missing} (required: methods {list(PROTOCOL_METHODS)} and attribute 'is_on_policy')"
         )
     return cls
 
 
 class CustomConfig(KnobModel):
-    """``target`` plus any keyword arguments for the class, given flat: ``{"name": "custom", "target": ..., "k": 1}``."""
+    """``target`` plus any keyword arguments for the class, given flat:
+    ``{"name": "custom", "target": "pkg.mod:Cls", "k": 1}``."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: Literal["custom"] = "custom"
@@ -65,5 +79,9 @@ def build_custom(config: CustomConfig, buffer) -> PromptGroupSampler:
     except TypeError as exc:
         raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: {exc}") from exc
     if not isinstance(sampler, PromptGroupSampler):
-        raise ValueError(f"custom sampler {config.target!r} built an object that does not satisfy PromptGroupSampler")
+        missing = [m for m in PROTOCOL_MEMBERS if not hasattr(sampler, m)]
+        raise ValueError(
+            f"custom sampler {config.target!r} built an object that does not satisfy PromptGroupSampler: "
+            f"missing {missing}"
+        )
     return sampler

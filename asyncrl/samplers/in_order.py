@@ -38,12 +38,12 @@ class InOrderSampler(SamplerBase):
         return self.knobs.max_lookahead_versions
 
     def _candidates(self, T: int) -> Iterator[Slot]:
-        yield from self.buffer.by_target.ready.get(T, {}).values()
+        yield from self.buffer.by_target.ready.get(T, ())
 
     def _evictable(self, T: int) -> Iterator[Slot]:
         index = self.buffer.by_target
         for t in index.keys_between(hi=T - 1):
-            yield from list(index.ready[t].values())
+            yield from list(index.ready[t])
 
     def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
         return "past_target_step", f"target_step {slot.target_step} < T={T}: its step has passed"
@@ -51,9 +51,18 @@ class InOrderSampler(SamplerBase):
     def _select_reason(self, slot: Slot, T: int) -> str:
         return f"ready, target_step {slot.target_step} == T"
 
+    def _wait_hint(self, T: int) -> str:
+        pending = self.buffer.by_target.pending.get(T, ())
+        return f" for the {len(pending)} pending group(s) stamped for step {T}" if pending else ""
+
     def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
         t = slot.target_step
         if not slot.ready:
+            if t is not None and t < T:
+                return "pending", (
+                    f"pending (rollouts not committed); its step has passed (target_step {t} < T={T}): "
+                    "evicted once committed"
+                )
             return "pending", f"pending: rollouts for target_step {t} are not committed yet"
         if t is None:
             return "no_target_step", "ready but has no target_step; in_order only trains stamped groups"

@@ -40,7 +40,7 @@ class ReadyFirstSampler(SamplerBase):
     def _candidates(self, T: int) -> Iterator[Slot]:
         index = self.buffer.by_version
         for v in index.keys_between(hi=T):
-            yield from index.ready[v].values()
+            yield from index.ready[v]
 
     def _evictable(self, T: int) -> Iterator[Slot]:
         return iter(())

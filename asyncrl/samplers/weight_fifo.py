@@ -43,10 +43,17 @@ class WeightFifoSampler(SamplerBase):
     def _candidates(self, T: int) -> Iterator[Slot]:
         target = self.target_version(T)
         if target is not None:
-            yield from self.buffer.by_version.ready[target].values()
+            yield from self.buffer.by_version.ready[target]
 
     def _select_reason(self, slot: Slot, T: int) -> str:
         return f"ready at the target version {slot.weight_version}, the oldest in [{self.lower_bound(T)}, {T}]"
+
+    def _wait_hint(self, T: int) -> str:
+        target = self.target_version(T)
+        waiting = 0 if target is None else len(self.buffer.by_version.pending[target])
+        if waiting:
+            return f" for the {waiting} pending group(s) of version {target} (never skips ahead to a newer version)"
+        return ""
 
     def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
         target = self.target_version(T)

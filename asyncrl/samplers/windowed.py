@@ -46,7 +46,7 @@ class WindowedSampler(SamplerBase):
         if self.knobs.freshest_first:
             versions = versions[::-1]
         for v in versions:
-            yield from index.ready[v].values()
+            yield from index.ready[v]
 
     def _select_reason(self, slot: Slot, T: int) -> str:
         order = "freshest first" if self.knobs.freshest_first else "buffer order"

@@ -1,0 +1,87 @@
+"""Custom-sampler targets for the tests (``"tests.custom_sampler_fixture:ClassName"``)."""
+
+from __future__ import annotations
+
+from asyncrl.samplers import Admission, Verdict
+
+
+class NewestFirstSampler:
+    """A complete custom policy: always admits, trains the newest ready groups first, never evicts."""
+
+    def __init__(self, buffer, boost: int = 0, is_on_policy: bool = False):
+        self.buffer = buffer
+        self.boost = boost
+        self.is_on_policy = is_on_policy  # an instance attribute, declared by the class-level default below
+        self.dispatch_index = -1
+
+    is_on_policy: bool
+
+    def admit(self, trainer_version):
+        self.dispatch_index += 1
+        return Admission(self.dispatch_index)
+
+    def select(self, trainer_version, min_groups, max_groups):
+        ready = [s for s in reversed(self.buffer.slots()) if s.ready][:max_groups]
+        return self.buffer.remove([s.group_id for s in ready]) if len(ready) >= min_groups else None
+
+    def evict(self, trainer_version):
+        return []
+
+    def should_abort_inflight(self, weight_version, trainer_version):
+        return False
+
+    def explain(self, trainer_version):
+        return [
+            Verdict(s.group_id, s.weight_version, s.target_step, s.state, "keep", "kept", "custom policy")
+            for s in self.buffer.slots()
+        ]
+
+    def required_buffer_capacity(self, groups_per_step):
+        return 2 * groups_per_step + self.boost
+
+    def set_dispatch_index(self, resume_step):
+        self.dispatch_index = resume_step - 1
+
+
+class AnnotatedOnly(NewestFirstSampler):
+    """Declares ``is_on_policy`` (inherited annotation) but never sets it: passes the class check at configuration
+    time, and fails the instance check in ``build_sampler``."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+
+class _Methods:
+    """All Protocol methods except ``explain``; no ``is_on_policy``."""
+
+    def __init__(self, buffer):
+        self.buffer = buffer
+
+    def admit(self, trainer_version): ...
+
+    def select(self, trainer_version, min_groups, max_groups): ...
+
+    def evict(self, trainer_version): ...
+
+    def should_abort_inflight(self, weight_version, trainer_version): ...
+
+    def required_buffer_capacity(self, groups_per_step): ...
+
+    def set_dispatch_index(self, resume_step): ...
+
+
+class MissingExplain(_Methods):
+    is_on_policy = False
+
+
+class ExplainNotCallable(_Methods):
+    is_on_policy = False
+    explain = None
+
+
+class NoIsOnPolicy(_Methods):
+    def explain(self, trainer_version): ...
+
+
+def not_a_class(buffer):
+    return NewestFirstSampler(buffer)
