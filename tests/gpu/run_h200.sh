@@ -14,7 +14,7 @@ rc=0
 for f in ${TESTS:-tests/test_vllm_backend.py tests/gpu/test_megatron_vllm.py tests/gpu/test_weight_sync.py}; do
   t=$SECONDS
   log="$OUT/$(basename "$f" .py).log"
-  timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -p no:cacheprovider -q -rs -s -W ignore "$f" >"$log" 2>&1
+  timeout "${TEST_TIMEOUT:-170}" python3 -m pytest -o addopts="" -p no:cacheprovider -q -rs -s -W ignore "$f" >"$log" 2>&1
   r=$?
   echo "=== $f: rc=$r, $((SECONDS - t)) s"
   grep -E "^RESULT|passed|failed|^E  |Error|SKIPPED" "$log" | cut -c1-400 | tail -n 25
