@@ -493,6 +493,18 @@ class Controller:
                                    for s in pending])
         return ctrl
 
+    def close(self) -> None:
+        """Release the backends (and their Ray actors). The controller's history stays readable."""
+        for backend in (self.generator, self.policy):
+            if hasattr(backend, "close"):
+                backend.close()
+
+    def __enter__(self) -> Controller:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return (f"Controller(T={self.trainer_version}, sampler={self.sampler!r}, buffer={self.buffer!r}, "
                 f"inflight={len(self.inflight)})")

@@ -11,6 +11,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+PLACEMENT_TIMEOUT_S = 120.0
+
 
 class _Host:
     """Runs inside the actor: owns the backend object."""
@@ -23,6 +25,10 @@ class _Host:
 
     def get(self, name: str) -> Any:
         return getattr(self.obj, name)
+
+    def close(self) -> None:
+        if hasattr(self.obj, "close"):
+            self.obj.close()
 
 
 class RemoteBackend:
@@ -37,6 +43,13 @@ class RemoteBackend:
         import ray
 
         return ray.get(self._actor.get.remote("version"))
+
+    def close(self) -> None:
+        """Close the hosted backend (if it can be closed), then end the actor and free its resources."""
+        import ray
+
+        ray.get(self._actor.close.remote())
+        ray.kill(self._actor)
 
     def __getattr__(self, name: str):
         if name.startswith("_"):
@@ -66,4 +79,12 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
     options = {"num_cpus": 1, "num_gpus": 1 if str(section.device).startswith("cuda") else 0}
     options.update(section.ray_options)
     actor = ray.remote(_Host).options(max_concurrency=1, **options).remote(cls, args)
+    ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)
+    if not ready:
+        ray.kill(actor)
+        raise RuntimeError(
+            f"could not place {cls.__name__} in a Ray actor within {PLACEMENT_TIMEOUT_S:.0f} s: it asks for "
+            f"{options} and the cluster has {ray.available_resources()} free; free resources or set ray_options"
+        )
+    ray.get(ready[0])  # surfaces a constructor error here, not at the first call
     return RemoteBackend(actor)
