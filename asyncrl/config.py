@@ -82,6 +82,9 @@ class Config(_Strict):
     max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
     max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
     eval_every: int | None = Field(None, ge=1)
+    # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
+    # run torch code; one thread each avoids oversubscribing the cores.
+    torch_threads: int | None = Field(None, ge=1)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

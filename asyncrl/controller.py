@@ -121,6 +121,8 @@ class Controller:
         from asyncrl.backends import build_backends
         from asyncrl.tasks import build_task
 
+        if cfg.torch_threads is not None:
+            torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         task = build_task(cfg.task)
         policy, generator, tokenizer = build_backends(cfg)
