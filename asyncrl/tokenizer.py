@@ -1,0 +1,67 @@
+"""The embedded tokenizer: byte-level, no merges, built in code (no downloads).
+
+Ids 0–255 are the bytes themselves (so a token id *is* the byte it stands for), then three special tokens:
+``<pad>`` = 256, ``<bos>`` = 257, ``<eos>`` = 258 — a vocabulary of 259 (small vocabularies keep a CPU model fast;
+see ``shared/FACTS.md``).
+
+``tokenizer.encode(text)`` (``add_special_tokens=True``, the default) prepends ``<bos>``; that is how prompts are
+encoded. ``tokenizer.decode(ids, skip_special_tokens=True)`` turns completions back into text (``<eos>`` dropped).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
+PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
+VOCAB_SIZE = 259
+
+
+@lru_cache(maxsize=1)
+def _backend_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    # ByteLevel maps each byte to a printable unicode symbol; the alphabet, in byte order, is bytes_to_unicode.
+    byte_symbols = _bytes_to_unicode()
+    vocab = {byte_symbols[b]: b for b in range(256)}
+    vocab.update({PAD: PAD_ID, BOS: BOS_ID, EOS: EOS_ID})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([PAD, BOS, EOS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, BOS_ID)]
+    )
+    assert sorted(ByteLevel.alphabet()) == sorted(byte_symbols.values())
+    return tok.to_str()
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map (the one ``tokenizers``' ByteLevel uses)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+def build_tokenizer():
+    """A ``transformers.PreTrainedTokenizerFast`` over bytes: vocab 259, ``pad_token_id`` 256, ``bos_token_id``
+    257, ``eos_token_id`` 258; ``encode`` prepends ``<bos>``."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_backend_json()),
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        padding_side="right",
+        model_max_length=1 << 16,
+        clean_up_tokenization_spaces=False,
+    )
