@@ -69,7 +69,9 @@ def group_advantages(
     else:
         raise ValueError(f"advantage estimator must be 'group_mean' or 'leave_one_out', got {estimator!r}")
     if scale_by_std:
-        adv = adv / (rewards.std(dim=-1, keepdim=True) + eps)
+        # unbiased std; a group of one has no spread (its advantage is 0 anyway)
+        std = rewards.std(dim=-1, keepdim=True) if G > 1 else torch.zeros_like(mean)
+        adv = adv / (std + eps)
     return adv
 
 
@@ -130,7 +132,12 @@ def grpo_loss(
     tokens (``*_sum``) and counts, for the caller to aggregate over the whole step.
     """
     mask = batch.loss_mask
+    on = mask > 0
+    # Off the mask every input is set to 0, so padding can never turn into inf * 0 = nan (e.g. k3's exp).
+    zero = torch.zeros((), dtype=logprobs.dtype, device=logprobs.device)
+    logprobs = torch.where(on, logprobs, zero)
     prev = batch.prev_logprobs if batch.prev_logprobs is not None else logprobs.detach()
+    prev = torch.where(on, prev, zero)
     adv = batch.advantages.unsqueeze(-1)
 
     ratio = torch.exp(logprobs - prev)
@@ -144,7 +151,7 @@ def grpo_loss(
     if cfg.kl != "none":
         if batch.ref_logprobs is None:
             raise ValueError(f"kl={cfg.kl!r} needs ref_logprobs in the batch")
-        delta = batch.ref_logprobs - logprobs
+        delta = torch.where(on, batch.ref_logprobs, zero) - logprobs
         kl = {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.exp(delta) - delta - 1}[cfg.kl]
         per_token = per_token + cfg.kl_coef * kl
         kl_sum = float((kl.detach() * mask).sum())
@@ -162,14 +169,14 @@ def grpo_loss(
         loss_sum = ((per_token * mask).sum(-1) / lengths).sum()
         normaliser = float(mask.shape[0])
 
-    w_on = weight.detach()[mask > 0]
+    w_on = weight.detach()[on]
     metrics = {
         "tokens": float(mask.sum()),
         "is_weight_sum": float(w_on.sum()),
         "is_weight_max": float(w_on.max()) if w_on.numel() else 0.0,
         "is_weight_min": float(w_on.min()) if w_on.numel() else 0.0,
-        "is_truncated_sum": float((truncated & (mask > 0)).sum()),
-        "clipped_sum": float((((ratio - clipped).abs() > 0) & (mask > 0)).sum()),
+        "is_truncated_sum": float((truncated & on).sum()),
+        "clipped_sum": float((((ratio - clipped).abs() > 0) & on).sum()),
         "kl_sum": kl_sum,
         "entropy_sum": entropy_sum,
     }
