@@ -1,0 +1,561 @@
+"""The embedded backend: a small Hugging Face Llama trained and sampled with plain torch, on CPU or one GPU.
+
+- ``build_model(model_cfg, vocab_size, seed)``: a ``LlamaForCausalLM`` from a ``LlamaConfig`` (random init,
+  deterministic in ``seed``, no dropout), or a local checkpoint when ``model_cfg.hf_path`` is set.
+- ``TorchPolicy``: the :class:`~asyncrl.backends.base.PolicyBackend` — logprobs, gradient accumulation over any
+  number of chunks/micro-batches, one AdamW step per RL step with the loss normalised over the whole step.
+- ``TorchGenerator``: the :class:`~asyncrl.backends.base.GenerationBackend` — its *own* model copy (a weight sync
+  is a real copy), one batched sampling call per ``poll`` with a KV cache, seeded by its own ``torch.Generator``.
+
+Determinism: a policy and a generator built with the same ``seed`` start from identical weights (version 0).
+Sampling draws come only from the generator's private ``torch.Generator`` (seeded with ``seed``), so a rollout
+depends only on the seed, the sequence of ``submit``/``poll`` calls and the loaded weights. Greedy evaluation
+(``generate_greedy``) draws nothing and never disturbs the sampling stream.
+
+Logprobs: the generator reports, for each sampled token, its logprob under the model's own distribution at
+temperature 1 without top-p (``log_softmax(logits)``), whatever temperature/top-p it sampled with. That is the
+quantity ``TorchPolicy.logprobs`` computes, so ``exp(prev - gen)`` measures only weight staleness and numerical
+differences between the two forward paths (KV-cached vs full sequence), which are ~1e-6 on CPU float32.
+
+Threads: ``trainer.options.num_threads`` / ``generation.options.num_threads`` call ``torch.set_num_threads``
+(process-wide). On a 2-core machine torch's default (2) is fastest for a synchronous loop (~36 ms per step of
+8 prompts x 8 completions x 4 tokens), but when generation and training run in two threads at once, or other
+processes load the CPU, 1 thread avoids OpenMP oversubscription (which can cost ~10 ms per op).
+
+Save/restore: ``TorchPolicy.state_dict()`` (weights, AdamW state, reference weights) and
+``TorchGenerator.state_dict()`` (version, sampling RNG state, weights) restore a run exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from asyncrl.algorithms import LossConfig, grpo_loss, token_logprobs
+from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
+from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig
+from asyncrl.tokenizer import BOS_ID, EOS_ID, PAD_ID
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    vocab_size: int,
+    seed: int,
+    device: str | torch.device = "cpu",
+    pad_token_id: int = PAD_ID,
+    bos_token_id: int = BOS_ID,
+    eos_token_id: int = EOS_ID,
+):
+    """A ``transformers.LlamaForCausalLM`` built from ``model_cfg`` with a random init that depends only on
+    ``seed`` (the global torch RNG is left untouched), no dropout, in ``model_cfg.dtype`` on ``device``.
+    With ``model_cfg.hf_path`` the weights come from that local checkpoint instead (no downloads)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    dtype = _DTYPES[model_cfg.dtype]
+    if model_cfg.hf_path is not None:
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, dtype=dtype)
+        return model.to(device)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        intermediate_size=model_cfg.intermediate_size,
+        num_hidden_layers=model_cfg.num_hidden_layers,
+        num_attention_heads=model_cfg.num_attention_heads,
+        num_key_value_heads=model_cfg.num_key_value_heads,
+        max_position_embeddings=model_cfg.max_position_embeddings,
+        rope_theta=model_cfg.rope_theta,
+        tie_word_embeddings=model_cfg.tie_word_embeddings,
+        attention_dropout=0.0,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    return model.to(device=device, dtype=dtype)
+
+
+# --- forward helpers (work across transformers 4.x and 5.x keyword names) -----------------------------------------
+
+def _forward_kwargs() -> tuple[str, str | None]:
+    from transformers import LlamaForCausalLM
+
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    keep_kw = "logits_to_keep" if "logits_to_keep" in params else (
+        "num_logits_to_keep" if "num_logits_to_keep" in params else None
+    )
+    return cache_kw, keep_kw
+
+
+_CACHE_KW: str | None = None
+_KEEP_KW: str | None = None
+
+
+def _kw() -> tuple[str, str | None]:
+    global _CACHE_KW, _KEEP_KW
+    if _CACHE_KW is None:
+        _CACHE_KW, _KEEP_KW = _forward_kwargs()
+    return _CACHE_KW, _KEEP_KW
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, S, V] logits of a (right-padded) batch. Right padding cannot influence earlier positions under causal
+    attention, so the mask is only passed when some row starts with padding (left padding)."""
+    if attention_mask is not None and bool(attention_mask[:, 0].all()):
+        attention_mask = None
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+        kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    return model(input_ids=input_ids, **kwargs).logits
+
+
+def _sample_from(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)`` restricted to the top-p nucleus."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+    eos_id: int = EOS_ID,
+    pad_id: int = PAD_ID,
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Decode every prompt row at once with a KV cache: ``choose(logits[B, V]) -> tokens[B]`` picks the next
+    tokens. Returns per row the completion ids (up to and including ``eos``), the temperature-1 logprob of each,
+    and the finish reason (``"stop"`` at eos, else ``"length"``). Prompts of unequal lengths are left-padded
+    with an attention mask and shifted position ids."""
+    device = next(model.parameters()).device
+    cache_kw, keep_kw = _kw()
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    if min(lengths) == width:
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+        mask = positions = None
+    else:
+        input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if p:
+                input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache(model)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    tokens, logps = [], []
+    step_input = input_ids
+    for t in range(max_new_tokens):
+        kwargs: dict[str, Any] = {cache_kw: cache, "use_cache": True}
+        if keep_kw is not None:
+            kwargs[keep_kw] = 1
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = positions
+        logits = model(input_ids=step_input, **kwargs).logits[:, -1].float()
+        nxt = choose(logits)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        nxt = nxt.masked_fill(finished, pad_id)
+        tokens.append(nxt)
+        logps.append(logp)
+        finished = finished | (nxt == eos_id)
+        if t + 1 == max_new_tokens or bool(finished.all()):
+            break
+        step_input = nxt.unsqueeze(-1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+    tok_rows = torch.stack(tokens, dim=1).tolist()
+    lp_rows = torch.stack(logps, dim=1).tolist()
+    completions, logprobs, reasons = [], [], []
+    for toks, lps in zip(tok_rows, lp_rows):
+        if eos_id in toks:
+            n = toks.index(eos_id) + 1
+            completions.append(toks[:n])
+            logprobs.append(lps[:n])
+            reasons.append("stop")
+        else:
+            completions.append(toks)
+            logprobs.append(lps)
+            reasons.append("length")
+    return completions, logprobs, reasons
+
+
+def greedy_completions(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int = EOS_ID,
+                       pad_id: int = PAD_ID) -> list[list[int]]:
+    """Greedy (argmax) completions of ``prompts`` under ``model``; no randomness is drawn."""
+    if not prompts:
+        return []
+    was_training = model.training
+    model.eval()
+    try:
+        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id)
+    finally:
+        model.train(was_training)
+    return completions
+
+
+def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool):
+    """``token_logprobs`` and ``token_entropy`` from one log-softmax; the entropy is detached unless
+    ``entropy_grad``."""
+    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    picked = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+    src = logp_all if entropy_grad else logp_all.detach()
+    entropy = -(src.exp() * src).sum(-1)
+    pad = torch.nn.functional.pad
+    return pad(picked, (1, 0)), pad(entropy, (1, 0))
+
+
+def _apply_threads(options: Mapping[str, Any], device: torch.device) -> None:
+    """``options["num_threads"]``: torch's intra-op CPU threads (process-wide). On a small CPU, 1 thread per
+    pump avoids oversubscription when generation and training overlap in two threads."""
+    threads = options.get("num_threads")
+    if threads is not None and device.type == "cpu":
+        torch.set_num_threads(int(threads))
+
+
+def _special_ids(tokenizer) -> tuple[int, int, int, int]:
+    """(pad, bos, eos, vocab size) of ``tokenizer``, or the embedded tokenizer's when it is ``None``."""
+    if tokenizer is None:
+        return PAD_ID, BOS_ID, EOS_ID, 259
+    pick = lambda name, default: default if getattr(tokenizer, name, None) is None else getattr(tokenizer, name)  # noqa: E731
+    return pick("pad_token_id", PAD_ID), pick("bos_token_id", BOS_ID), pick("eos_token_id", EOS_ID), len(tokenizer)
+
+
+# --- policy --------------------------------------------------------------------------------------------------------
+
+_SUM_KEYS = ("tokens", "is_weight_sum", "is_truncated_sum", "clipped_sum", "kl_sum", "entropy_sum")
+
+
+class TorchPolicy:
+    """The PolicyBackend on plain torch: AdamW over a ``LlamaForCausalLM`` (see ``build_model``).
+
+    A step is ``begin_train_step()``, any number of ``train_microbatches(batch)`` (each split into micro-batches of
+    ``trainer_cfg.micro_batch_size`` sequences; gradients of the *un-normalised* loss sums accumulate), then
+    ``finish_train_step()``: gradients divided by the whole step's normaliser (tokens or sequences), clipped at
+    ``grad_clip``, one AdamW step. The result does not depend on how the step was chunked (up to float summation
+    order).
+
+    KL: when ``loss_cfg.kl != "none"`` a frozen copy of the initial weights is the reference. If a batch comes
+    without ``ref_logprobs``, ``train_microbatches`` fills them from the reference model (``ref_logprobs(batch)``
+    is public too).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, seed: int,
+                 tokenizer=None):
+        self.model_cfg, self.trainer_cfg, self.loss_cfg = model_cfg, trainer_cfg, loss_cfg
+        self.seed = seed
+        self.tokenizer = tokenizer
+        self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
+        self.device = torch.device(trainer_cfg.device)
+        _apply_threads(trainer_cfg.options, self.device)
+        self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
+        self.model.train()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=trainer_cfg.lr, betas=tuple(trainer_cfg.betas), weight_decay=trainer_cfg.weight_decay,
+            foreach=True,
+        )
+        self.ref_model = None
+        if loss_cfg.kl != "none":
+            self.ref_model = copy.deepcopy(self.model).eval()
+            for p in self.ref_model.parameters():
+                p.requires_grad_(False)
+        self.steps_done = 0
+        self._reset_step()
+
+    # -- reading ---------------------------------------------------------------------------------------------------
+    def _to_device(self, batch: TrainBatch) -> TrainBatch:
+        if self.device.type == "cpu":
+            return batch
+        move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
+        return TrainBatch(move(batch.input_ids), move(batch.attention_mask), move(batch.loss_mask),
+                          move(batch.gen_logprobs), move(batch.advantages), batch.group_sizes,
+                          move(batch.prev_logprobs), move(batch.ref_logprobs))
+
+    @torch.no_grad()
+    def _logprobs_with(self, model, batch: TrainBatch) -> torch.Tensor:
+        batch = self._to_device(batch)
+        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
+        out = []
+        for start in range(0, batch.num_sequences, mbs):
+            mb = batch.slice(start, start + mbs)
+            logits = sequence_logits(model, mb.input_ids, mb.attention_mask)
+            out.append(token_logprobs(logits, mb.input_ids) * mb.loss_mask)
+        return torch.cat(out).cpu() if len(out) > 1 else out[0].cpu()
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
+        return self._logprobs_with(self.model, batch)
+
+    def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[B, S] logprobs under the frozen reference (initial) weights; only when ``loss.kl`` is set."""
+        if self.ref_model is None:
+            raise ValueError("no reference model: loss.kl is 'none'")
+        return self._logprobs_with(self.ref_model, batch)
+
+    # -- training --------------------------------------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        self._loss_sum = 0.0
+        self._normaliser = 0.0
+        self._sums = dict.fromkeys(_SUM_KEYS, 0.0)
+        self._is_max = -math.inf
+        self._is_min = math.inf
+        self._sequences = 0
+        self._in_step = False
+
+    def begin_train_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self._reset_step()
+        self._in_step = True
+
+    def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
+        if not self._in_step:
+            raise RuntimeError("train_microbatches before begin_train_step")
+        if self.ref_model is not None and batch.ref_logprobs is None:
+            batch.ref_logprobs = self.ref_logprobs(batch)
+        batch = self._to_device(batch)
+        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
+        want_entropy_grad = self.loss_cfg.entropy_coef > 0
+        chunk_loss, chunk_norm = 0.0, 0.0
+        for start in range(0, batch.num_sequences, mbs):
+            mb = batch.slice(start, start + mbs)
+            logits = sequence_logits(self.model, mb.input_ids, mb.attention_mask)
+            logp, entropy = _logprobs_and_entropy(logits, mb.input_ids, want_entropy_grad)
+            loss_sum, normaliser, m = grpo_loss(logp, mb, self.loss_cfg, entropy)
+            if loss_sum.requires_grad:
+                loss_sum.backward()
+            chunk_loss += float(loss_sum.detach())
+            chunk_norm += normaliser
+            for key in _SUM_KEYS:
+                self._sums[key] += m[key]
+            if m["tokens"] > 0:
+                self._is_max = max(self._is_max, m["is_weight_max"])
+                self._is_min = min(self._is_min, m["is_weight_min"])
+        self._loss_sum += chunk_loss
+        self._normaliser += chunk_norm
+        self._sequences += batch.num_sequences
+        return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(batch.num_sequences)}
+
+    def finish_train_step(self) -> dict[str, float]:
+        if not self._in_step:
+            raise RuntimeError("finish_train_step before begin_train_step")
+        norm = self._normaliser
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if norm > 0 and grads:
+            torch._foreach_div_(grads, norm)
+        if grads:
+            max_norm = self.trainer_cfg.grad_clip if self.trainer_cfg.grad_clip is not None else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
+        else:
+            grad_norm = 0.0
+        self.optimizer.step()
+        self.steps_done += 1
+        tokens = self._sums["tokens"]
+        per_token = (lambda x: x / tokens) if tokens > 0 else (lambda x: 0.0)
+        metrics = {
+            "loss": self._loss_sum / norm if norm > 0 else 0.0,
+            "grad_norm": grad_norm,
+            "tokens": tokens,
+            "sequences": float(self._sequences),
+            "is_weight_mean": per_token(self._sums["is_weight_sum"]),
+            "is_weight_max": self._is_max if tokens > 0 else 0.0,
+            "is_weight_min": self._is_min if tokens > 0 else 0.0,
+            "is_truncated_frac": per_token(self._sums["is_truncated_sum"]),
+            "clip_frac": per_token(self._sums["clipped_sum"]),
+            "kl": per_token(self._sums["kl_sum"]),
+            "entropy": per_token(self._sums["entropy_sum"]),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+        }
+        self._reset_step()
+        return metrics
+
+    # -- weights and state -----------------------------------------------------------------------------------------
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Detached copies of the current weights under Hugging Face names (``model.state_dict()`` keys; with tied
+        embeddings ``lm_head.weight`` is present too, as a copy of ``model.embed_tokens.weight``)."""
+        with torch.no_grad():
+            return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy completions under the current (trained) weights; draws no randomness."""
+        return greedy_completions(self.model, prompts, max_new_tokens, self.eos_id, self.pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything an exact resume needs: weights, AdamW state, the reference weights (KL), steps done."""
+        state = {
+            "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "steps_done": self.steps_done,
+        }
+        if self.ref_model is not None:
+            state["ref_model"] = {k: v.detach().clone() for k, v in self.ref_model.state_dict().items()}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ref_model is not None and "ref_model" in state:
+            self.ref_model.load_state_dict(state["ref_model"])
+        self.steps_done = int(state.get("steps_done", 0))
+        self._reset_step()
+
+
+# --- generator -----------------------------------------------------------------------------------------------------
+
+class TorchGenerator:
+    """The GenerationBackend on plain torch. Holds its own model; ``load_weights`` copies weights into it.
+
+    ``submit`` only queues. ``poll`` takes everything queued and generates it in one batched call (all prompts ×
+    ``n`` samples, KV cache), returning the groups in submission order. ``load_weights`` and generation are
+    serialised by a lock, so a weight load never interleaves a generation (``poll`` may run in another thread).
+    """
+
+    def __init__(self, model_cfg: ModelConfig, gen_cfg: GenerationConfig, seed: int, tokenizer=None):
+        self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
+        self.tokenizer = tokenizer
+        self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
+        self.device = torch.device(gen_cfg.device)
+        _apply_threads(gen_cfg.options, self.device)
+        self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self._rng = torch.Generator(device=self.device)
+        self._rng.manual_seed(seed)
+        self._version = 0
+        self._queue: list[GenerationRequest] = []
+        self._running = 0
+        self._queue_lock = threading.Lock()
+        self._model_lock = threading.RLock()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.gen_cfg.max_new_tokens
+
+    def submit(self, requests: Sequence[GenerationRequest]) -> None:
+        with self._queue_lock:
+            self._queue.extend(requests)
+
+    def num_inflight(self) -> int:
+        with self._queue_lock:
+            return len(self._queue) + self._running
+
+    def abort(self, group_ids: Sequence[int]) -> list[int]:
+        """Remove still-queued groups; a group already being generated finishes (and is not listed)."""
+        wanted = set(group_ids)
+        with self._queue_lock:
+            removed = [r.group_id for r in self._queue if r.group_id in wanted]
+            if removed:
+                self._queue = [r for r in self._queue if r.group_id not in wanted]
+        return removed
+
+    def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
+        """Generate everything queued now, in one batched call; ``[]`` when nothing is queued. (Synchronous:
+        ``timeout`` never makes it wait longer than the generation itself.)"""
+        with self._queue_lock:
+            requests, self._queue = self._queue, []
+            self._running += len(requests)
+        if not requests:
+            return []
+        try:
+            prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
+            with self._model_lock:
+                version = self._version
+                completions, logprobs, reasons = decode(
+                    self.model, prompts, self.gen_cfg.max_new_tokens, self._choose, self.eos_id, self.pad_id
+                )
+        finally:
+            with self._queue_lock:
+                self._running -= len(requests)
+        out, row = [], 0
+        for r in requests:
+            out.append(GroupRollouts(
+                group_id=r.group_id, prompt_ids=list(r.prompt_ids),
+                completion_ids=completions[row:row + r.n], logprobs=logprobs[row:row + r.n],
+                weight_version=version, end_weight_version=version, finish_reasons=reasons[row:row + r.n],
+            ))
+            row += r.n
+        return out
+
+    def _choose(self, logits: torch.Tensor) -> torch.Tensor:
+        return _sample_from(logits, self.gen_cfg.temperature, self.gen_cfg.top_p, self._rng)
+
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list[list[int]]:
+        """Greedy completions under the generator's current weights; draws no randomness."""
+        with self._model_lock:
+            return greedy_completions(self.model, prompts, max_new_tokens or self.gen_cfg.max_new_tokens,
+                                      self.eos_id, self.pad_id)
+
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` (HF names, as ``TorchPolicy.export_weights`` gives) into this generator's own model,
+        then set ``version``. Every parameter must be present."""
+        with self._model_lock:
+            with torch.no_grad():
+                missing = []
+                for name, tensor in self.model.state_dict(keep_vars=True).items():
+                    src = weights.get(name)
+                    if src is None:
+                        missing.append(name)
+                    else:
+                        tensor.copy_(src)
+                if missing:
+                    raise KeyError(f"load_weights: missing weights {missing}")
+            self._version = int(version)
+
+    # -- save / restore --------------------------------------------------------------------------------------------
+    def state_dict(self, include_weights: bool = True) -> dict[str, Any]:
+        """The version, the sampling RNG state and (by default) the weights: restoring these makes the next
+        rollouts identical to an uninterrupted run. Queued requests are not included."""
+        with self._model_lock:
+            state: dict[str, Any] = {"version": self._version, "rng": self._rng.get_state()}
+            if include_weights:
+                state["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+            return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._model_lock:
+            if "weights" in state:
+                self.load_weights(state["weights"], state["version"])
+            self._version = int(state["version"])
+            self._rng.set_state(state["rng"])
+
+    def close(self) -> None:
+        with self._queue_lock:
+            self._queue = []
