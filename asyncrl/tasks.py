@@ -1,0 +1,255 @@
+"""Tasks: prompts, a verifiable reward, held-out evaluation prompts, and the bar learning is judged against.
+
+A task's ``constant_answer_accuracy`` is the best accuracy any prompt-independent answer scores on its
+evaluation prompts (computed from the prompts with the task's own ``is_correct``). A tiny model first learns the
+answer *format*, then often collapses onto one answer: only accuracy well above this bar shows it learned a
+prompt-dependent answer.
+
+Built-in toy tasks (``build_task(TaskConfig(name=..., options={...}))``):
+
+| name | prompt → answer | evaluation prompts | constant answer |
+| --- | --- | --- | --- |
+| ``copy_digit`` | ``"7="`` → ``"7"`` | the same 10 prompts (nothing to hold out) | 0.10 |
+| ``copy_first`` | ``"cab="`` → ``"c"`` | held out: 3-character strings never trained on | ≈ 1/len(alphabet) |
+| ``copy_last`` | ``"cab="`` → ``"b"`` | held out, as above | ≈ 1/len(alphabet) |
+| ``successor`` | ``"c>"`` → ``"d"`` | the same 25 prompts (a..y) | 0.04 |
+| ``addition`` | ``"3+4="`` → ``"7"`` (digits 0..``max_digit``) | the same prompts | 0.20 |
+
+Scoring: the completion text (decoded without special tokens; anything from a literal ``<eos>`` on is cut) is
+stripped of leading whitespace and its first ``len(answer)`` characters are compared with the answer. Reward 1 for
+correct, else 0 — or ``partial_credit`` (option, default 0) when the answer has the right form (e.g. a digit for
+``addition``).
+
+``PromptStream`` serves training prompts by data position (a seeded shuffle per epoch) so a run can be resumed
+from its position alone.
+"""
+
+from __future__ import annotations
+
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Prompt:
+    text: str
+    answer: str
+    id: str = ""  # unique within its task (for example "train/17")
+
+
+@runtime_checkable
+class Task(Protocol):
+    name: str
+    train_prompts: list[Prompt]
+    eval_prompts: list[Prompt]
+
+    @property
+    def constant_answer_accuracy(self) -> float: ...
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float: ...
+
+    def is_correct(self, prompt: Prompt, completion_text: str) -> bool: ...
+
+
+def completion_answer(completion_text: str, n_chars: int) -> str:
+    """The part of a completion that is graded: cut at a literal ``<eos>``, strip leading whitespace, keep the
+    first ``n_chars`` characters."""
+    return completion_text.split("<eos>", 1)[0].lstrip()[:n_chars]
+
+
+class ToyTask:
+    """A task over a fixed prompt list with exact single-answer grading (see the module docstring)."""
+
+    def __init__(self, name: str, train_prompts: Sequence[Prompt], eval_prompts: Sequence[Prompt],
+                 partial_credit: float = 0.0, well_formed: Callable[[str], bool] | None = None,
+                 held_out: bool = False):
+        if not train_prompts or not eval_prompts:
+            raise ValueError(f"task {name!r} needs training and evaluation prompts")
+        if not 0.0 <= partial_credit < 1.0:
+            raise ValueError(f"partial_credit must be in [0, 1), got {partial_credit}")
+        self.name = name
+        self.train_prompts = list(train_prompts)
+        self.eval_prompts = list(eval_prompts)
+        self.partial_credit = float(partial_credit)
+        self.held_out = held_out  # True when no evaluation prompt is a training prompt
+        self._well_formed = well_formed
+
+    def is_correct(self, prompt: Prompt, completion_text: str) -> bool:
+        return completion_answer(completion_text, len(prompt.answer)) == prompt.answer
+
+    def reward(self, prompt: Prompt, completion_text: str) -> float:
+        if self.is_correct(prompt, completion_text):
+            return 1.0
+        if self.partial_credit and self._well_formed is not None:
+            if self._well_formed(completion_answer(completion_text, len(prompt.answer))):
+                return self.partial_credit
+        return 0.0
+
+    @cached_property
+    def constant_answer_accuracy(self) -> float:
+        """Best accuracy on ``eval_prompts`` of one answer given to every prompt. Only a string that is some
+        prompt's answer can score, so the candidates are the evaluation answers."""
+        candidates = sorted({p.answer for p in self.eval_prompts})
+        n = len(self.eval_prompts)
+        return max(sum(self.is_correct(p, c) for p in self.eval_prompts) / n for c in candidates)
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}({self.name!r}, train={len(self.train_prompts)}, "
+                f"eval={len(self.eval_prompts)}, held_out={self.held_out})")
+
+
+def _numbered(split: str, items: Sequence[tuple[str, str]]) -> list[Prompt]:
+    return [Prompt(text, answer, f"{split}/{i}") for i, (text, answer) in enumerate(items)]
+
+
+def copy_digit_task(partial_credit: float = 0.0) -> ToyTask:
+    items = [(f"{d}=", str(d)) for d in range(10)]
+    return ToyTask("copy_digit", _numbered("train", items), _numbered("eval", items), partial_credit,
+                   well_formed=str.isdigit)
+
+
+def copy_char_task(which: str, alphabet: str = "abcdefgh", length: int = 3, eval_fraction: float = 0.2,
+                   split_seed: int = 0, partial_credit: float = 0.0) -> ToyTask:
+    """``copy_first`` / ``copy_last``: all ``len(alphabet) ** length`` strings, a seeded ``eval_fraction`` of them
+    held out for evaluation (the split depends on ``split_seed``, not on the run's seed)."""
+    if which not in ("first", "last"):
+        raise ValueError(f"which must be 'first' or 'last', got {which!r}")
+    if len(set(alphabet)) != len(alphabet) or not alphabet or "=" in alphabet:
+        raise ValueError(f"alphabet must be distinct characters without '=', got {alphabet!r}")
+    if length < 2:
+        raise ValueError(f"length must be >= 2, got {length}")
+    if not 0.0 < eval_fraction < 1.0:
+        raise ValueError(f"eval_fraction must be in (0, 1), got {eval_fraction}")
+    K = len(alphabet)
+    strings = []
+    for index in range(K**length):
+        chars = []
+        for _ in range(length):
+            index, r = divmod(index, K)
+            chars.append(alphabet[r])
+        strings.append("".join(reversed(chars)))
+    order = np.random.default_rng(split_seed).permutation(len(strings))
+    n_eval = max(1, round(eval_fraction * len(strings)))
+    eval_set = {strings[i] for i in order[:n_eval]}
+    pick = (lambda s: s[0]) if which == "first" else (lambda s: s[-1])
+    train = [(f"{s}=", pick(s)) for s in strings if s not in eval_set]
+    held = [(f"{s}=", pick(s)) for s in strings if s in eval_set]
+    allowed = set(alphabet)
+    return ToyTask(f"copy_{which}", _numbered("train", train), _numbered("eval", held), partial_credit,
+                   well_formed=lambda a: a in allowed, held_out=True)
+
+
+def successor_task(partial_credit: float = 0.0) -> ToyTask:
+    letters = string.ascii_lowercase
+    items = [(f"{a}>", b) for a, b in zip(letters, letters[1:])]
+    return ToyTask("successor", _numbered("train", items), _numbered("eval", items), partial_credit,
+                   well_formed=lambda a: a in set(letters))
+
+
+def addition_task(max_digit: int = 4, partial_credit: float = 0.0) -> ToyTask:
+    if not 0 < max_digit <= 9:
+        raise ValueError(f"max_digit must be in 1..9, got {max_digit}")
+    items = [(f"{a}+{b}=", str(a + b)) for a in range(max_digit + 1) for b in range(max_digit + 1)]
+    return ToyTask("addition", _numbered("train", items), _numbered("eval", items), partial_credit,
+                   well_formed=lambda a: a.isdigit())
+
+
+TASKS: dict[str, Callable[..., ToyTask]] = {
+    "copy_digit": copy_digit_task,
+    "copy_first": lambda **kw: copy_char_task("first", **kw),
+    "copy_last": lambda **kw: copy_char_task("last", **kw),
+    "successor": successor_task,
+    "addition": addition_task,
+}
+
+
+def build_task(config: Any) -> Task:
+    """A task from a ``TaskConfig`` (or a mapping ``{"name": ..., "options": {...}}``, or a name). Unknown names
+    and options are errors that list what exists."""
+    if isinstance(config, str):
+        name, options = config, {}
+    elif isinstance(config, dict):
+        name, options = config.get("name", "copy_digit"), dict(config.get("options") or {})
+    else:
+        name, options = config.name, dict(config.options)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; tasks: {sorted(TASKS)}")
+    try:
+        return TASKS[name](**options)
+    except TypeError as err:
+        raise ValueError(f"bad options {options} for task {name!r}: {err}") from None
+
+
+class PromptStream:
+    """Training prompts by data position: position ``p`` is prompt ``order(p // n)[p % n]`` where each epoch's
+    order is a permutation seeded by ``(seed, epoch)``. Random access, so resuming needs only the position.
+    With ``max_epochs`` the stream ends after ``len(prompts) * max_epochs`` positions."""
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int, max_epochs: int | None = None, shuffle: bool = True):
+        if not prompts:
+            raise ValueError("PromptStream needs at least one prompt")
+        if max_epochs is not None and max_epochs < 1:
+            raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
+        self.prompts = list(prompts)
+        self.seed = int(seed)
+        self.max_epochs = max_epochs
+        self.shuffle = shuffle
+        self._orders: dict[int, np.ndarray] = {}
+
+    @property
+    def total(self) -> int | None:
+        """Positions available (``None``: endless)."""
+        return None if self.max_epochs is None else len(self.prompts) * self.max_epochs
+
+    def exhausted(self, position: int) -> bool:
+        """True when ``position`` is past the end (nothing more to serve)."""
+        return self.total is not None and position >= self.total
+
+    def remaining(self, position: int) -> int | None:
+        return None if self.total is None else max(0, self.total - position)
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        order = self._orders.get(epoch)
+        if order is None:
+            n = len(self.prompts)
+            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
+            if len(self._orders) > 8:
+                self._orders.clear()
+            self._orders[epoch] = order
+        return order
+
+    def get(self, position: int) -> Prompt:
+        """The prompt at ``position``; ``IndexError`` once the stream ran out (see ``exhausted``)."""
+        if position < 0:
+            raise IndexError(f"negative data position {position}")
+        if self.exhausted(position):
+            raise IndexError(f"prompt stream ran out at position {position} (total {self.total})")
+        epoch, offset = divmod(position, len(self.prompts))
+        return self.prompts[int(self.epoch_order(epoch)[offset])]
+
+    def take(self, position: int, count: int) -> list[Prompt]:
+        """Up to ``count`` prompts from ``position`` on (fewer at the end of the stream)."""
+        if self.total is not None:
+            count = min(count, max(0, self.total - position))
+        return [self.get(position + i) for i in range(count)]
+
+
+def evaluate(backend: Any, task: Task, tokenizer: Any, max_new_tokens: int = 4,
+             prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
+    """Greedy completions of the task's evaluation prompts (or ``prompts``) through ``backend.generate_greedy(
+    prompt_ids, max_new_tokens)`` (``TorchGenerator`` or ``TorchPolicy``); returns ``reward_mean``, ``accuracy``
+    and ``n``. Draws no randomness, so it never changes a seeded run."""
+    prompts = list(task.eval_prompts if prompts is None else prompts)
+    if not prompts:
+        return {"reward_mean": float("nan"), "accuracy": float("nan"), "n": 0.0}
+    ids = [tokenizer.encode(p.text) for p in prompts]
+    completions = backend.generate_greedy(ids, max_new_tokens)
+    texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
+    rewards = [task.reward(p, t) for p, t in zip(prompts, texts)]
+    correct = [task.is_correct(p, t) for p, t in zip(prompts, texts)]
+    return {"reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(correct)), "n": float(len(prompts))}
