@@ -1,0 +1,142 @@
+"""Tasks: prompts and answers, held-out evaluation sets, grading, the constant-answer bar, the prompt stream."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from asyncrl.config import TaskConfig
+from asyncrl.tasks import TASKS, Prompt, PromptStream, Task, build_task, evaluate
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_every_task_builds_and_satisfies_the_protocol(name):
+    task = build_task(TaskConfig(name=name))
+    assert isinstance(task, Task) and task.name == name
+    assert task.train_prompts and task.eval_prompts
+    for p in task.train_prompts + task.eval_prompts:
+        assert isinstance(p, Prompt) and p.text and p.answer
+        assert task.is_correct(p, p.answer) and task.reward(p, p.answer) == 1.0
+    assert len({p.id for p in task.train_prompts + task.eval_prompts}) == len(task.train_prompts + task.eval_prompts)
+    assert 0 < task.constant_answer_accuracy < 0.5
+
+
+@pytest.mark.parametrize("name,pick", [("copy_first", lambda s: s[0]), ("copy_last", lambda s: s[-1])])
+def test_copy_tasks_hold_out_their_evaluation_strings(name, pick):
+    task = build_task({"name": name})
+    train = {p.text for p in task.train_prompts}
+    held = {p.text for p in task.eval_prompts}
+    assert not train & held and len(train) + len(held) == 8**3 and task.held_out
+    assert len(held) == round(0.2 * 512)
+    for p in task.train_prompts + task.eval_prompts:
+        assert p.text.endswith("=") and p.answer == pick(p.text[:-1])
+    # every answer letter is still seen in training; the split depends on split_seed only
+    assert {p.answer for p in task.eval_prompts} <= {p.answer for p in task.train_prompts}
+    again = build_task({"name": name})
+    assert [p.text for p in again.eval_prompts] == [p.text for p in task.eval_prompts]
+    other = build_task({"name": name, "options": {"split_seed": 1}})
+    assert {p.text for p in other.eval_prompts} != held
+
+
+def test_constant_answer_accuracy_is_computed_from_the_eval_prompts():
+    assert build_task("copy_digit").constant_answer_accuracy == pytest.approx(0.1)
+    assert build_task("successor").constant_answer_accuracy == pytest.approx(1 / 25)
+    assert build_task("addition").constant_answer_accuracy == pytest.approx(5 / 25)  # "4": 0+4, 1+3, ...
+    task = build_task("copy_first")
+    most = Counter(p.answer for p in task.eval_prompts).most_common(1)[0][1]
+    assert task.constant_answer_accuracy == pytest.approx(most / len(task.eval_prompts))
+    small = build_task({"name": "copy_last", "options": {"alphabet": "ab", "length": 2, "eval_fraction": 0.5}})
+    assert small.constant_answer_accuracy in (0.5, 1.0)
+
+
+def test_grading_reads_the_first_characters_after_whitespace():
+    task = build_task("addition")
+    p = next(p for p in task.eval_prompts if p.text == "3+4=")
+    assert p.answer == "7"
+    for text in ["7", " 7", "7<eos>", "\n7x", "78"]:
+        assert task.is_correct(p, text) and task.reward(p, text) == 1.0
+    for text in ["", " ", "x7", "<eos>7", "6"]:
+        assert not task.is_correct(p, text) and task.reward(p, text) == 0.0
+
+
+def test_partial_credit_for_a_well_formed_wrong_answer():
+    task = build_task({"name": "addition", "options": {"partial_credit": 0.1}})
+    p = next(p for p in task.eval_prompts if p.text == "3+4=")
+    assert task.reward(p, "7") == 1.0 and task.reward(p, "5") == 0.1 and task.reward(p, "x") == 0.0
+    copy = build_task({"name": "copy_first", "options": {"partial_credit": 0.2}})
+    q = copy.eval_prompts[0]
+    wrong = next(c for c in "abcdefgh" if c != q.answer)
+    assert copy.reward(q, wrong) == 0.2 and copy.reward(q, "z") == 0.0
+
+
+def test_successor_and_copy_digit_prompts():
+    succ = build_task("successor")
+    assert [(p.text, p.answer) for p in succ.train_prompts[:2]] == [("a>", "b"), ("b>", "c")]
+    assert len(succ.train_prompts) == 25
+    digit = build_task("copy_digit")
+    assert [(p.text, p.answer) for p in digit.train_prompts[:2]] == [("0=", "0"), ("1=", "1")]
+
+
+def test_build_task_errors_name_what_exists():
+    with pytest.raises(ValueError, match="copy_first"):
+        build_task("nope")
+    with pytest.raises(ValueError, match="bad options"):
+        build_task({"name": "addition", "options": {"max_digits": 3}})
+    with pytest.raises(ValueError):
+        build_task({"name": "copy_first", "options": {"eval_fraction": 1.5}})
+    with pytest.raises(ValueError):
+        build_task({"name": "addition", "options": {"partial_credit": 1.0}})
+
+
+# ------------------------------------------------------------------------------------------ prompt stream
+def _prompts(n):
+    return [Prompt(str(i), str(i), f"p{i}") for i in range(n)]
+
+
+def test_stream_is_a_seeded_shuffle_per_epoch():
+    prompts = _prompts(10)
+    a, b = PromptStream(prompts, seed=3), PromptStream(prompts, seed=3)
+    first = [a.get(i).text for i in range(30)]
+    assert first == [b.get(i).text for i in range(30)]
+    for epoch in range(3):
+        assert sorted(first[10 * epoch: 10 * epoch + 10]) == sorted(p.text for p in prompts)
+    assert first[:10] != first[10:20]
+    assert first != [PromptStream(prompts, seed=4).get(i).text for i in range(30)]
+    # random access equals sequential access (resume needs only the position)
+    assert [PromptStream(prompts, seed=3).get(i).text for i in (25, 3, 17)] == [first[25], first[3], first[17]]
+    assert PromptStream(prompts, seed=3, shuffle=False).take(12, 3) == [prompts[2], prompts[3], prompts[4]]
+
+
+def test_stream_runs_out_after_max_epochs():
+    s = PromptStream(_prompts(4), seed=0, max_epochs=2)
+    assert s.total == 8 and not s.exhausted(7) and s.exhausted(8) and s.remaining(6) == 2
+    assert len(s.take(6, 5)) == 2 and s.take(8, 3) == []
+    with pytest.raises(IndexError, match="ran out"):
+        s.get(8)
+    endless = PromptStream(_prompts(4), seed=0)
+    assert endless.total is None and not endless.exhausted(10**9) and endless.remaining(5) is None
+    with pytest.raises(ValueError):
+        PromptStream([], seed=0)
+
+
+class _Oracle:
+    """A backend answering every prompt correctly (or always "a")."""
+
+    def __init__(self, tok, answers):
+        self.tok, self.answers = tok, answers
+
+    def generate_greedy(self, prompt_ids, max_new_tokens):
+        texts = [self.answers(self.tok.decode(ids, skip_special_tokens=True)) for ids in prompt_ids]
+        return [list(t.encode())[:max_new_tokens] + [self.tok.eos_token_id] for t in texts]
+
+
+def test_evaluate_scores_greedy_completions():
+    from asyncrl.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    task = build_task("copy_first")
+    right = evaluate(_Oracle(tok, lambda text: text[0]), task, tok)
+    assert right["accuracy"] == 1.0 and right["reward_mean"] == 1.0 and right["n"] == len(task.eval_prompts)
+    const = evaluate(_Oracle(tok, lambda text: "a"), task, tok)
+    assert const["accuracy"] <= task.constant_answer_accuracy
