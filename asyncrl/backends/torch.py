@@ -17,10 +17,10 @@ temperature 1 without top-p (``log_softmax(logits)``), whatever temperature/top-
 quantity ``TorchPolicy.logprobs`` computes, so ``exp(prev - gen)`` measures only weight staleness and numerical
 differences between the two forward paths (KV-cached vs full sequence), which are ~1e-6 on CPU float32.
 
-Threads: ``trainer.options.num_threads`` / ``generation.options.num_threads`` call ``torch.set_num_threads``
-(process-wide). On a 2-core machine torch's default (2) is fastest for a synchronous loop (~36 ms per step of
-8 prompts x 8 completions x 4 tokens), but when generation and training run in two threads at once, or other
-processes load the CPU, 1 thread avoids OpenMP oversubscription (which can cost ~10 ms per op).
+Threads: the backends leave torch's thread pool alone; ``Config.torch_threads`` sizes it. Measured on 2 quiet
+cores: torch's default (2) is fastest for a synchronous loop (~36 ms per step of 8 prompts x 8 completions x 4
+tokens, ~27 ms with 1 token; 1 thread: ~50 / ~33 ms), but when generation and training run in two threads at
+once, or other processes load the CPU, 1 thread avoids OpenMP oversubscription (which can cost ~10 ms per op).
 
 Save/restore: ``TorchPolicy.state_dict()`` (weights, AdamW state, reference weights) and
 ``TorchGenerator.state_dict()`` (version, sampling RNG state, weights) restore a run exactly.
@@ -239,14 +239,6 @@ def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy
     return pad(picked, (1, 0)), pad(entropy, (1, 0))
 
 
-def _apply_threads(options: Mapping[str, Any], device: torch.device) -> None:
-    """``options["num_threads"]``: torch's intra-op CPU threads (process-wide). On a small CPU, 1 thread per
-    pump avoids oversubscription when generation and training overlap in two threads."""
-    threads = options.get("num_threads")
-    if threads is not None and device.type == "cpu":
-        torch.set_num_threads(int(threads))
-
-
 def _special_ids(tokenizer) -> tuple[int, int, int, int]:
     """(pad, bos, eos, vocab size) of ``tokenizer``, or the embedded tokenizer's when it is ``None``."""
     if tokenizer is None:
@@ -281,7 +273,6 @@ class TorchPolicy:
         self.tokenizer = tokenizer
         self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
         self.device = torch.device(trainer_cfg.device)
-        _apply_threads(trainer_cfg.options, self.device)
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -449,7 +440,6 @@ class TorchGenerator:
         self.tokenizer = tokenizer
         self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
         self.device = torch.device(gen_cfg.device)
-        _apply_threads(gen_cfg.options, self.device)
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id).eval()
         for p in self.model.parameters():
             p.requires_grad_(False)
