@@ -17,7 +17,6 @@ import os
 import time
 
 import pandas as pd
-import torch
 
 from asyncrl import Controller, load_config
 
@@ -51,7 +50,8 @@ def timed_run(preset: str, sampler: dict, steps: int, stepped: bool = False, **o
 
 def overhead(ticks: int = 2000) -> dict:
     """Per-tick cost of the controller with backends that do nothing (simulated, zero latency)."""
-    cfg = load_config("quickstart", sampler=ASYNC, eval_every=None, generation={"backend": "simulated"},
+    cfg = load_config("quickstart", sampler=ASYNC, eval_every=None, torch_threads=1,
+                      generation={"backend": "simulated"},
                       trainer={"backend": "simulated"})
     ctrl = Controller.from_config(cfg)
     for _ in range(50):
@@ -71,23 +71,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=4, help="TRL's reference point used 4")
+    parser.add_argument("--threads", default="1,2", help="torch intra-op thread counts to compare")
     args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("ASYNCRL_THREADS", torch.get_num_threads())))
-    work = {"generation": {"max_new_tokens": args.max_new_tokens}}
     rows = []
-    for r in range(args.repeats):
-        rows.append({"mode": "sync (in_order L=0, run)", "repeat": r, **timed_run(args.preset, SYNC, args.steps, **work)})
-        rows.append({"mode": "async (weight_fifo W=1, run)", "repeat": r, **timed_run(args.preset, ASYNC, args.steps, **work)})
-    rows.append({"mode": "sync (in_order L=0, stepped)", "repeat": 0,
-                 **timed_run(args.preset, SYNC, args.steps, stepped=True, **work)})
+    for threads in [int(t) for t in args.threads.split(",")]:
+        work = {"generation": {"max_new_tokens": args.max_new_tokens}, "torch_threads": threads}
+        for r in range(args.repeats):
+            for mode, sampler in (("sync (in_order L=0, run)", SYNC), ("async (weight_fifo W=1, run)", ASYNC)):
+                rows.append({"mode": mode, "threads": threads, "repeat": r,
+                             **timed_run(args.preset, sampler, args.steps, **work)})
+        rows.append({"mode": "sync (in_order L=0, stepped)", "threads": threads, "repeat": 0,
+                     **timed_run(args.preset, SYNC, args.steps, stepped=True, **work)})
     table = pd.DataFrame(rows)
     pd.set_option("display.width", 160)
-    print(f"preset={args.preset} steps={args.steps} max_new_tokens={args.max_new_tokens} "
-          f"torch threads={torch.get_num_threads()} cpus={os.cpu_count()}")
+    print(f"preset={args.preset} steps={args.steps} max_new_tokens={args.max_new_tokens} cpus={os.cpu_count()}")
     print(table.round(4).to_string(index=False))
-    best = table.groupby("mode").steps_per_s.max()
-    ratio = best["async (weight_fifo W=1, run)"] / best["sync (in_order L=0, run)"]
-    print(f"\nasync/sync steps/s ratio (best of {args.repeats} each): {ratio:.2f}")
+    best = table.groupby(["threads", "mode"]).steps_per_s.max().unstack("mode")
+    best["async/sync"] = best["async (weight_fifo W=1, run)"] / best["sync (in_order L=0, run)"]
+    print(f"\nbest of {args.repeats} steps/s per thread count, and the async/sync ratio within it:")
+    print(best.round(2).to_string())
     o = overhead()
     print(f"controller overhead, simulated backends doing no work: {o['us_per_tick']:.0f} µs per tick "
           f"({o['groups_per_tick']} groups per batch, {o['ticks']} ticks)")
