@@ -44,12 +44,12 @@ def run(args: argparse.Namespace) -> int:
                "constant_answer_accuracy": ctrl.task.constant_answer_accuracy}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.no_plot:
-        _plot(ctrl.metrics, out / "reward.png")
+        _plot(ctrl.metrics, out / "reward.png", ctrl.task.constant_answer_accuracy)
     print(json.dumps(summary))
     return 0
 
 
-def _plot(metrics, path: Path) -> None:
+def _plot(metrics, path: Path, constant_accuracy: float) -> None:
     try:
         import matplotlib
 
@@ -63,6 +63,7 @@ def _plot(metrics, path: Path) -> None:
     if "eval_accuracy" in metrics:
         ev = metrics.dropna(subset=["eval_accuracy"])
         ax.plot(ev["step"], ev["eval_accuracy"], "o-", label="held-out greedy accuracy")
+    ax.axhline(constant_accuracy, color="gray", ls="--", lw=1, label="best constant answer")
     ax.set_xlabel("optimizer step")
     ax.set_ylim(-0.02, 1.02)
     ax.legend(loc="lower right")
