@@ -50,6 +50,10 @@ class GenerationConfig(_Strict):
     enforce_eager: bool = True  # vllm
     options: dict[str, Any] = Field(default_factory=dict)  # backend-specific extras (e.g. simulated latency)
     ray_options: dict[str, Any] = Field(default_factory=dict)  # actor options when placement is ray
+    # How weights reach the generator after each step: "driver" (through the controller's process) or
+    # "collective" (policy actor -> generator actor over a torch.distributed group, NCCL on GPUs / gloo on CPU;
+    # both placements ray). See asyncrl/backends/weight_sync.py.
+    weight_sync: Literal["driver", "collective"] = "driver"
 
 
 class TrainerConfig(_Strict):
@@ -101,6 +105,8 @@ class Config(_Strict):
             raise ValueError(
                 f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
             )
+        if self.generation.weight_sync == "collective":
+            _check_collective_weight_sync(self)
         if isinstance(self.sampler, CustomConfig):
             return self  # capacity and on-policy checks happen once the class is built (Controller.from_config)
         sampler = SAMPLERS[self.sampler.name](None, **self.sampler.model_dump(exclude={"name"}))
@@ -131,6 +137,19 @@ def check_sampler_fits(sampler: Any, cfg: Config) -> None:
             f"max_buffered_groups {cfg.max_buffered_groups} is smaller than the {required} groups sampler "
             f"{sampler!r} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
         )
+
+
+def _check_collective_weight_sync(cfg: Config) -> None:
+    placements = (cfg.trainer.placement, cfg.generation.placement)
+    if placements != ("ray", "ray"):
+        raise ValueError(
+            "generation.weight_sync 'collective' sends weights from the policy's Ray actor to the generator's, so "
+            f"both need placement 'ray'; got trainer.placement {placements[0]!r} and generation.placement "
+            f"{placements[1]!r} (use weight_sync 'driver' otherwise)"
+        )
+    from asyncrl.backends.weight_sync import collective_backend
+
+    collective_backend(cfg)  # both on CUDA or both on CPU
 
 
 def _merge(base: dict, overrides: dict) -> dict:

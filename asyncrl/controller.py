@@ -110,7 +110,10 @@ class Controller:
         self._metrics: list[dict] = []
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
         self._new_step()
-        self.generator.load_weights(self.policy.export_weights(), 0)
+        from asyncrl.backends.weight_sync import build_weight_sync
+
+        self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
+        self.sync_weights(0)
 
     @functools.lru_cache(maxsize=1 << 16)  # prompts repeat every epoch; HF encode costs ~0.1 ms a call
     def _encode(self, text: str) -> list[int]:
@@ -248,7 +251,7 @@ class Controller:
         out = self.policy.finish_train_step()
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
-        self.generator.load_weights(self.policy.export_weights(), T)
+        self.sync_weights(T)
         sync_s = time.perf_counter() - sync_start
         self.trainer_version = T
         self._event("sync", None, T, None, None, "", f"generator now holds weights {T}")  # no timings: traces replay
@@ -482,7 +485,7 @@ class Controller:
         if state["dispatch_index"] is not None:  # exact, including batches admitted ahead of T
             ctrl.sampler.dispatch_index = state["dispatch_index"]
         ctrl.data_position, ctrl.exhausted = state["data_position"], state["exhausted"]
-        ctrl.generator.load_weights(ctrl.policy.export_weights(), ctrl.trainer_version)
+        ctrl.sync_weights(ctrl.trainer_version)
         if state["generator"] is not None:
             ctrl.generator.load_state_dict(state["generator"])
         torch.set_rng_state(state["torch_rng"])

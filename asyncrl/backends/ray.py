@@ -3,12 +3,19 @@
 The actor hosts the backend object unchanged and the controller talks to a proxy with the same methods, so
 nothing in the controller or the backends knows where a backend runs. An actor serves one call at a time, which
 gives the generator the same "a weight load never interleaves a generation" guarantee as its in-process lock.
-GPU placement: a backend whose ``device`` is CUDA asks Ray for one GPU (``ray_options`` may say otherwise).
+GPU placement: a backend whose ``device`` is CUDA asks Ray for one GPU (``ray_options`` may say otherwise), and Ray
+makes that GPU the actor's only visible device, ``cuda`` / ``cuda:0``. Two such actors land on two GPUs. To pin
+devices by index instead, give ``ray_options: {num_gpus: 0}`` and ``device: cuda:1`` (Ray then hides no GPU).
+Every CUDA actor gets NVLink multicast off in its runtime env (``weight_sync.NO_MULTICAST_ENV``).
+Each actor also times its calls (``RemoteBackend.call_times()``: seconds and count per method), which is how a
+benchmark tells how long each device was busy.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import defaultdict
 from typing import Any
 
 PLACEMENT_TIMEOUT_S = 120.0
@@ -19,9 +26,26 @@ class _Host:
 
     def __init__(self, cls: type, args: tuple) -> None:
         self.obj = cls(*args)
+        self.times: dict[str, list] = defaultdict(lambda: [0.0, 0])  # method -> [seconds, calls]
+
+    def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            entry = self.times[name]
+            entry[0] += time.perf_counter() - start
+            entry[1] += 1
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        return getattr(self.obj, name)(*args, **kwargs)
+        return self._timed(name, getattr(self.obj, name), *args, **kwargs)
+
+    def apply(self, fn: Any, *args: Any) -> Any:
+        """``fn(host, *args)`` in this actor (``host.obj`` is the backend): used by ``weight_sync``."""
+        return self._timed(fn.__name__, fn, self, *args)
+
+    def call_times(self) -> dict[str, tuple[float, int]]:
+        return {k: (v[0], v[1]) for k, v in self.times.items()}
 
     def get(self, name: str) -> Any:
         return getattr(self.obj, name)
@@ -43,6 +67,16 @@ class RemoteBackend:
         import ray
 
         return ray.get(self._actor.get.remote("version"))
+
+    def apply_remote(self, fn: Any, *args: Any) -> Any:
+        """Start ``fn(host, *args)`` in the actor and return its ObjectRef without waiting (``ray.get`` it)."""
+        return self._actor.apply.remote(fn, *args)
+
+    def call_times(self) -> dict[str, tuple[float, int]]:
+        """Seconds spent inside each backend method (and ``apply`` function) in the actor, and call counts."""
+        import ray
+
+        return ray.get(self._actor.call_times.remote())
 
     def close(self) -> None:
         """Close the hosted backend (if it can be closed), then end the actor and free its resources."""
@@ -76,8 +110,22 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
     import ray
 
     ensure_ray()
-    options = {"num_cpus": 1, "num_gpus": 1 if str(section.device).startswith("cuda") else 0}
+    cuda = str(section.device).startswith("cuda")
+    options = {"num_cpus": 1, "num_gpus": 1 if cuda else 0}
     options.update(section.ray_options)
+    if cuda:
+        from asyncrl.backends.weight_sync import NO_MULTICAST_ENV
+
+        index = str(section.device).partition(":")[2]
+        if index not in ("", "0") and options["num_gpus"]:
+            raise ValueError(
+                f"device {section.device!r} with Ray num_gpus {options['num_gpus']}: Ray shows the actor only the "
+                "GPU(s) it assigned, numbered from 0; use device 'cuda', or pin by index with ray_options "
+                "{num_gpus: 0}"
+            )
+        runtime_env = dict(options.get("runtime_env") or {})
+        runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **NO_MULTICAST_ENV}  # multicast stays off
+        options["runtime_env"] = runtime_env
     actor = ray.remote(_Host).options(max_concurrency=1, **options).remote(cls, args)
     ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:

@@ -1,0 +1,231 @@
+"""Weight sync: how the generator gets the policy's weights after each optimizer step (``generation.weight_sync``).
+
+- ``driver`` (the default): ``generator.load_weights(policy.export_weights(), T)`` called from the controller's
+  process. In-process that passes tensors by reference; with backends in Ray actors the weights travel
+  policy actor -> driver -> generator actor (two copies through the object store).
+- ``collective``: both backends in Ray actors (``placement: ray`` for both) and the weights go straight from the
+  policy actor to the generator actor over a two-rank ``torch.distributed`` process group: NCCL when both devices
+  are CUDA, gloo when both are CPU (CPU tests stand two actors in for two GPUs). The driver sends no tensors.
+
+The collective mechanism, in full:
+
+Setup (once, ``CollectiveWeightSync.__init__``):
+1. The policy actor (rank 0, the sender) opens a ``TCPStore`` on 127.0.0.1 and a free port and exports its weights
+   once to fix the *metadata*: HF names in ``export_weights()``'s order, shapes, dtypes. It returns the port and
+   the metadata to the driver (a few hundred bytes). 127.0.0.1: both actors must be on one host.
+2. The driver launches ``connect`` on both actors at once (the rendezvous needs both): each builds its own
+   process-group object on that store (``ProcessGroupNCCL`` / ``ProcessGroupGloo``, never the default group, which
+   Megatron and vLLM own in those processes) and runs one small broadcast, so the NCCL communicator is created
+   here and not in the first step. The generator (rank 1, the receiver) allocates one receive buffer per tensor.
+
+A sync (``CollectiveWeightSync(version)``, one call on the driver): the driver launches ``send`` on the policy actor
+and ``receive`` on the generator actor, both ``.remote()`` before either ``ray.get``, then waits for both.
+- ``send``: ``export_weights()``, check it against the metadata, broadcast a header ``[ok, version]``, then each
+  tensor in metadata order. If the export fails or no longer matches, the header says so (``ok = 0``), so the
+  receiver raises instead of waiting for tensors that will never come.
+- ``receive``: the header, then each tensor into its buffer, then the generator's own
+  ``load_weights(received, version)``: the version is set only after the receive completed. An actor runs one call
+  at a time, so a receive never interleaves a generation (it waits for a running ``poll`` to return).
+  ``load_weights`` must copy out of the tensors it is given (both built-in generators do): the buffers are reused.
+
+NVLink multicast stays off: with NCCL, ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
+``NVSHMEM_DISABLE_NVLS=1`` are in the actors' runtime env (``asyncrl.backends.ray.remote`` puts them there for every
+CUDA actor) and set again here before the NCCL group is made. A two-rank broadcast has no use for it, and on the
+shared H200 hosts a program that uses it can take the GPUs out of service.
+
+Limits: one host; the policy in one process (Megatron TP/DP > 1 in a Ray actor is not supported by the placement
+itself); the sync holds both actors for its duration (the sender waits for the receiver to be free).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+GROUP_TIMEOUT_S = 300.0  # a broadcast waits at most this long for the other side
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+SENDER, RECEIVER = 0, 1
+
+
+def collective_backend(cfg: Any) -> str:
+    """``nccl`` when both devices are CUDA, ``gloo`` when both are CPU; anything else is a config error."""
+    devices = (str(cfg.trainer.device), str(cfg.generation.device))
+    if all(d.startswith("cuda") for d in devices):
+        return "nccl"
+    if all(d == "cpu" for d in devices):
+        return "gloo"
+    raise ValueError(
+        f"generation.weight_sync 'collective' needs both backends on CUDA (NCCL) or both on CPU (gloo); got "
+        f"trainer.device {devices[0]!r} and generation.device {devices[1]!r}"
+    )
+
+
+def build_weight_sync(cfg: Any, policy: Any, generator: Any):
+    """The callable ``sync(version)`` the controller uses, as ``cfg.generation.weight_sync`` says."""
+    mode = getattr(cfg.generation, "weight_sync", "driver")
+    if mode == "driver":
+        return DriverWeightSync(policy, generator)
+    from asyncrl.backends.ray import RemoteBackend
+
+    if not (isinstance(policy, RemoteBackend) and isinstance(generator, RemoteBackend)):
+        raise ValueError(
+            "generation.weight_sync 'collective' needs both backends in Ray actors (trainer.placement and "
+            f"generation.placement 'ray'); got {type(policy).__name__} and {type(generator).__name__}"
+        )
+    return CollectiveWeightSync(policy, generator, collective_backend(cfg), cfg.trainer.device, cfg.generation.device)
+
+
+class DriverWeightSync:
+    """``generator.load_weights(policy.export_weights(), version)``, from the calling process."""
+
+    mode = "driver"
+
+    def __init__(self, policy: Any, generator: Any) -> None:
+        self.policy, self.generator = policy, generator
+
+    def __call__(self, version: int) -> None:
+        self.generator.load_weights(self.policy.export_weights(), version)
+
+
+class CollectiveWeightSync:
+    """Policy actor -> generator actor over a two-rank process group (see the module docstring).
+
+    ``syncs``, ``bytes_sent`` (payload bytes of all syncs) and ``last_send_s`` / ``last_receive_s`` (time inside
+    the two actors' calls of the last sync, as they measured it) are for benchmarks."""
+
+    mode = "collective"
+
+    def __init__(self, policy: Any, generator: Any, backend: str, policy_device: str, generator_device: str,
+                 timeout_s: float = GROUP_TIMEOUT_S) -> None:
+        import ray
+
+        self.policy, self.generator, self.backend = policy, generator, backend
+        port, meta = ray.get(policy.apply_remote(_listen))
+        ray.get([
+            policy.apply_remote(_connect, SENDER, port, meta, backend, policy_device, timeout_s),
+            generator.apply_remote(_connect, RECEIVER, port, meta, backend, generator_device, timeout_s),
+        ])
+        self.meta = meta
+        self.syncs, self.bytes_sent = 0, 0
+        self.last_send_s = self.last_receive_s = float("nan")
+
+    def __call__(self, version: int) -> None:
+        import ray
+
+        send = self.policy.apply_remote(_send, int(version))  # both launched before waiting on either
+        receive = self.generator.apply_remote(_receive, int(version))
+        nbytes, self.last_send_s = ray.get(send)
+        self.last_receive_s = ray.get(receive)
+        self.syncs += 1
+        self.bytes_sent += nbytes
+
+    def __repr__(self) -> str:
+        return f"CollectiveWeightSync({self.backend}, {len(self.meta)} tensors, {self.syncs} syncs)"
+
+
+# ---- what runs inside the actors: fn(host, ...) via RemoteBackend.apply_remote; host.obj is the backend --------
+
+
+@dataclass
+class _Endpoint:
+    rank: int
+    group: Any
+    meta: list[tuple[str, tuple[int, ...], torch.dtype]]
+    device: torch.device
+    store: Any = None  # the sender keeps the TCPStore server alive
+    buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def _metadata(weights: dict[str, torch.Tensor]) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+    return [(name, tuple(t.shape), t.dtype) for name, t in weights.items()]
+
+
+def _listen(host: Any) -> tuple[int, list]:
+    """Sender: a TCPStore on a free port (kept until ``_connect``) and the metadata of the exported weights."""
+    import torch.distributed as dist
+
+    host.weight_sync_store = dist.TCPStore("127.0.0.1", 0, 2, True, wait_for_workers=False)
+    return host.weight_sync_store.port, _metadata(host.obj.export_weights())
+
+
+def _device(device: str) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _connect(host: Any, rank: int, port: int, meta: list, backend: str, device: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = host.__dict__.pop("weight_sync_store", None) if rank == SENDER else (
+        dist.TCPStore("127.0.0.1", port, 2, False, timeout=timeout))
+    prefixed = dist.PrefixStore("asyncrl/weight_sync/", store)
+    dev = _device(device)
+    if backend == "nccl":
+        os.environ.update(NO_MULTICAST_ENV)
+        torch.cuda.set_device(dev)
+        group = dist.ProcessGroupNCCL(prefixed, rank, 2, timeout)
+    else:
+        group = dist.ProcessGroupGloo(prefixed, rank, 2, timeout)
+    ep = _Endpoint(rank, group, meta, dev, store=store)
+    if rank == RECEIVER:
+        ep.buffers = {name: torch.empty(shape, dtype=dtype, device=dev) for name, shape, dtype in meta}
+    _broadcast(ep, [torch.zeros(2, dtype=torch.int64, device=dev)])  # creates the NCCL communicator now
+    host.weight_sync = ep
+
+
+def _broadcast(ep: _Endpoint, tensors: list[torch.Tensor]) -> None:
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = SENDER
+    works = [ep.group.broadcast([t], opts) for t in tensors]  # in order on both ranks; waited together
+    for work in works:
+        work.wait()
+    if ep.device.type == "cuda":
+        torch.cuda.synchronize(ep.device)  # the tensors must outlive the transfer; the receiver reads them next
+
+
+def _send(host: Any, version: int) -> tuple[int, float]:
+    """Sender: export, check against the metadata, header ``[ok, version]``, then the tensors. Returns
+    ``(payload bytes, seconds)``."""
+    ep: _Endpoint = host.weight_sync
+    start = time.perf_counter()
+    header = torch.tensor([1, version], dtype=torch.int64, device=ep.device)
+    try:
+        weights = host.obj.export_weights()
+        if _metadata(weights) != ep.meta:
+            raise RuntimeError(
+                "export_weights() no longer matches the names/shapes/dtypes agreed at setup: "
+                f"{_metadata(weights)[:3]}... vs {ep.meta[:3]}..."
+            )
+        tensors = [weights[name].to(ep.device).contiguous() for name, _, _ in ep.meta]
+    except BaseException:
+        header[0] = 0  # tell the receiver not to wait for tensors
+        _broadcast(ep, [header])
+        raise
+    _broadcast(ep, [header] + tensors)
+    return sum(t.numel() * t.element_size() for t in tensors), time.perf_counter() - start
+
+
+def _receive(host: Any, version: int) -> float:
+    """Receiver: the header, the tensors into the buffers, then ``load_weights(received, version)``."""
+    ep: _Endpoint = host.weight_sync
+    start = time.perf_counter()
+    header = torch.zeros(2, dtype=torch.int64, device=ep.device)
+    _broadcast(ep, [header])
+    ok, sent_version = (int(x) for x in header.tolist())
+    if not ok:
+        raise RuntimeError("weight sync: the policy actor failed to export its weights (its error is raised there)")
+    _broadcast(ep, [ep.buffers[name] for name, _, _ in ep.meta])
+    if sent_version != version:  # received in full first, so the group stays in step
+        raise RuntimeError(f"weight sync: the policy sent version {sent_version}, the controller asked for {version}")
+    host.obj.load_weights(ep.buffers, version)
+    return time.perf_counter() - start
