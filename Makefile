@@ -29,10 +29,11 @@ test: setup browser
 
 quickstart: setup
 	mkdir -p runs/quickstart
-	$(VENV)/bin/jupyter nbconvert --to notebook --execute notebooks/quickstart.ipynb \
+	PATH="$(abspath $(VENV))/bin:$$PATH" ASYNCRL_FIGURES_DIR="$(CURDIR)/runs/quickstart" \
+		$(VENV)/bin/jupyter nbconvert --to notebook --execute notebooks/quickstart.ipynb \
 		--ExecutePreprocessor.timeout=900 --output-dir runs/quickstart --output quickstart.ipynb
 	$(VENV)/bin/asyncrl run quickstart --steps 30 --out runs/quickstart/cli --quiet
-	@echo "executed notebook: runs/quickstart/quickstart.ipynb; figures and CLI outputs: runs/quickstart/"
+	@echo "executed notebook: runs/quickstart/quickstart.ipynb; figures (metrics.png, buffer.png) and CLI outputs: runs/quickstart/"
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

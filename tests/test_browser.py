@@ -1,0 +1,279 @@
+"""The quickstart notebook in a real browser: JupyterLab on localhost, headless Chromium driven by Playwright.
+
+Runs every cell, clicks the dashboard's "Train tick" button, and checks that the buffer view and the verdict table
+changed. With ``ASYNCRL_SCREENSHOT=docs/dashboard.png`` it also saves a screenshot of the dashboard (the README's
+picture). Skips when Chromium or Playwright is missing.
+
+Reliability (see FACTS "Widgets in a real browser"): the notebook has a kernelspec (no kernel dialog); the news
+notice is off and notebook windowing is off (every cell stays in the DOM) through user settings; JupyterLab, the
+kernel and matplotlib write only under a temporary HOME; "run all cells" is retried when it is ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "notebooks" / "quickstart.ipynb"
+CHROMIUM = os.environ.get("ASYNCRL_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--disable-background-networking", "--disable-component-update", "--disable-default-apps", "--disable-sync",
+    "--disable-extensions", "--disable-breakpad", "--disable-dev-shm-usage", "--disable-gpu", "--no-first-run",
+    "--metrics-recording-only", "--mute-audio", "--password-store=basic",
+]
+SETTINGS = {  # JupyterLab user settings: no news notice, no update check, every cell rendered
+    "@jupyterlab/apputils-extension/notification.jupyterlab-settings": {"fetchNews": "false", "checkForUpdates": False},
+    "@jupyterlab/notebook-extension/tracker.jupyterlab-settings": {"windowingMode": "none"},
+}
+SERVER_TIMEOUT_S = 60
+FIRST_CELL_TIMEOUT_S = 90  # the imports cell
+RUN_TIMEOUT_S = 240  # the whole notebook on a busy 2-core machine (about 30 s when idle)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    """A JupyterLab server on a free localhost port, serving a copy of the quickstart notebook; yields its URL."""
+    pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
+    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    tmp = tmp_path_factory.mktemp("lab")
+    work, home = tmp / "work", tmp / "home"
+    work.mkdir()
+    home.mkdir()
+    shutil.copy(NOTEBOOK, work / "quickstart.ipynb")
+    settings = tmp / "settings"
+    for name, values in SETTINGS.items():
+        path = settings / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(values))
+    env = dict(
+        os.environ,
+        HOME=str(home),
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_DATA_DIR=str(tmp / "data"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(settings),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+        IPYTHONDIR=str(tmp / "ipython"),
+        MPLCONFIGDIR=str(tmp / "mpl"),
+        MPLBACKEND="Agg",
+        HF_HUB_OFFLINE="1",
+        # the python3 kernelspec runs "python" from PATH: make it this environment's
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
+    port, token = _free_port(), "asyncrl-browser-test"
+    log = open(tmp / "jupyterlab.log", "w")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
+         "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={work}",
+         "--LabApp.expose_app_in_browser=True", "--LabApp.extension_manager=readonly",
+         "--ServerApp.terminals_enabled=False", "--allow-root"],
+        env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + SERVER_TIMEOUT_S
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if server.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"JupyterLab did not start:\n{(tmp / 'jupyterlab.log').read_text()[-3000:]}")
+            time.sleep(0.3)
+        yield {"url": url, "token": token, "log": tmp / "jupyterlab.log"}
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        log.close()
+
+
+def _first_prompt(page) -> str:
+    return page.locator(".jp-CodeCell .jp-InputArea-prompt").first.inner_text().strip()
+
+
+def _command(page, command: str, args: dict | None = None) -> None:
+    """Start a JupyterLab command without awaiting its promise (run-all's resolves only when every cell is done, and
+    never when the request is ignored)."""
+    page.evaluate("([command, args]) => { window.jupyterapp.commands.execute(command, args); }", [command, args or {}])
+
+
+def _open_notebook(page, lab) -> None:
+    """Open JupyterLab, wait until it knows the kernelspecs, then open the notebook and wait for its kernel. (Opened
+    straight from its URL on a slow machine, the notebook can race the kernelspec request and raise a "Select
+    Kernel" dialog; should one appear anyway, accept it: it offers the notebook's own python3.)"""
+    page.goto(f"{lab['url']}/lab?reset&token={lab['token']}")
+    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.commands.hasCommand('docmanager:open')",
+                           timeout=90_000)
+    page.evaluate("() => { window.jupyterapp.restored.then(() => { window.asyncrlRestored = true; }); }")
+    page.wait_for_function(
+        "() => window.asyncrlRestored && window.jupyterapp.serviceManager.kernelspecs.specs"
+        " && window.jupyterapp.serviceManager.kernelspecs.specs.kernelspecs.python3",
+        timeout=90_000,
+    )
+    notebook = page.locator(".jp-NotebookPanel")
+    for _attempt in range(3):
+        _command(page, "docmanager:open", {"path": "quickstart.ipynb"})
+        try:
+            notebook.first.wait_for(timeout=20_000)
+            break
+        except Exception:  # playwright's TimeoutError: ask again
+            continue
+    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    dialog = page.locator(".jp-Dialog")
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        if dialog.count():
+            dialog.first.locator(".jp-Dialog-button.jp-mod-accept").click()
+            time.sleep(1)
+        elif idle.count():
+            time.sleep(1)  # still idle and no late dialog: ready
+            if idle.count() and not dialog.count():
+                return
+        time.sleep(0.25)
+    pytest.fail(f"the notebook's kernel did not become idle; server log:\n{lab['log'].read_text()[-3000:]}")
+
+
+def _dismiss_dialogs(page) -> None:
+    """Close any JupyterLab dialog with its cancel button; for "Select Kernel" that changes nothing."""
+    for _ in range(3):
+        dialog = page.locator(".jp-Dialog")
+        if not dialog.count():
+            return
+        dialog.first.locator(".jp-Dialog-button.jp-mod-reject").click()
+        time.sleep(0.3)
+
+
+def _run_all(page) -> None:
+    """Run all cells and wait until the first code cell has finished. JupyterLab occasionally ignores the request
+    right after the kernel goes idle (the prompt stays ``[ ]:``), and once in a while its session swaps kernels just
+    after start, leaving the queued cells at ``[*]:`` on a kernel that is gone; in both cases ask again."""
+    for _attempt in range(3):
+        _command(page, "notebook:run-all-cells")
+        started = time.monotonic()
+        while time.monotonic() - started < FIRST_CELL_TIMEOUT_S:
+            prompt = _first_prompt(page)
+            if re.fullmatch(r"\[\d+\]:", prompt):
+                return
+            if prompt in ("[ ]:", "") and time.monotonic() - started > 10:
+                break  # ignored
+            time.sleep(0.25)
+    pytest.fail(f"'run all cells' did not run the first cell in 3 attempts (its prompt: {_first_prompt(page)!r})")
+
+
+def _wait_for_dashboard(page, lab) -> None:
+    """Until the dashboard is drawn; fail early, with the error, if a cell raised."""
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    dashboard = page.locator(".asyncrl-dashboard .asyncrl-buffer img")
+    errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
+    while time.monotonic() < deadline:
+        if errors.count():
+            pytest.fail(f"a notebook cell raised:\n{errors.first.inner_text()[-3000:]}")
+        if dashboard.count() and dashboard.first.get_attribute("src"):
+            return
+        time.sleep(0.5)
+    pytest.fail(f"the dashboard did not appear within {RUN_TIMEOUT_S} s; server log:\n{lab['log'].read_text()[-3000:]}")
+
+
+def _wait_until(predicate, timeout_s: float, message: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    pytest.fail(message)
+
+
+def test_dashboard_train_tick_updates_buffer_and_verdicts(lab):
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 1400})
+        page.set_default_timeout(60_000)
+        try:
+            _open_notebook(page, lab)
+            if page.locator("#jp-left-stack").is_visible():  # more room for the notebook
+                _command(page, "application:toggle-left-area")
+            _run_all(page)
+            _wait_for_dashboard(page, lab)
+            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+            _dismiss_dialogs(page)
+
+            dash = page.locator(".asyncrl-dashboard")
+            image = dash.locator(".asyncrl-buffer img")
+            table = dash.locator(".asyncrl-verdict-table")
+            report = dash.locator(".asyncrl-report")
+            def views():
+                return image.get_attribute("src"), table.inner_text(), report.inner_text()
+
+            before = views()
+            dash.locator(".asyncrl-train-tick").click()
+
+            def changed():
+                now = views()
+                return now if now[0] != before[0] and now[1] != before[1] else None
+
+            _, _, text = _wait_until(changed, 60, "the buffer view and the verdict table did not both change")
+            assert text.startswith("train T=") and "selected 8" in text and "step finished" in text, text
+
+            screenshot = os.environ.get("ASYNCRL_SCREENSHOT")
+            if screenshot:
+                _save_screenshot(page, dash, Path(screenshot))
+        except BaseException:  # keep what is needed to see why, outside pytest's rotating temp dirs
+            keep = Path(tempfile.gettempdir()) / "asyncrl-browser-test"
+            keep.mkdir(exist_ok=True)
+            shutil.copy(lab["log"], keep / "jupyterlab.log")
+            page.screenshot(path=str(keep / "failure.png"), timeout=10_000)
+            print(f"browser test failed: page and JupyterLab log in {keep}")
+            raise
+        finally:
+            browser.close()
+
+
+def _save_screenshot(page, dash, path: Path) -> None:
+    """The dashboard and the markdown cell introducing it, at the top of a 1280-wide page, cut below the dashboard;
+    a PNG under 500 KB."""
+    cell = page.locator(".jp-Cell", has=page.locator(".asyncrl-dashboard"))
+    intro = cell.locator("xpath=preceding-sibling::div[contains(@class, 'jp-Cell')][1]")
+    (intro if intro.count() else cell).evaluate("el => el.scrollIntoView({block: 'start'})")
+    page.mouse.move(0, 0)  # no hover highlight
+    time.sleep(0.5)
+    box = dash.bounding_box()
+    height = min(1400, int(box["y"] + box["height"] + 24))
+    path = path if path.is_absolute() else ROOT / path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), clip={"x": 0, "y": 0, "width": 1280, "height": height})
+    if path.stat().st_size > 500_000:
+        from PIL import Image
+
+        Image.open(path).convert("RGB").quantize(colors=256).save(path, optimize=True)
+    assert path.stat().st_size < 500_000

@@ -1,0 +1,194 @@
+"""The notebook layer without a browser: plain renderings (DataFrames, Figures) and a headless widget smoke test
+(build the Dashboard, click its buttons with ``.click()``, check every view updates).
+
+Controllers here use the simulated backends: the views only read the controller, so a model is not needed."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("MPLBACKEND", "Agg")
+pytest.importorskip("matplotlib")
+
+import widgets  # noqa: E402
+from asyncrl import Controller, load_config  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+SIMULATED = {"generation": {"backend": "simulated"}, "trainer": {"backend": "simulated"}, "eval_every": None}
+
+
+def make(sampler=None, **overrides) -> Controller:
+    cfg = {**SIMULATED, **overrides}
+    if sampler is not None:
+        cfg["sampler"] = sampler
+    return Controller.from_config(load_config("quickstart", **cfg))
+
+
+def play(ctrl, pattern: str) -> None:
+    for tick in pattern:
+        ctrl.rollout_tick() if tick == "r" else ctrl.train_tick()
+
+
+# ------------------------------------------------------------------------------------------- plain renderings
+def test_buffer_table_counts_ready_then_selected_this_step():
+    ctrl = make()  # in_order, lookahead 1: two batches fit
+    play(ctrl, "rr")
+    table = widgets.buffer_table(ctrl)
+    assert list(table.columns) == ["ready", "pending", "selected", "evicted"]
+    assert table.loc[0].to_dict() == {"ready": 16, "pending": 0, "selected": 0, "evicted": 0}
+    play(ctrl, "t")  # step 0 finished: "this step" falls back to the step that just finished
+    assert ctrl.trainer_version == 1
+    assert widgets.buffer_table(ctrl).loc[0].to_dict() == {"ready": 8, "pending": 0, "selected": 8, "evicted": 0}
+    play(ctrl, "rt")  # step 1 trains batch 1 (version 0); batch 2 was generated with weights 1
+    table = widgets.buffer_table(ctrl)
+    assert table.loc[0, "selected"] == 8 and table.loc[0, "ready"] == 0
+    assert table.loc[1].to_dict() == {"ready": 8, "pending": 0, "selected": 0, "evicted": 0}
+
+
+def test_buffer_table_shows_evictions_of_this_step():
+    ctrl = make({"name": "windowed", "max_staleness_versions": 1})
+    play(ctrl, "rrrtt")  # a third batch at version 0 is too stale once T = 2
+    play(ctrl, "t")
+    events = widgets.step_events(ctrl)
+    assert set(events.event) == {"evict"} and len(events) == 8
+    table = widgets.buffer_table(ctrl)
+    assert table.loc[0, "evicted"] == 8 and table["ready"].sum() == 0
+
+
+def test_verdict_table_filters_by_action():
+    ctrl = make()
+    play(ctrl, "rr")
+    all_verdicts = widgets.verdict_table(ctrl)
+    assert len(all_verdicts) == 16
+    assert list(all_verdicts.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
+    selected = widgets.verdict_table(ctrl, "select")
+    assert len(selected) == 8 and set(selected.action) == {"select"}
+    assert list(selected.index) == list(range(8))
+    assert widgets.verdict_table(ctrl, "evict").empty
+
+
+def test_lag_table_by_step():
+    ctrl = make()
+    play(ctrl, "rrtrt")
+    table = widgets.lag_table(ctrl)
+    assert table.to_dict() == {0: {0: 8, 1: 0}, 1: {0: 0, 1: 8}}
+    assert widgets.lag_table(make()).empty
+
+
+def test_figures_before_and_after_steps():
+    ctrl = make()
+    for fig in (widgets.buffer_figure(ctrl), widgets.metrics_figure(ctrl)):  # nothing happened yet: no crash
+        assert isinstance(fig, Figure)
+    play(ctrl, "rrtrtrt")
+    buffer_fig = widgets.buffer_figure(ctrl)
+    (ax,) = buffer_fig.axes
+    assert "T=3" in ax.get_title()
+    assert any(text.get_text() == "T = 3" for text in ax.get_legend().get_texts())
+    assert any(text.get_text().startswith("window [") for text in ax.get_legend().get_texts())
+    metrics_fig = widgets.metrics_figure(ctrl)
+    assert [a.get_title() for a in metrics_fig.axes] == ["reward", "lag of trained groups, by step", "throughput"]
+    assert len(metrics_fig.axes[0].lines) >= 2  # batch reward and its running mean
+
+
+def test_custom_sampler_without_window_renders():
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    try:
+        ctrl = make({"name": "custom", "target": "my_sampler:NewestFirst", "max_lag": 1})
+        play(ctrl, "rrtrtt")
+        assert isinstance(widgets.buffer_figure(ctrl), Figure)
+        verdicts = widgets.verdict_table(ctrl)
+        assert set(verdicts.action) <= {"select", "evict", "keep"}
+    finally:
+        sys.path.remove(str(ROOT / "notebooks"))
+
+
+# ----------------------------------------------------------------------------------------------- boundaries
+def test_asyncrl_does_not_import_widgets_and_widgets_imports_ipywidgets_lazily():
+    code = (
+        "import sys, asyncrl, asyncrl.controller, asyncrl.samplers\n"
+        "assert 'widgets' not in sys.modules and 'ipywidgets' not in sys.modules, 'asyncrl imported jupyter'\n"
+        "import widgets\n"
+        "assert 'ipywidgets' not in sys.modules, 'plain renderings imported ipywidgets'\n"
+        "widgets.Dashboard\n"
+        "assert 'ipywidgets' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "MPLBACKEND": "Agg"})
+
+
+def test_widgets_use_only_the_controller_public_api():
+    """No ``ctrl._private`` access, and the buffer only through ``state()`` (its ``summary()``)."""
+    for path in (ROOT / "widgets").glob("*.py"):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                base = ast.unparse(node.value)
+                assert "ctrl" not in base, f"{path.name}: {ast.unparse(node)} reaches into the controller"
+            if isinstance(node, ast.Attribute) and node.attr == "buffer":
+                assert "ctrl" not in ast.unparse(node.value), f"{path.name}: {ast.unparse(node)}"
+
+
+# --------------------------------------------------------------------------------------- headless widgets
+def test_dashboard_buttons_update_every_view():
+    pytest.importorskip("ipywidgets")
+    ctrl = make()
+    dash = widgets.Dashboard(ctrl, steps=2)
+    assert {"asyncrl-dashboard"} <= set(dash._dom_classes)
+    buffer, table, metrics = dash.buffer.image.value, dash.verdicts.table.value, dash.metrics.image.value
+    assert "no tick yet" in dash.controls.report.value
+
+    dash.controls.buttons["rollout"].click()
+    assert "rollout T=0" in dash.controls.report.value and "dispatched 8" in dash.controls.report.value
+    assert dash.buffer.image.value != buffer and dash.verdicts.table.value != table
+    dash.controls.buttons["rollout"].click()
+
+    buffer, table = dash.buffer.image.value, dash.verdicts.table.value
+    dash.controls.buttons["train"].click()
+    assert ctrl.trainer_version == 1
+    assert "train T=1" in dash.controls.report.value and "step finished" in dash.controls.report.value
+    assert dash.buffer.image.value != buffer and dash.verdicts.table.value != table
+    assert dash.metrics.image.value != metrics
+
+    dash.controls.buttons["tick"].click()
+    assert ctrl.trainer_version == 2 and "tick T=2" in dash.controls.report.value
+
+    dash.controls.buttons["run"].click()  # N = 2
+    assert ctrl.trainer_version == 4 and "run T=2→4" in dash.controls.report.value
+    assert not any(b.disabled for b in dash.controls.buttons.values())
+
+
+def test_verdict_filter_and_counts():
+    pytest.importorskip("ipywidgets")
+    ctrl = make()
+    play(ctrl, "rr")
+    view = widgets.VerdictTable(ctrl)
+    assert [label for label, _ in view.filter.options] == ["all (16)", "select (8)", "evict (0)", "keep (8)"]
+    view.filter.value = "keep"
+    assert view.table.value.count("wrong_target_step") == 8 and "selected as" not in view.table.value
+    play(ctrl, "t")
+    view.refresh()  # the chosen filter survives a refresh; the counts follow the buffer
+    assert view.filter.value == "keep"
+    assert [label for label, _ in view.filter.options] == ["all (8)", "select (8)", "evict (0)", "keep (0)"]
+    assert "no buffered groups with action keep" in view.table.value
+
+
+def test_a_failing_action_is_reported_not_raised():
+    pytest.importorskip("ipywidgets")
+    ctrl = make()
+
+    def broken():
+        raise RuntimeError("backend went away")
+
+    ctrl.train_tick = broken  # the buttons bind the controller's methods when the controls are built
+    controls = widgets.StepControls(ctrl)
+    refreshed = []
+    controls.on_action(lambda: refreshed.append(True))
+    controls.buttons["train"].click()
+    assert "RuntimeError: backend went away" in controls.report.value
+    assert refreshed == [True] and not controls.buttons["train"].disabled

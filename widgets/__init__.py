@@ -1,0 +1,41 @@
+"""Notebook views of an ``asyncrl.Controller``: step it, watch its buffer by weight version, read its sampler's
+verdicts, and plot its metrics.
+
+Plain renderings (pandas DataFrames and matplotlib Figures, for static notebooks and scripts)::
+
+    widgets.buffer_figure(ctrl)    widgets.buffer_table(ctrl)
+    widgets.verdict_table(ctrl, action="evict")
+    widgets.metrics_figure(ctrl)   widgets.lag_table(ctrl)
+
+Interactive views (ipywidgets): ``StepControls``, ``BufferView``, ``VerdictTable``, ``MetricsView`` and
+``Dashboard(ctrl)`` composing them. Only the controller's public read API and its stepping/run methods are used.
+"""
+
+from widgets.render import (
+    buffer_figure,
+    buffer_table,
+    draw_buffer,
+    draw_lags,
+    draw_reward,
+    draw_throughput,
+    lag_table,
+    metrics_figure,
+    step_events,
+    verdict_table,
+)
+
+_VIEWS = ("StepControls", "BufferView", "VerdictTable", "MetricsView", "Dashboard")
+
+
+def __getattr__(name: str):
+    if name in _VIEWS:  # ipywidgets is imported only when a view is asked for
+        from widgets import views
+
+        return getattr(views, name)
+    raise AttributeError(f"module 'widgets' has no attribute {name!r}")
+
+
+__all__ = [
+    "buffer_figure", "buffer_table", "draw_buffer", "draw_lags", "draw_reward", "draw_throughput", "lag_table",
+    "metrics_figure", "step_events", "verdict_table", *_VIEWS,
+]

@@ -1,0 +1,185 @@
+"""Plain renderings of a controller: pandas DataFrames and matplotlib Figures, no ipywidgets.
+
+Everything here reads the controller's public read API only (``state()``, ``trace``, ``metrics``, ``explain()``),
+so it works on any controller, stepped or running, and shows in static renderings of a notebook.
+
+Figures are built with ``matplotlib.figure.Figure`` (not pyplot): nothing is kept in pyplot's global registry,
+so a figure shows exactly once when it is a cell's value, and never leaks.
+"""
+
+from __future__ import annotations
+
+import io
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+# Colours of the buffer states (stack order, bottom to top).
+STATES = {
+    "ready": "#4C72B0",
+    "pending": "#B0C4DE",
+    "selected": "#55A868",
+    "evicted": "#C44E52",
+}
+LABELS = {
+    "ready": "ready",
+    "pending": "pending",
+    "selected": "selected this step",
+    "evicted": "evicted / aborted this step",
+}
+
+
+def step_events(ctrl) -> pd.DataFrame:
+    """The select, evict and abort events of the current step, or, when the current step has none yet (it just
+    started), those of the step that just finished. This is what "selected / evicted this step" means."""
+    trace = ctrl.trace
+    events = trace[trace.event.isin(["select", "evict", "abort"])]
+    T = ctrl.trainer_version
+    # select/evict are stamped with the T they ran at; an abort happens just after T += 1, so it counts for T - 1.
+    step = events.trainer_version - (events.event == "abort").astype(int)
+    current = events[step == T]
+    return current if not current.empty else events[step == T - 1]
+
+
+def buffer_table(ctrl) -> pd.DataFrame:
+    """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now) and ``selected`` / ``evicted``
+    (taken out this step; evicted includes aborted), one row per version."""
+    summary = ctrl.state()["buffer"]
+    table = pd.DataFrame(
+        {"pending": summary["pending"], "ready": summary["ready"]}, index=summary.index, dtype="int64"
+    )
+    events = step_events(ctrl)
+    for column, kinds in (("selected", ["select"]), ("evicted", ["evict", "abort"])):
+        counts = events[events.event.isin(kinds)].weight_version.astype(int).value_counts()
+        table = table.reindex(table.index.union(counts.index), fill_value=0)
+        table[column] = counts.reindex(table.index, fill_value=0).astype("int64")
+    table.index.name = "weight_version"
+    return table[list(STATES)]
+
+
+def draw_buffer(ctrl, ax) -> None:
+    """The buffer view on a matplotlib Axes: stacked bars by weight version, ``T`` and the window marked."""
+    state = ctrl.state()
+    table = buffer_table(ctrl)
+    T, lo = state["trainer_version"], state["lower_bound"]
+    versions = list(table.index) + [T] + ([lo] if lo is not None else [])
+    x0, x1 = min(versions), max(versions)
+    if lo is not None:
+        ax.axvspan(lo - 0.45, T + 0.45, color="#F2C14E", alpha=0.25, lw=0, label=f"window [{lo}, {T}]")
+    bottom = pd.Series(0, index=table.index)
+    for column, colour in STATES.items():
+        if table[column].any():
+            ax.bar(table.index, table[column], bottom=bottom, color=colour, width=0.7, label=LABELS[column])
+            bottom = bottom + table[column]
+    ax.axvline(T, color="#333333", ls="--", lw=1.2, label=f"T = {T}")
+    ax.set_xlim(x0 - 0.6, x1 + 0.6)
+    ax.set_xticks(range(x0, x1 + 1))
+    top = max(int(bottom.max()) if len(bottom) else 0, 1)
+    ax.set_ylim(0, top * 1.1)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("prompt groups")
+    held = int(table["pending"].sum() + table["ready"].sum())
+    ax.set_title(
+        f"{state['sampler']}: T={T}, generator at {state['generation_version']}, "
+        f"{held}/{state['capacity']} slots, {state['inflight']} in flight",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def buffer_figure(ctrl, figsize=(7.2, 3.4)) -> Figure:
+    """The buffer view as a Figure (see ``draw_buffer``)."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    draw_buffer(ctrl, fig.add_subplot())
+    return fig
+
+
+def verdict_table(ctrl, action: str | None = None) -> pd.DataFrame:
+    """The sampler's verdicts for the current buffer (``ctrl.explain()``), optionally only one ``action``
+    (``select``, ``evict`` or ``keep``)."""
+    verdicts = ctrl.explain()
+    if action is not None:
+        verdicts = verdicts[verdicts.action == action]
+    return verdicts.reset_index(drop=True)
+
+
+def lag_table(ctrl) -> pd.DataFrame:
+    """Groups trained per step (rows) by lag ``T - weight_version`` (columns), from the trace's select events."""
+    trace = ctrl.trace
+    selected = trace[trace.event == "select"]
+    if selected.empty:
+        return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
+    table = pd.crosstab(selected.trainer_version.astype(int), selected.lag.astype(int))
+    table.index.name, table.columns.name = "step", "lag"
+    return table
+
+
+def draw_reward(ctrl, ax) -> None:
+    metrics = ctrl.metrics
+    ax.set_title("reward", fontsize=10)
+    ax.set_xlabel("step")
+    if metrics.empty:
+        ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        return
+    ax.plot(metrics.step, metrics.reward_mean, color="#4C72B0", lw=1, alpha=0.5, label="reward (batch)")
+    smooth = metrics.reward_mean.rolling(10, min_periods=1).mean()
+    ax.plot(metrics.step, smooth, color="#4C72B0", lw=2, label="reward (10-step mean)")
+    if "eval_accuracy" in metrics:
+        evals = metrics.dropna(subset=["eval_accuracy"])
+        ax.plot(evals.step, evals.eval_accuracy, "o-", color="#DD8452", ms=4, label="eval accuracy")
+        bar = getattr(getattr(ctrl, "task", None), "constant_answer_accuracy", None)
+        if bar is not None:  # the best any prompt-independent answer scores: learning is judged against it
+            ax.axhline(bar, color="#DD8452", ls=":", lw=1, label=f"best constant answer ({bar:.2f})")
+    ax.set_ylim(-0.02, 1.02)
+    ax.legend(fontsize=8, loc="upper left", frameon=False)
+
+
+def draw_lags(ctrl, ax) -> None:
+    """Lag distribution by step: a 2-D histogram (step × lag, shade = groups trained) with the mean lag on top."""
+    table = lag_table(ctrl)
+    ax.set_title("lag of trained groups, by step", fontsize=10)
+    ax.set_xlabel("step")
+    if table.empty:
+        ax.text(0.5, 0.5, "nothing trained yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        return
+    steps = range(int(table.index.min()), int(table.index.max()) + 1)
+    lags = range(0, int(table.columns.max()) + 1)
+    grid = table.reindex(index=steps, columns=lags, fill_value=0).T
+    ax.pcolormesh([s - 0.5 for s in [*steps, steps[-1] + 1]], [lag - 0.5 for lag in [*lags, lags[-1] + 1]],
+                  grid.values, cmap="Blues", vmin=0, shading="flat")
+    mean = (grid.mul(list(lags), axis=0).sum() / grid.sum().where(grid.sum() > 0))
+    ax.plot(list(steps), mean.values, color="#C44E52", lw=1.5, label="mean lag")
+    ax.set_yticks(list(lags))
+    ax.set_ylabel("lag (T - weight version)")
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def draw_throughput(ctrl, ax) -> None:
+    metrics = ctrl.metrics
+    ax.set_title("throughput", fontsize=10)
+    ax.set_xlabel("step")
+    if metrics.empty:
+        ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        return
+    ax.plot(metrics.step, metrics.tokens_per_s, color="#8172B3", lw=1.5)
+    ax.set_ylabel("tokens / s")
+    ax.set_ylim(bottom=0)
+
+
+def metrics_figure(ctrl, figsize=(12.8, 3.0)) -> Figure:
+    """Reward over steps, lag distribution by step, and throughput, side by side."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    axes = fig.subplots(1, 3)
+    draw_reward(ctrl, axes[0])
+    draw_lags(ctrl, axes[1])
+    draw_throughput(ctrl, axes[2])
+    return fig
+
+
+def png(fig: Figure, dpi: int = 80) -> bytes:
+    """A Figure as PNG bytes (deterministic for the same drawing)."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    return buf.getvalue()

@@ -1,0 +1,183 @@
+"""ipywidgets views of a controller: step controls, buffer, verdicts, metrics, and the ``Dashboard`` of all four.
+
+Each view is an ipywidgets box with a ``refresh()`` that redraws it from the controller's read API. Figures are
+shown as PNG ``Image`` widgets (not drawn inside an ``Output``), so they render the same in JupyterLab, in an
+executed notebook and under nbval. Every view has a stable CSS class (``asyncrl-...``) for browser tests.
+"""
+
+from __future__ import annotations
+
+import html
+import traceback
+from collections.abc import Callable
+
+import ipywidgets as W
+
+from widgets import render
+
+
+TABLE_CSS = (
+    "<style>.asyncrl-table{border-collapse:collapse;font-size:12px}"
+    ".asyncrl-table th,.asyncrl-table td{padding:1px 6px;text-align:left!important;vertical-align:top;"
+    "line-height:1.35;white-space:nowrap}"
+    ".asyncrl-table td:last-child{white-space:normal;min-width:18em}"
+    ".asyncrl-table tr:nth-child(even){background:rgba(127,127,127,.08)}</style>"
+)
+
+
+class StepControls(W.VBox):
+    """Buttons "Rollout tick", "Train tick", "Tick" and "Run N steps"; the last action's report beside them.
+    ``on_action(callback)`` registers a callable run after every action (the dashboard refreshes its views)."""
+
+    def __init__(self, ctrl, steps: int = 10):
+        self.ctrl = ctrl
+        self._callbacks: list[Callable[[], None]] = []
+        self.buttons = {
+            "rollout": self._button("Rollout tick", "asyncrl-rollout-tick", "one rollout tick: admit, dispatch, commit"),
+            "train": self._button("Train tick", "asyncrl-train-tick", "one train tick: evict, select, train"),
+            "tick": self._button("Tick", "asyncrl-tick", "a rollout tick, then a train tick"),
+            "run": self._button("Run N steps", "asyncrl-run", "run N optimizer steps with both pumps"),
+        }
+        self.steps = W.BoundedIntText(value=steps, min=1, max=100_000, description="N",
+                                      style={"description_width": "initial"}, layout=W.Layout(width="140px"))
+        self.steps.add_class("asyncrl-run-steps")
+        self.report = W.HTML()
+        self.report.add_class("asyncrl-report")
+        actions = {"rollout": ctrl.rollout_tick, "train": ctrl.train_tick, "tick": ctrl.tick, "run": self._run}
+        for key, button in self.buttons.items():
+            button.on_click(lambda _button, action=actions[key]: self._act(action))
+        row = W.HBox([*self.buttons.values(), self.steps])
+        super().__init__([row, self.report])
+        self.add_class("asyncrl-controls")
+        self._show(self._last_report())
+
+    @staticmethod
+    def _button(label: str, css: str, tooltip: str) -> W.Button:
+        button = W.Button(description=label, tooltip=tooltip, layout=W.Layout(width="auto"))
+        button.add_class(css)
+        return button
+
+    def on_action(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+
+    def _run(self) -> str:
+        before = self.ctrl.trainer_version
+        ran = self.ctrl.run(self.steps.value, progress=False)
+        if ran.empty:
+            return f"run: no step finished (T={before})"
+        return (f"run T={before}→{self.ctrl.trainer_version} | {len(ran)} steps | reward "
+                f"{ran.reward_mean.iloc[0]:.3f}→{ran.reward_mean.iloc[-1]:.3f} | lag mean {ran.lag_mean.mean():.2f}")
+
+    def _act(self, action: Callable) -> None:
+        for button in self.buttons.values():
+            button.disabled = True
+        try:
+            self._show(str(action()))
+        except Exception as exc:  # shown where the user looks, not lost in a log console
+            self._show(f"{type(exc).__name__}: {exc}", error=traceback.format_exc())
+        finally:
+            for button in self.buttons.values():
+                button.disabled = False
+            for callback in self._callbacks:
+                callback()
+
+    def _last_report(self) -> str:
+        report = self.ctrl.state()["last_report"]
+        return str(report) if report is not None else f"T={self.ctrl.trainer_version}: no tick yet"
+
+    def _show(self, text: str, error: str | None = None) -> None:
+        colour = "#C44E52" if error else "inherit"
+        title = f' title="{html.escape(error)}"' if error else ""
+        self.report.value = f'<code style="color:{colour}"{title}>{html.escape(text)}</code>'
+
+    def refresh(self) -> None:
+        """Nothing to redraw: the report changes only with an action."""
+
+
+class BufferView(W.VBox):
+    """Slot counts by weight version, stacked pending / ready / selected this step / evicted this step, with ``T``
+    and the sampler's window marked."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+        self.image = W.Image(format="png")
+        self.image.add_class("asyncrl-buffer-image")
+        super().__init__([self.image])
+        self.add_class("asyncrl-buffer")
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.image.value = render.png(render.buffer_figure(self.ctrl), dpi=88)
+
+
+class VerdictTable(W.VBox):
+    """The sampler's verdict for every buffered group (``explain()``), filterable by action."""
+
+    def __init__(self, ctrl, max_height: str = "300px"):
+        self.ctrl = ctrl
+        self.filter = W.Dropdown(description="action", layout=W.Layout(width="220px"))
+        self.filter.add_class("asyncrl-verdict-filter")
+        self.table = W.HTML(layout=W.Layout(max_height=max_height, overflow="auto"))
+        self.table.add_class("asyncrl-verdict-table")
+        self._updating = False
+        self.filter.observe(lambda _change: self._updating or self._draw(), names="value")
+        super().__init__([self.filter, self.table], layout=W.Layout(flex="1 1 auto", min_width="0"))
+        self.add_class("asyncrl-verdicts")
+        self.refresh()
+
+    def refresh(self) -> None:
+        counts = render.verdict_table(self.ctrl).action.value_counts()
+        options = [(f"all ({int(counts.sum())})", "all")]
+        options += [(f"{a} ({int(counts.get(a, 0))})", a) for a in ("select", "evict", "keep")]
+        current = self.filter.value or "all"
+        self._updating = True  # new counts in the labels; keep the chosen action
+        try:
+            self.filter.options = options
+            self.filter.value = current
+        finally:
+            self._updating = False
+        self._draw()
+
+    def _draw(self) -> None:
+        action = None if self.filter.value in (None, "all") else self.filter.value
+        frame = render.verdict_table(self.ctrl, action)
+        T = self.ctrl.trainer_version
+        if frame.empty:
+            self.table.value = f"<p>T={T}: no buffered groups{'' if action is None else f' with action {action}'}</p>"
+            return
+        rows = frame.drop(columns=["state"]).to_html(index=False, na_rep="", border=0, classes="asyncrl-table")
+        self.table.value = f"{TABLE_CSS}<p><b>verdicts at T={T}</b>: what evict / select would do now</p>{rows}"
+
+
+class MetricsView(W.VBox):
+    """Reward over steps, lag distribution by step, throughput."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+        self.image = W.Image(format="png")
+        self.image.add_class("asyncrl-metrics-image")
+        super().__init__([self.image])
+        self.add_class("asyncrl-metrics")
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.image.value = render.png(render.metrics_figure(self.ctrl))
+
+
+class Dashboard(W.VBox):
+    """Step controls above the buffer view and the verdict table, with the metric plots below; every action
+    refreshes every view."""
+
+    def __init__(self, ctrl, steps: int = 10):
+        self.ctrl = ctrl
+        self.controls = StepControls(ctrl, steps=steps)
+        self.buffer = BufferView(ctrl)
+        self.verdicts = VerdictTable(ctrl)
+        self.metrics = MetricsView(ctrl)
+        self.controls.on_action(self.refresh)
+        super().__init__([self.controls, W.HBox([self.buffer, self.verdicts]), self.metrics])
+        self.add_class("asyncrl-dashboard")
+
+    def refresh(self) -> None:
+        for view in (self.controls, self.buffer, self.verdicts, self.metrics):
+            view.refresh()
