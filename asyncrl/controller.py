@@ -33,7 +33,7 @@ from asyncrl.algorithms import make_train_batch
 from asyncrl.backends.base import GenerationRequest, GroupRollouts
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
-from asyncrl.samplers import Admission, build_sampler, explain_frame
+from asyncrl.samplers import Admission, SamplerBase, build_sampler, explain_frame
 
 STALL_S = 10.0  # run() gives up when nothing is in flight and neither pump has moved for this long
 
@@ -344,7 +344,7 @@ class Controller:
                         raise RuntimeError(
                             f"stalled at T={self.trainer_version}: nothing in flight, the rollout pump cannot "
                             f"dispatch ({getattr(self.last_report, 'note', '')}) and select waits; verdicts:\n"
-                            + explain_frame(self.sampler.explain(self.trainer_version)).to_string(max_rows=20)
+                            + self.explain().to_string(max_rows=20)
                         )
                     self._changed.wait(0.05)
 
@@ -412,9 +412,15 @@ class Controller:
         return self.generator.version
 
     def explain(self) -> pd.DataFrame:
-        """The sampler's verdict for every buffered group now, as a table. Changes nothing."""
+        """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
+        chunk bounds), as a table. Changes nothing."""
         with self._lock:
-            return explain_frame(self.sampler.explain(self.trainer_version))
+            T = self.trainer_version
+            if not isinstance(self.sampler, SamplerBase):  # a custom sampler's explain takes only T
+                return explain_frame(self.sampler.explain(T))
+            remaining = self.cfg.groups_per_step - self._step["groups"]
+            lo, hi = self.cfg.chunk_bounds
+            return explain_frame(self.sampler.explain(T, min(lo, remaining), min(hi, remaining)))
 
     def state(self) -> dict[str, Any]:
         """A consistent snapshot for widgets: versions, the buffer by version, verdicts, the last report."""
@@ -435,7 +441,7 @@ class Controller:
                 "groups_per_step": self.cfg.groups_per_step,
                 "data_position": self.data_position,
                 "exhausted": self.exhausted,
-                "verdicts": explain_frame(self.sampler.explain(T)),
+                "verdicts": self.explain(),
                 "last_report": self.last_report,
             }
 
