@@ -38,6 +38,19 @@ class ModelConfig(_Strict):
     hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
+    def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
+        """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
+        so the torch, Megatron and vLLM engines start from the same architecture and the same init."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings, attention_dropout=0.0,
+            pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+        )
+
 
 class GenerationConfig(_Strict):
     backend: Literal["torch", "vllm", "simulated"] = "torch"

@@ -58,26 +58,14 @@ __all__ = [
 def build_hf_config(model_cfg: Any, tokenizer: Any = None) -> Any:
     """The Hugging Face config of ``model_cfg``: read from ``hf_path`` when set, else a ``LlamaConfig`` built from
     the ``ModelConfig`` fields and the tokenizer (vocabulary size and special token ids)."""
-    from transformers import AutoConfig, LlamaConfig
+    from transformers import AutoConfig
 
     if getattr(model_cfg, "hf_path", None):
         return AutoConfig.from_pretrained(model_cfg.hf_path)
     if tokenizer is None:
         raise ValueError("a model built from ModelConfig (no hf_path) needs the tokenizer for its vocabulary")
-    return LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.intermediate_size,
-        num_hidden_layers=model_cfg.num_hidden_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_key_value_heads=model_cfg.num_key_value_heads,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        rope_theta=model_cfg.rope_theta,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    return model_cfg.llama_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
+                                  tokenizer.eos_token_id)
 
 
 def _hf_model_class(hf_config: Any) -> Any:

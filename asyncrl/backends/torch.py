@@ -57,28 +57,14 @@ def build_model(
     """A ``transformers.LlamaForCausalLM`` built from ``model_cfg`` with a random init that depends only on
     ``seed`` (the global torch RNG is left untouched), no dropout, in ``model_cfg.dtype`` on ``device``.
     With ``model_cfg.hf_path`` the weights come from that local checkpoint instead (no downloads)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     dtype = _DTYPES[model_cfg.dtype]
     if model_cfg.hf_path is not None:
         model = AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, dtype=dtype)
         return model.to(device)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=model_cfg.hidden_size,
-        intermediate_size=model_cfg.intermediate_size,
-        num_hidden_layers=model_cfg.num_hidden_layers,
-        num_attention_heads=model_cfg.num_attention_heads,
-        num_key_value_heads=model_cfg.num_key_value_heads,
-        max_position_embeddings=model_cfg.max_position_embeddings,
-        rope_theta=model_cfg.rope_theta,
-        tie_word_embeddings=model_cfg.tie_word_embeddings,
-        attention_dropout=0.0,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        use_cache=False,
-    )
+    config = model_cfg.llama_config(vocab_size, pad_token_id, bos_token_id, eos_token_id)
+    config.use_cache = False
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
