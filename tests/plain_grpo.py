@@ -20,15 +20,12 @@
     policy.begin_train_step(); policy.train_microbatches(batch); policy.finish_train_step()
     generator.load_weights(policy.export_weights(), t + 1)
 
-Group ids do not influence anything the generator computes. ``lag=1`` delays every weight sync by one step (the
-generator samples step ``t`` with version ``t-1``), which is what ``weight_fifo`` with ``W=1`` does when
-generation and training overlap; the token-level importance weight then corrects the staleness.
+Group ids do not influence anything the generator computes.
 """
 
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import torch
 
@@ -40,7 +37,7 @@ from asyncrl.tasks import PromptStream, build_task, evaluate
 from asyncrl.tokenizer import build_tokenizer
 
 
-def plain_grpo(cfg: Config, steps: int, lag: int = 0, eval_every: int | None = None):
+def plain_grpo(cfg: Config, steps: int, eval_every: int | None = None):
     """Run ``steps`` synchronous GRPO steps (see the module docstring); returns ``(policy, generator, history)``
     where ``history`` is a list of per-step dicts (the policy's step metrics plus ``step``, ``reward_mean``,
     ``step_time_s`` and, every ``eval_every`` steps and at the end, ``eval_reward``/``eval_accuracy`` of greedy
@@ -53,7 +50,6 @@ def plain_grpo(cfg: Config, steps: int, lag: int = 0, eval_every: int | None = N
     policy = TorchPolicy(cfg.model, cfg.trainer, cfg.loss, cfg.seed, tokenizer)
     generator = TorchGenerator(cfg.model, cfg.generation, cfg.seed, tokenizer)
     N, G = cfg.groups_per_step, cfg.group_size
-    pending_syncs: deque = deque()
     history = []
     for step in range(steps):
         start = time.perf_counter()
@@ -73,9 +69,7 @@ def plain_grpo(cfg: Config, steps: int, lag: int = 0, eval_every: int | None = N
         policy.begin_train_step()
         policy.train_microbatches(batch)
         metrics = policy.finish_train_step()
-        pending_syncs.append((policy.export_weights(), step + 1))
-        while len(pending_syncs) > lag:
-            generator.load_weights(*pending_syncs.popleft())
+        generator.load_weights(policy.export_weights(), step + 1)
         row = {
             "step": step,
             "reward_mean": sum(sum(g.rewards) for g in groups) / (N * G),
