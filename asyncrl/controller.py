@@ -18,7 +18,6 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
-import functools
 import math
 import threading
 import time
@@ -109,15 +108,19 @@ class Controller:
         self._trace: list[tuple] = []
         self._metrics: list[dict] = []
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
+        self._prompt_ids: dict[str, list[int]] = {}
         self._new_step()
         from asyncrl.backends.weight_sync import build_weight_sync
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
         self.sync_weights(0)
 
-    @functools.lru_cache(maxsize=1 << 16)  # prompts repeat every epoch; HF encode costs ~0.1 ms a call
     def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)  # the tokenizer adds <bos>
+        """Prompt token ids, cached per controller: prompts repeat every epoch and HF encode costs ~0.1 ms."""
+        ids = self._prompt_ids.get(text)
+        if ids is None:
+            ids = self._prompt_ids[text] = self.tokenizer.encode(text)  # the tokenizer adds <bos>
+        return ids
 
     @classmethod
     def from_config(cls, cfg: Config) -> Controller:
