@@ -102,6 +102,10 @@ class Config(_Strict):
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
     torch_threads: int | None = Field(None, ge=1)
+    # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
+    # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
+    # Generous by default, for slow generation on big models.
+    stall_timeout_s: float = Field(60.0, gt=0)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

@@ -2,7 +2,8 @@
 
 Read this file top to bottom: ``rollout_tick`` (admit, dispatch, collect, score, commit), ``train_tick`` (evict,
 select, logprobs, advantages, train, and at the end of a step: optimizer step, ``T += 1``, weight sync, abort),
-then ``run``, which drives the same two ticks from two threads so generation overlaps training.
+then ``start``/``run``, which drive the same two ticks from two threads so generation overlaps training (the loop,
+its pause/stop/breakpoints and its failure handling are in ``asyncrl.run_loop``).
 
 Invariants:
 - The pumps never encode a policy: every admit/select/evict/abort decision is the sampler's.
@@ -18,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -32,13 +34,13 @@ from asyncrl.algorithms import make_train_batch
 from asyncrl.backends.base import GenerationRequest, GroupRollouts
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
+from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, SamplerBase, build_sampler, explain_frame
-
-STALL_S = 10.0  # run() gives up when nothing is in flight and neither pump has moved for this long
 
 TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
 ]
+TRACE_EVENTS = ("admit", "dispatch", "commit", "evict", "select", "train", "sync", "abort", "step", "fault", "skip")
 
 
 @dataclass
@@ -84,6 +86,20 @@ def _ids(ids: list[int]) -> str:
     return "[" + ",".join(map(str, ids[:8])) + (",…]" if len(ids) > 8 else "]")
 
 
+def _tick(method):
+    """A tick by hand is refused while a run's pumps go (pause the run first), and its time is active time for the
+    step timer."""
+
+    @functools.wraps(method)
+    def tick(self, *args, **kwargs):
+        if self._run is not None:
+            self._run.check_hand_tick()
+        with self._clock:
+            return method(self, *args, **kwargs)
+
+    return tick
+
+
 class Controller:
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
         from asyncrl.tasks import PromptStream
@@ -109,6 +125,8 @@ class Controller:
         self._metrics: list[dict] = []
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
         self._prompt_ids: dict[str, list[int]] = {}
+        self._run: RunHandle | None = None  # the latest run (start/run); at most one goes at a time
+        self._clock = ActiveClock()  # time inside ticks or while a run goes: what the step timer counts
         self._new_step()
         from asyncrl.backends.weight_sync import build_weight_sync
 
@@ -135,11 +153,13 @@ class Controller:
         return cls(cfg, task, policy, generator, tokenizer)
 
     # ------------------------------------------------------------------------------------------ rollout pump
-    def rollout_tick(self) -> TickReport:
-        """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit."""
+    @_tick
+    def rollout_tick(self, wait_s: float = 0.0) -> TickReport:
+        """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit. ``wait_s``: how long
+        ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self._lock:
             report = self._dispatch()
-        self._collect(self.generator.poll(timeout=0.0), report)
+        self._collect(self.generator.poll(timeout=wait_s if self.inflight else 0.0), report)
         self.last_report = report
         return report
 
@@ -198,6 +218,7 @@ class Controller:
                 self._changed.notify_all()
 
     # -------------------------------------------------------------------------------------------- train pump
+    @_tick
     def train_tick(self) -> TickReport:
         """Evict; select a chunk; train on it; when the step's groups are all trained, finish the step."""
         N = self.cfg.groups_per_step
@@ -266,8 +287,8 @@ class Controller:
             self._step["aborted"] += 1
             self._event("abort", gid, w, slot.target_step, T - w, "",
                         f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
-        step, now = self._step, time.perf_counter()
-        elapsed = now - step["start"]
+        step = self._step
+        elapsed = self._clock.now() - step["start"]  # active time only: not a person's pause between hand ticks
         lags = step["lags"]
         row = {
             "step": T - 1,
@@ -297,7 +318,7 @@ class Controller:
 
     def _new_step(self) -> None:
         self._step = {"groups": 0, "chunks": 0, "started": False, "rewards": [], "lags": [], "tokens": 0,
-                      "evicted": 0, "aborted": 0, "start": time.perf_counter()}
+                      "evicted": 0, "aborted": 0, "start": self._clock.now()}
 
     def tick(self) -> TickReport:
         """One rollout tick, then one train tick."""
@@ -306,80 +327,36 @@ class Controller:
         return report
 
     # ------------------------------------------------------------------------------------------------ running
-    def run(self, steps: int, progress: bool = True) -> pd.DataFrame:
-        """Train ``steps`` more optimizer steps with both pumps running concurrently (generation overlaps
-        training). Blocks; works from a notebook cell too. Stops early, cleanly, when the data runs out.
-        Returns the metrics of the steps it ran."""
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        start_rows, target = len(self._metrics), self.trainer_version + steps
-        done = threading.Event()  # set when training reached its target, ran dry, or a pump failed
-        errors: list[BaseException] = []
-        bar = _progress(steps) if progress else None
+    def start(self, steps: int, until=None, progress: bool = True, on_step=None) -> RunHandle:
+        """Run both pumps in the background until ``T`` has grown by ``steps`` (or the data ran out, or ``until``
+        matched); returns a ``RunHandle`` at once (``pause``, ``resume``, ``stop``, ``wait``, ``running``,
+        ``error``). ``until``: a trace event name (``TRACE_EVENTS``) or a callable on a trace row: the run stops
+        right after the tick that emitted the first match among this run's events. ``on_step(row, events)`` is
+        called in the train pump after each step with its metrics row and the trace rows since the last call."""
+        if self._run is not None and self._run.alive:
+            raise RuntimeError(f"a run is already going ({self._run!r}): wait for it, or stop it, before starting "
+                               "another")
+        handle = RunHandle(self, steps, until, progress, on_step)  # validates steps and until: nothing changes
+        self._run = handle
+        handle._launch()
+        return handle
 
-        def rollout_pump():
-            while not done.is_set():
-                with self._lock:
-                    report = self._dispatch()
-                finished = self.generator.poll(timeout=0.05 if self.inflight else 0.0)
-                self._collect(finished, report)
-                if not report.dispatched and not finished:
-                    with self._changed:
-                        if self.exhausted and not self.inflight:
-                            return  # the trainer drains what is buffered
-                        self._changed.wait(0.05)
+    def run(self, steps: int, until=None, progress: bool = True) -> pd.DataFrame:
+        """``start(steps, until).wait()``: blocks; an interrupt (Ctrl-C, a notebook's Interrupt) stops both pumps
+        at a safe point and is re-raised, and an error in either pump is re-raised as the original exception; the
+        controller stays steppable. Returns the metrics of the steps it ran; ``.attrs["status"]`` says how it ended
+        (completed, exhausted, breakpoint, ...) and ``.attrs["breakpoint"]`` the trace row ``until`` matched."""
+        return self.start(steps, until, progress).wait()
 
-        def train_pump():
-            seen, since = len(self._trace), time.perf_counter()
-            while self.trainer_version < target:
-                report = self.train_tick()
-                if report.step_finished and bar is not None:
-                    _advance(bar, self._metrics[-1])
-                if report.selected or report.evicted:
-                    continue
-                with self._changed:
-                    if len(self._trace) != seen:  # the rollout pump moved: look again before waiting
-                        seen, since = len(self._trace), time.perf_counter()
-                        continue
-                    if self.exhausted and not self.inflight:
-                        return  # nothing more will arrive and select has nothing: the data ran out
-                    if not self.inflight and time.perf_counter() - since > STALL_S:
-                        raise RuntimeError(
-                            f"stalled at T={self.trainer_version}: nothing in flight, the rollout pump cannot "
-                            f"dispatch ({getattr(self.last_report, 'note', '')}) and select waits; verdicts:\n"
-                            + self.explain().to_string(max_rows=20)
-                        )
-                    self._changed.wait(0.05)
-
-        def guarded(pump):
-            def body():
-                try:
-                    pump()
-                except BaseException as exc:  # re-raised in the caller's thread below
-                    errors.append(exc)
-                    done.set()
-                finally:
-                    if pump is train_pump:
-                        done.set()
-                    with self._changed:
-                        self._changed.notify_all()
-            return body
-
-        threads = [threading.Thread(target=guarded(f), name=f.__name__, daemon=True) for f in (rollout_pump, train_pump)]
-        for t in threads:
-            t.start()
-        for t in threads[::-1]:
-            t.join()
-        if bar is not None:
-            bar.close()
-        self._drain()
-        if errors:
-            raise errors[0]
-        return self.metrics.iloc[start_rows:]
-
-    async def arun(self, steps: int, progress: bool = True) -> pd.DataFrame:
-        """``run`` without blocking the event loop (a notebook stays responsive)."""
-        return await asyncio.to_thread(self.run, steps, progress)
+    async def arun(self, steps: int, until=None, progress: bool = True) -> pd.DataFrame:
+        """``run`` without blocking the event loop (a notebook stays responsive); cancelling it stops the run."""
+        handle = self.start(steps, until, progress)
+        try:
+            await asyncio.to_thread(handle._finished.wait)
+        except asyncio.CancelledError:
+            handle.stop()
+            raise
+        return handle.wait()
 
     def _drain(self) -> None:
         """Collect what finished after the pumps stopped, so nothing is left half-accounted."""
@@ -409,6 +386,11 @@ class Controller:
         """One row per optimizer step."""
         with self._lock:
             return self._frame("metrics", self._metrics)
+
+    @property
+    def last_run(self) -> RunHandle | None:
+        """The handle of the latest ``start``/``run`` (its ``status``, ``error``, ``breakpoint``), or None."""
+        return self._run
 
     @property
     def generation_version(self) -> int:
@@ -523,13 +505,3 @@ class Controller:
         return (f"Controller(T={self.trainer_version}, sampler={self.sampler!r}, buffer={self.buffer!r}, "
                 f"inflight={len(self.inflight)})")
 
-
-def _progress(total: int):
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="steps", unit="step")
-
-
-def _advance(bar, row: dict) -> None:
-    bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=f"{row['lag_mean']:.2f}", refresh=False)
-    bar.update(1)

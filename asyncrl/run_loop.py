@@ -1,0 +1,394 @@
+"""Running both pumps: ``Controller.start`` returns a ``RunHandle``; ``Controller.run`` is ``start(...).wait()``.
+
+A run is three threads. The rollout pump and the train pump loop over the controller's own ``rollout_tick`` and
+``train_tick`` (a run does exactly what stepping does, only concurrently, so generation overlaps training); a
+supervisor starts them, watches for stalls and closes the run. The person's thread only asks (``pause``,
+``resume``, ``stop``) and waits.
+
+Invariants:
+- Safe points. A pump looks at pause and stop only between two ticks, where it holds no lock and no tick is half
+  done. So a stopped, paused or interrupted run leaves the controller as stepping would: every dispatched group is
+  trained, evicted, aborted, buffered or still in flight (a later tick collects it), and stepping works.
+- Fail fast. The first exception to escape a tick, a callback or the breakpoint predicate, or the watchdog's
+  ``StallError``, is the run's ``error``: both pumps stop at their next safe point and ``wait()`` re-raises that same
+  exception object (its traceback shows where in the pump it happened).
+- One run at a time per controller, and no tick by hand while its pumps go; parked (paused) pumps allow it.
+- Stop and pause take effect within one tick plus ``POLL_S``: an idle pump never waits longer than that.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import namedtuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    from asyncrl.controller import Controller, TickReport
+
+POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
+STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call
+PUMPS = ("rollout", "train")
+ENDS = ("completed", "exhausted", "breakpoint", "stopped", "interrupted", "failed")
+
+
+class StallError(RuntimeError):
+    """No commit and no step for ``stall_timeout_s``; the message says what each pump waits for and gives the
+    sampler's verdicts."""
+
+
+class ActiveClock:
+    """Seconds in which the controller was working: inside a tick, or while a run's pumps were going (not paused).
+    The step timer reads it, so a person's think-time between hand ticks does not dilute ``tokens_per_s``.
+    Re-entrant: a run's ticks nest inside the run's own span."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth, self._since, self._total = 0, 0.0, 0.0
+
+    def __enter__(self) -> ActiveClock:
+        with self._lock:
+            if self._depth == 0:
+                self._since = time.perf_counter()
+            self._depth += 1
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self._total += time.perf_counter() - self._since
+
+    def now(self) -> float:
+        with self._lock:
+            return self._total + (time.perf_counter() - self._since if self._depth else 0.0)
+
+
+def breakpoint_matcher(until: str | Callable | None, events: tuple[str, ...]) -> Callable | None:
+    """``until`` as a predicate on a trace row; a bad value is an error naming what is allowed."""
+    if until is None:
+        return None
+    if isinstance(until, str):
+        if until not in events:
+            raise ValueError(f"until={until!r} is not a trace event; events: {', '.join(events)} "
+                             "(or pass a callable taking a trace row)")
+        return lambda row: row.event == until
+    if callable(until):
+        return until
+    raise TypeError(f"until must be a trace event name ({', '.join(events)}) or a callable taking a trace row, "
+                    f"got {until!r}")
+
+
+def trace_row_type(columns: list[str]) -> type:
+    """A trace row as the ``until`` predicate gets it: ``row.event`` and ``row["event"]`` both work."""
+
+    class TraceRow(namedtuple("TraceRow", columns)):
+        __slots__ = ()
+
+        def __getitem__(self, key):
+            return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
+
+    return TraceRow
+
+
+class RunHandle:
+    """A run of both pumps in the background (``Controller.start``).
+
+    ``pause()`` parks both pumps at a safe point and returns once they are parked (tick by hand meanwhile);
+    ``resume()`` goes on; ``stop()`` ends the run at a safe point; ``wait()`` blocks until the run ended, re-raises
+    its error, and returns the metrics of the steps finished since it started (``.attrs["status"]`` and
+    ``.attrs["breakpoint"]`` say how it ended). ``running`` is true until the run ended (also while paused);
+    ``status`` is ``running``, ``paused`` or how it ended (``ENDS``); ``error`` the exception that ended it;
+    ``breakpoint`` the trace row that matched ``until``.
+    """
+
+    def __init__(self, ctrl: Controller, steps: int, until=None, progress: bool = True,
+                 on_step: Callable[[dict, list[tuple]], Any] | None = None):
+        from asyncrl.controller import TRACE_COLUMNS, TRACE_EVENTS
+
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        self._match = breakpoint_matcher(until, TRACE_EVENTS)
+        self._row = trace_row_type(TRACE_COLUMNS)
+        self.ctrl, self.steps, self.until, self.on_step = ctrl, steps, until, on_step
+        self.target = ctrl.trainer_version + steps  # the run ends when T reaches it (hand ticks while paused count)
+        self.status = "running"
+        self.error: BaseException | None = None
+        self.breakpoint = None
+        self.stuck: list[str] = []  # pumps still inside a backend call when the run gave up on them
+        # _cv guards the fields below; it is the handle's own lock, never held while ticking, never the controller's.
+        self._cv = threading.Condition()
+        self._end: str | None = None  # set once: why the pumps stop
+        self._pause = False
+        self._parked: set[str] = set()
+        self._exited: set[str] = set()
+        self._clocked = False
+        self._seen = len(ctrl._trace)  # trace rows already matched against ``until`` / handed to ``on_step``
+        self._reported = self._seen
+        self._first_row = len(ctrl._metrics)
+        self._progress_at = time.monotonic()  # last commit/select/evict/abort/step: the stall watchdog's clock
+        self._doing = {name: ("starting", time.monotonic()) for name in PUMPS}
+        self._finished = threading.Event()
+        self._bar = _progress_bar(steps) if progress else None
+        pumps = {"rollout": self._rollout_pump, "train": self._train_pump}
+        self._threads = {name: threading.Thread(target=self._guarded, args=(name, pumps[name]), daemon=True,
+                                                name=f"asyncrl-{name}-pump") for name in PUMPS}
+        self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
+
+    def _launch(self) -> None:
+        with self._cv:
+            self.ctrl._clock.__enter__()
+            self._clocked = True
+        self._supervisor.start()
+
+    # ------------------------------------------------------------------------------------------- the pumps
+    def _rollout_pump(self) -> None:
+        ctrl = self.ctrl
+        while self._safe_point("rollout"):
+            self._doing_now("rollout", "inside rollout_tick (dispatch, generator.poll, scoring, commit)")
+            report = ctrl.rollout_tick(wait_s=POLL_S)
+            self._after_tick(report)
+            if report.dispatched or report.committed:
+                continue
+            with ctrl._changed:
+                if ctrl.exhausted and not ctrl.inflight:
+                    return  # nothing left to generate; the train pump drains what is buffered
+                self._doing_now("rollout", f"waiting: {report.note or f'{len(ctrl.inflight)} groups in flight'}")
+                ctrl._changed.wait(POLL_S)
+
+    def _train_pump(self) -> None:
+        ctrl = self.ctrl
+        seen = len(ctrl._trace)
+        while self._safe_point("train"):
+            if ctrl.trainer_version >= self.target:
+                return self._request_end("completed")
+            self._doing_now("train", "inside train_tick (evict, select, logprobs, train, optimizer step, sync)")
+            report = ctrl.train_tick()
+            self._after_tick(report)
+            if report.selected or report.evicted:
+                continue
+            with ctrl._changed:
+                if len(ctrl._trace) != seen:  # the rollout pump moved: look again before waiting
+                    seen = len(ctrl._trace)
+                    continue
+                if ctrl.exhausted and not ctrl.inflight:
+                    return self._request_end("exhausted")  # nothing more will arrive and select has nothing
+                self._doing_now("train", f"waiting: {report.note}")
+                ctrl._changed.wait(POLL_S)
+
+    def _guarded(self, name: str, pump: Callable[[], None]) -> None:
+        try:
+            pump()
+        except BaseException as exc:  # the run's error, re-raised by wait() in the caller's thread
+            self._request_end("failed", exc)
+        finally:
+            with self._cv:
+                self._exited.add(name)
+                self._cv.notify_all()
+
+    def _safe_point(self, name: str) -> bool:
+        """Between two ticks: park here while paused; False once the run should end."""
+        with self._cv:
+            if self._pause and self._end is None:
+                self._parked.add(name)
+                self._doing_now(name, "parked (paused)")
+                self._cv.notify_all()
+                while self._pause and self._end is None:
+                    self._cv.wait()
+                self._parked.discard(name)
+            return self._end is None
+
+    def _doing_now(self, name: str, what: str) -> None:
+        if self._doing[name][0] != what:
+            self._doing[name] = (what, time.monotonic())
+
+    def _after_tick(self, report: TickReport) -> None:
+        if report.committed or report.selected or report.evicted or report.aborted or report.step_finished:
+            self._progress_at = time.monotonic()
+        if report.step_finished:
+            row = self.ctrl._metrics[-1]
+            if self._bar is not None:
+                self._bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=f"{row['lag_mean']:.2f}", refresh=False)
+                self._bar.update(1)
+            if self.on_step is not None:
+                with self._cv:
+                    events, self._reported = self.ctrl._trace[self._reported:], len(self.ctrl._trace)
+                self.on_step(row, events)
+        if self._match is not None:
+            with self._cv:
+                trace, end = self.ctrl._trace, len(self.ctrl._trace)
+                for i in range(self._seen, end):
+                    row = self._row(*trace[i])
+                    if self._match(row):
+                        self.breakpoint = row
+                        self._request_end("breakpoint")
+                        break
+                self._seen = end
+
+    def _request_end(self, why: str, error: BaseException | None = None) -> None:
+        with self._cv:
+            if error is not None and self.error is None:
+                self.error, why = error, "failed"
+            if self._end is None or why == "failed":
+                self._end = why
+            self._cv.notify_all()
+
+    # ------------------------------------------------------------------------------------------ supervisor
+    def _supervise(self) -> None:
+        """Start the pumps, watch for stalls, wait for both pumps (or give up on one stuck in a backend call after
+        ``STOP_GRACE_S``), then close the run."""
+        for thread in self._threads.values():
+            thread.start()
+        stall_s = self.ctrl.cfg.stall_timeout_s
+        ending_since = None
+        while any(t.is_alive() for t in self._threads.values()):
+            time.sleep(POLL_S)
+            with self._cv:
+                stalled = (self._end is None and not self._pause
+                           and time.monotonic() - self._progress_at > stall_s)
+                ending = self._end is not None
+            if stalled:
+                self._request_end("failed", StallError(self._stall_message(stall_s)))
+            if ending and ending_since is None:
+                ending_since = time.monotonic()
+            if ending_since is not None and time.monotonic() - ending_since > STOP_GRACE_S:
+                break
+        self._close()
+
+    def _stall_message(self, stall_s: float) -> str:
+        ctrl, now = self.ctrl, time.monotonic()
+        lines = [f"stalled at T={ctrl.trainer_version}: no commit and no step for {stall_s:g} s (stall_timeout_s); "
+                 f"{len(ctrl.inflight)} groups in flight, {len(ctrl.buffer)} buffered (capacity {ctrl.capacity})"]
+        for name in PUMPS:
+            what, since = self._doing[name]
+            lines.append(f"  {name} pump: {what} (for {now - since:.1f} s)")
+        if ctrl._lock.acquire(timeout=1.0):
+            try:
+                verdicts = ctrl.explain().to_string(max_rows=20)
+            finally:
+                ctrl._lock.release()
+        else:
+            verdicts = "(unavailable: a pump holds the controller's lock)"
+        return "\n".join(lines + ["verdicts (explain()):", verdicts])
+
+    def _close(self) -> None:
+        self.stuck = [f"{name} pump: {self._doing[name][0]}" for name, t in self._threads.items() if t.is_alive()]
+        if self.error is None and self._end in ("completed", "exhausted"):
+            try:  # collect what finished after the pumps stopped, as the old run did
+                self.ctrl._drain()
+            except BaseException as exc:
+                self.error, self._end = exc, "failed"
+        if self._bar is not None:
+            self._bar.close()
+        with self._cv:
+            if self._clocked:
+                self.ctrl._clock.__exit__(None, None, None)
+                self._clocked = False
+            self.status = self._end or "stopped"
+            self._finished.set()
+            self._cv.notify_all()
+
+    # ---------------------------------------------------------------------------------------- the person's side
+    @property
+    def running(self) -> bool:
+        """True until the run ended (also while it is paused)."""
+        return not self._finished.is_set()
+
+    @property
+    def paused(self) -> bool:
+        return self.status == "paused"
+
+    def pause(self) -> None:
+        """Park both pumps at their next safe point; returns once both are parked (or the run ended)."""
+        if self._inside():
+            raise RuntimeError("pause() from inside the run (a callback or until predicate) would wait for itself")
+        with self._cv:
+            if self._finished.is_set() or self._pause:
+                return
+            self._pause = True
+            self._cv.notify_all()
+        self._until(lambda: self._parked | self._exited >= set(PUMPS))
+        with self._cv:
+            if not self._finished.is_set() and self._pause:
+                self.status = "paused"
+                if self._clocked:
+                    self.ctrl._clock.__exit__(None, None, None)
+                    self._clocked = False
+
+    def resume(self) -> None:
+        """Go on after ``pause()``; trace rows written by hand ticks meanwhile are not matched against ``until``."""
+        with self._cv:
+            if not self._pause:
+                return
+            self._pause = False
+            if not self._finished.is_set():
+                self.status = "running"
+                self._seen = len(self.ctrl._trace)
+                self._progress_at = time.monotonic()
+                if not self._clocked:
+                    self.ctrl._clock.__enter__()
+                    self._clocked = True
+            self._cv.notify_all()
+
+    def stop(self, wait: bool = True) -> None:
+        """End the run at the pumps' next safe point; with ``wait``, return once it has ended."""
+        self._request_end("stopped")
+        if wait and not self._inside():  # from a callback in a pump: it ends once the callback returns
+            self._until(self._finished.is_set)
+
+    def wait(self) -> pd.DataFrame:
+        """Block until the run ended; re-raise its error; return the metrics of the steps finished since it started.
+        An interrupt (Ctrl-C, a notebook's Interrupt) while waiting stops the run at a safe point, then is re-raised."""
+        try:
+            self._until(self._finished.is_set)
+        except KeyboardInterrupt:
+            self._request_end("interrupted")
+            self._until(self._finished.is_set)
+            raise
+        if self.error is not None:
+            raise self.error
+        frame = self.ctrl.metrics.iloc[self._first_row:].copy()
+        frame.attrs = {"status": self.status, "breakpoint": self.breakpoint}
+        return frame
+
+    def _until(self, predicate: Callable[[], bool]) -> None:
+        # short waits, so an interrupt reaches the waiting thread (a signal does not wake a blocked wait)
+        with self._cv:
+            while not predicate() and not self._finished.is_set():
+                self._cv.wait(POLL_S)
+
+    def _inside(self) -> bool:
+        return threading.current_thread() in (self._supervisor, *self._threads.values())
+
+    def check_hand_tick(self) -> None:
+        """Raise when a tick by hand would race this run's pumps (a pump's own ticks pass)."""
+        if self._inside():
+            return
+        with self._cv:
+            busy = [name for name, t in self._threads.items() if t.is_alive() and name not in self._parked]
+        if busy and self._finished.is_set():
+            raise RuntimeError(f"the last run gave up on its {' and '.join(self.stuck)}; the controller cannot tick "
+                               "until that backend call returns")
+        if busy:
+            raise RuntimeError(f"a run is going ({self!r}): pause it (handle.pause()) or stop it before ticking "
+                               "by hand")
+
+    @property
+    def alive(self) -> bool:
+        """Some thread of this run is still going (a new run or a hand tick would race it)."""
+        return self._supervisor.is_alive() or any(t.is_alive() for t in self._threads.values())
+
+    def __repr__(self) -> str:
+        where = f", breakpoint at trace row {self.breakpoint.seq}" if self.breakpoint is not None else ""
+        error = f", error {type(self.error).__name__}: {self.error}" if self.error is not None else ""
+        return (f"RunHandle({self.status}, T={self.ctrl.trainer_version} of {self.target}, "
+                f"until={self.until!r}{where}{error})")
+
+
+def _progress_bar(total: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc="steps", unit="step")

@@ -1,0 +1,303 @@
+"""The run loop a notebook can trust: interrupt, background runs (pause / resume / stop), breakpoints (``until``),
+fail-fast on errors in either pump or backend, the stall watchdog, the step timer, and the CLI under Ctrl-C.
+
+Runs use the simulated backends with latency knobs so that they last long enough to interrupt. Nothing here asserts
+a duration: a run that should end is waited for in a thread with a generous join timeout, so a hang fails the test
+instead of hanging the suite. Timings are in benchmarks/."""
+
+from __future__ import annotations
+
+import _thread
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from tests.test_controller import accounting
+
+from asyncrl import Controller, load_config
+from asyncrl.run_loop import StallError
+
+ROOT = Path(__file__).resolve().parents[1]
+HANG_S = 120  # a run that should end and has not after this long is hung (generous: the test box is loaded)
+SAMPLERS = [
+    {"name": "in_order", "max_lookahead_versions": 1},
+    {"name": "weight_fifo", "max_staleness_versions": 1},
+    {"name": "windowed", "max_staleness_versions": 1},
+    {"name": "ready_first", "max_staleness_versions": 1},
+]
+
+
+def simulated(sampler=None, latency_s=0.005, train_s_per_token=2e-5, **overrides) -> Controller:
+    """A controller on the simulated backends: generation takes ~latency_s a group, training ~1 ms a step."""
+    cfg = load_config(
+        "quickstart", eval_every=None,
+        generation={"backend": "simulated", "options": {"latency_s": latency_s}},
+        trainer={"backend": "simulated", "options": {"train_s_per_token": train_s_per_token}},
+        **({"sampler": sampler} if sampler else {}), **overrides,
+    )
+    return Controller.from_config(cfg)
+
+
+def wait_for(predicate, what: str, timeout_s: float = HANG_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+def in_thread(fn, *args, **kwargs):
+    """Call ``fn`` in a thread; return ``(result, exception)``; fail (not hang) when it does not return."""
+    out = {}
+
+    def body():
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except BaseException as exc:
+            out["error"] = exc
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(HANG_S)
+    assert not thread.is_alive(), f"{fn.__name__} hung: still going after {HANG_S} s"
+    return out.get("result"), out.get("error")
+
+
+def assert_quiet(ctrl: Controller) -> None:
+    """Nothing trains or generates in the background: no thread of the run is alive and T stays put."""
+    assert not ctrl.last_run.alive and not ctrl.last_run.running
+    T, trace = ctrl.trainer_version, len(ctrl.trace)
+    time.sleep(1.0)
+    assert ctrl.trainer_version == T and len(ctrl.trace) == trace
+
+
+def assert_steppable(ctrl: Controller) -> None:
+    T = ctrl.trainer_version
+    for _ in range(50):
+        ctrl.tick()
+        if ctrl.trainer_version > T:
+            break
+    assert ctrl.trainer_version > T, "stepping by hand no longer finishes a step"
+    accounting(ctrl)
+
+
+# -------------------------------------------------------------------------------------------------- interrupt
+def test_interrupt_during_run_stops_both_pumps_and_leaves_the_controller_steppable():
+    ctrl = simulated({"name": "windowed", "max_staleness_versions": 1}, latency_s=0.02)
+
+    def interrupt_once_running():
+        wait_for(lambda: ctrl.trainer_version >= 2, "two steps")
+        _thread.interrupt_main()  # what a notebook's Interrupt and Ctrl-C deliver: KeyboardInterrupt in the caller
+
+    threading.Thread(target=interrupt_once_running, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        ctrl.run(100_000, progress=False)
+    assert ctrl.last_run.status == "interrupted" and ctrl.last_run.error is None
+    assert_quiet(ctrl)
+    ends = accounting(ctrl)  # every dispatched group trained, evicted, aborted, buffered or still in flight
+    assert ends["select"] >= 16
+    inflight = set(ctrl.inflight)
+    for _ in range(20):  # a later tick collects what was in flight
+        ctrl.rollout_tick()
+        if not inflight & set(ctrl.inflight):
+            break
+        time.sleep(0.05)
+    assert not inflight & set(ctrl.inflight)
+    assert_steppable(ctrl)
+    T = ctrl.trainer_version
+    ctrl.run(2, progress=False)
+    assert ctrl.trainer_version == T + 2
+
+
+# ------------------------------------------------------------------------------------------------- fail fast
+class Boom(RuntimeError):
+    pass
+
+
+def fail_after(obj, name: str, calls: int) -> None:
+    """Make ``obj.name`` raise ``Boom`` from its ``calls``-th call on."""
+    method, count = getattr(obj, name), [0]
+
+    def failing(*args, **kwargs):
+        count[0] += 1
+        if count[0] > calls:
+            raise Boom(f"{name} failed on call {count[0]}")
+        return method(*args, **kwargs)
+
+    setattr(obj, name, failing)
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=lambda s: s["name"])
+@pytest.mark.parametrize("backend,method", [("generator", "poll"), ("policy", "train_microbatches")])
+def test_an_error_in_either_backend_is_re_raised_never_a_hang(sampler, backend, method):
+    ctrl = simulated(sampler, latency_s=0.02)
+    fail_after(getattr(ctrl, backend), method, 12)
+    _, error = in_thread(ctrl.run, 100_000, progress=False)
+    assert isinstance(error, Boom), f"expected the backend's own error, got {error!r}"
+    where = "".join(traceback.format_tb(error.__traceback__))
+    assert "failing" in where and ("rollout_tick" if backend == "generator" else "train_tick") in where
+    assert ctrl.last_run.status == "failed" and ctrl.last_run.error is error
+    assert_quiet(ctrl)
+
+
+def test_an_error_is_kept_in_the_handle_of_a_background_run():
+    ctrl = simulated(latency_s=0.01)
+    fail_after(ctrl.generator, "poll", 5)
+    handle = ctrl.start(100_000, progress=False)
+    wait_for(lambda: not handle.running, "the failed run to end")
+    assert isinstance(handle.error, Boom) and handle.status == "failed" and not handle.alive
+    with pytest.raises(Boom):
+        handle.wait()
+
+
+def test_stall_watchdog_names_what_each_pump_waits_for():
+    ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.005, stall_timeout_s=1.0)
+    ctrl.run(2, progress=False)
+    ctrl.generator.poll = lambda timeout=0.0: time.sleep(timeout or 0) or []  # groups in flight never come back
+    _, error = in_thread(ctrl.run, 100, progress=False)
+    assert isinstance(error, StallError), repr(error)
+    text = str(error)
+    assert "no commit and no step for 1 s" in text and "in flight" in text
+    assert "rollout pump:" in text and "train pump: waiting: select waits" in text
+    assert "verdicts" in text
+    assert_quiet(ctrl)
+
+
+# ----------------------------------------------------------------------------------------- background runs
+def test_pause_resume_stop_a_background_run():
+    ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.01)
+    handle = ctrl.start(100_000, progress=False)
+    assert handle.running
+    with pytest.raises(RuntimeError, match="already going"):
+        ctrl.start(5, progress=False)
+    with pytest.raises(RuntimeError, match="already going"):
+        ctrl.run(5, progress=False)
+    with pytest.raises(RuntimeError, match="pause it"):
+        ctrl.tick()
+    wait_for(lambda: ctrl.trainer_version >= 2, "two steps")
+
+    handle.pause()
+    assert handle.paused and handle.running
+    T, trace = ctrl.trainer_version, len(ctrl.trace)
+    time.sleep(0.5)
+    assert ctrl.trainer_version == T and len(ctrl.trace) == trace  # parked
+    for _ in range(50):  # the person steps by hand while the run is paused
+        ctrl.tick()
+        if ctrl.trainer_version > T:
+            break
+    assert ctrl.trainer_version == T + 1
+
+    handle.resume()
+    assert not handle.paused
+    wait_for(lambda: ctrl.trainer_version >= T + 3, "the resumed run to train")
+    handle.stop()
+    assert not handle.running and handle.status == "stopped" and handle.error is None
+    frame = handle.wait()
+    assert frame.attrs["status"] == "stopped" and len(frame) == ctrl.trainer_version
+    assert_quiet(ctrl)
+    accounting(ctrl)
+    assert_steppable(ctrl)
+    ctrl.run(2, progress=False)  # and a new run goes
+
+
+def test_step_timer_counts_active_time_only():
+    ctrl = simulated(latency_s=0.0)
+    while ctrl.trainer_version < 1:
+        ctrl.tick()
+    ctrl.rollout_tick()
+    time.sleep(0.5)  # a person reading the buffer between two hand ticks
+    while ctrl.trainer_version < 2:
+        ctrl.tick()
+    assert ctrl.metrics.step_time_s.iloc[1] < 0.5
+
+
+# ---------------------------------------------------------------------------------------------- breakpoints
+def test_until_an_event_name_stops_right_after_it_and_stays_steppable():
+    # rollouts outpace training, so windowed dispatches ahead and evicts what falls out of its window
+    ctrl = simulated({"name": "windowed", "max_staleness_versions": 1}, latency_s=0.001, train_s_per_token=2e-4)
+    with pytest.raises(ValueError, match="'evicted' is not a trace event; events: admit, .*evict"):
+        ctrl.run(5, until="evicted", progress=False)
+    assert len(ctrl.trace) == 0
+    frame = ctrl.run(1000, until="evict", progress=False)
+    row = frame.attrs["breakpoint"]
+    assert frame.attrs["status"] == "breakpoint" and ctrl.last_run.status == "breakpoint"
+    assert row.event == "evict" and row["event"] == "evict"
+    trace = ctrl.trace
+    first = trace[trace.event == "evict"].iloc[0]
+    assert first.seq == row.seq and ctrl.trainer_version < 1000
+    # stopped at the end of the tick that evicted: that tick trained its chunk, the train pump did not tick again
+    assert (trace[trace.seq > row.seq].event == "train").sum() <= 1
+    assert_quiet(ctrl)
+    assert len(ctrl.explain()) == len(ctrl.buffer)  # the person reads the verdicts at that moment
+    assert_steppable(ctrl)
+
+
+def test_until_a_predicate_on_a_trace_row():
+    ctrl = simulated({"name": "in_order", "max_lookahead_versions": 1})
+    frame = ctrl.run(1000, until=lambda row: row.event == "commit" and row.group_id >= 20, progress=False)
+    row = frame.attrs["breakpoint"]
+    assert row.event == "commit" and row.group_id >= 20
+    commits = ctrl.trace[ctrl.trace.event == "commit"]
+    assert commits[commits.group_id >= 20].iloc[0].seq == row.seq
+    assert_quiet(ctrl)
+    assert_steppable(ctrl)
+    with pytest.raises(TypeError, match="until must be"):
+        ctrl.run(3, until=3, progress=False)
+
+
+def test_a_failing_predicate_fails_the_run():
+    ctrl = simulated()
+    _, error = in_thread(ctrl.run, 100, until=lambda row: row.no_such_column, progress=False)
+    assert isinstance(error, AttributeError)
+    assert_quiet(ctrl)
+
+
+# ------------------------------------------------------------------------------------------------------ CLI
+def test_cli_ctrl_c_stops_cleanly_with_every_finished_step_written(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "100000", "--out", str(out), "--quiet",
+         "--set", "generation.backend=simulated", "--set", "generation.options.latency_s=0.01",
+         "--set", "trainer.backend=simulated", "--set", "eval_every=null"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        wait_for(lambda: (out / "metrics.csv").exists() and len((out / "metrics.csv").read_text().splitlines()) > 3
+                 or proc.poll() is not None, "three finished steps in metrics.csv")
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=HANG_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["steps"] >= 3
+    metrics, trace = pd.read_csv(out / "metrics.csv"), pd.read_csv(out / "trace.csv")
+    assert metrics.step.tolist() == list(range(summary["steps"]))
+    assert (trace.event == "step").sum() == summary["steps"] and trace.seq.tolist() == list(range(len(trace)))
+    assert "Traceback" not in stderr and "terminate called" not in stderr
+
+
+def test_cli_checks_everything_before_writing_anything(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    cases = [
+        (["no_such_preset", "--out", str(tmp_path / "a")], "unknown preset"),
+        (["quickstart", "--out", str(tmp_path / "b"), "--set", "sampler.name=nope"], "sampler"),
+        (["quickstart", "--out", str(blocker / "c")], "not a directory"),
+        (["quickstart", "--out", str(blocker)], "not a directory"),
+    ]
+    for argv, message in cases:
+        proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", *argv, "--steps", "2", "--quiet"],
+                              capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
