@@ -6,7 +6,10 @@ from asyncrl.samplers import Admission, Verdict
 
 
 class NewestFirstSampler:
-    """A complete custom policy: always admits, trains the newest ready groups first, never evicts."""
+    """A complete custom policy written without ``SamplerBase``: always admits, trains the newest ready groups
+    first, never evicts."""
+
+    name = "newest_first_fixture"
 
     def __init__(self, buffer, boost: int = 0, is_on_policy: bool = False):
         self.buffer = buffer
@@ -15,10 +18,14 @@ class NewestFirstSampler:
         self.dispatch_index = -1
 
     is_on_policy: bool
+    dispatch_index: int
 
     def admit(self, trainer_version):
         self.dispatch_index += 1
         return Admission(self.dispatch_index)
+
+    def explain_admission(self, trainer_version):
+        return "always admits"
 
     def select(self, trainer_version, min_groups, max_groups):
         ready = [s for s in reversed(self.buffer.slots()) if s.ready][:max_groups]
@@ -30,7 +37,7 @@ class NewestFirstSampler:
     def should_abort_inflight(self, weight_version, trainer_version):
         return False
 
-    def explain(self, trainer_version):
+    def explain(self, trainer_version, min_groups=1, max_groups=None):
         return [
             Verdict(s.group_id, s.weight_version, s.target_step, s.state, "keep", "kept", "custom policy")
             for s in self.buffer.slots()
@@ -49,15 +56,21 @@ class AnnotatedOnly(NewestFirstSampler):
 
     def __init__(self, buffer):
         self.buffer = buffer
+        self.dispatch_index = -1
 
 
 class _Methods:
-    """All Protocol methods except ``explain``; no ``is_on_policy``."""
+    """All Protocol members except ``explain`` and ``is_on_policy``."""
+
+    name = "incomplete"
+    dispatch_index = -1
 
     def __init__(self, buffer):
         self.buffer = buffer
 
     def admit(self, trainer_version): ...
+
+    def explain_admission(self, trainer_version): ...
 
     def select(self, trainer_version, min_groups, max_groups): ...
 
@@ -80,7 +93,7 @@ class ExplainNotCallable(_Methods):
 
 
 class NoIsOnPolicy(_Methods):
-    def explain(self, trainer_version): ...
+    def explain(self, trainer_version, min_groups=1, max_groups=None): ...
 
 
 def not_a_class(buffer):

@@ -607,7 +607,8 @@ def test_explain_below_min_groups(name):
     verdicts = sampler.explain(5, min_groups=50, max_groups=60)
     waiting = [v for v in verdicts if v.code == "below_min_groups"]
     assert waiting and all(v.action == "keep" for v in waiting)
-    assert "< min_groups 50: select waits" in waiting[0].reason
+    assert "a chunk needs 50 group(s) (min_groups) and only" in waiting[0].reason
+    assert "qualify: select waits" in waiting[0].reason
     assert not any(v.action == "select" for v in verdicts)
     assert sampler.select(5, 50, 60) is None
 
@@ -621,11 +622,31 @@ def test_explain_default_selects_every_candidate():
 def test_explain_reasons_are_readable():
     sampler, buf = mixed_buffer("windowed")
     by_id = verdicts_by_id(sampler.explain(5, 1, 2))
-    assert by_id[0].reason == "too stale: weight_version 2 < lo 4 (T=5, W=1)"
-    assert "already too stale" in by_id[1].reason and "evicted once committed" in by_id[1].reason
-    assert by_id[2].reason.startswith("selected as candidate #1 of 4: ready, weight_version 4 in [4, 5]")
-    assert "candidate #3 of 4; this chunk takes max_groups 2" in by_id[4].reason
-    assert by_id[7].reason == "future version: weight_version 6 > T=5, kept for a later step"
+    assert by_id[0].reason == (
+        "too stale: weight version 2 is older than the window [4, 5] (at most 1 version behind T=5)"
+    )
+    assert by_id[1].reason == (
+        "pending (rollouts not committed yet) and already too stale (weight version 3 is older than the window "
+        "[4, 5]): evicted once committed"
+    )
+    assert by_id[2].reason == (
+        "selected as candidate #1 of 4: ready, weight version 4 is inside the window [4, 5], buffer order"
+    )
+    assert by_id[4].reason == (
+        "eligible (candidate #3 of 4), but this chunk takes only the first 2 (max_groups): left for the next chunk"
+    )
+    assert by_id[7].reason == "future version: weight version 6 is newer than T=5, kept for a later step"
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_reasons_use_words_not_variable_names(name):
+    """A person reads "older than the window [4, 5]", not ``lo`` or ``weight_version < 4``; the codes stay."""
+    sampler, buf = mixed_buffer(name)
+    add(buf, 6, 2, ready=False, target=7)
+    for min_groups, max_groups in ((1, 2), (50, 60)):
+        for verdict in sampler.explain(5, min_groups, max_groups):
+            for jargon in ("lo ", "weight_version", "target_step", " < ", " > ", "==", "!=", "W="):
+                assert jargon not in verdict.reason, (verdict.code, verdict.reason)
 
 
 def test_explain_weight_fifo_says_what_it_waits_for():
@@ -644,7 +665,7 @@ def test_explain_in_order_says_what_it_waits_for():
     add(buf, 0, 1, target=3)
     add(buf, 0, 2, ready=False, target=3)
     by_id = verdicts_by_id(sampler.explain(3, min_groups=3, max_groups=3))
-    assert by_id[0].code == "below_min_groups" and "2 pending group(s) stamped for step 3" in by_id[0].reason
+    assert by_id[0].code == "below_min_groups" and "2 pending group(s) made for step 3" in by_id[0].reason
     assert by_id[1].code == "pending"
 
 
@@ -672,3 +693,137 @@ def test_explain_frame_is_a_table():
     assert list(frame.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
     assert len(frame) == len(buf) and frame["action"].value_counts()["select"] == 2
     assert explain_frame([]).empty
+
+
+# ------------------------------------------------------------------------------------- admission reasons
+def test_a_refusal_says_why_in_the_policys_words():
+    sampler, _ = make("weight_fifo", 1)
+    assert sampler.explain_admission(0) == (
+        "`weight_fifo` with max_staleness_versions=1 admits at most one batch ahead of T: batch 0 may go at T=0"
+    )
+    sampler.admit(0), sampler.admit(0)
+    assert sampler.admit(0) is None
+    assert sampler.explain_admission(0) == (
+        "`weight_fifo` with max_staleness_versions=1 admits at most one batch ahead of T: batch 2 waits for T >= 1"
+    )
+    assert sampler.dispatch_index == 1  # explaining changes nothing
+    assert "batch 2 may go at T=1" in sampler.explain_admission(1)
+
+    in_order, _ = make("in_order", 0)
+    in_order.admit(0)
+    assert in_order.explain_admission(0) == (
+        "`in_order` with max_lookahead_versions=0 admits no batch ahead of T: batch 1 (for step 1) waits for T >= 1"
+    )
+    ready_first, _ = make("ready_first", 3)
+    assert "admits at most 3 batches ahead of T" in ready_first.explain_admission(0)
+    windowed, _ = make("windowed", 1)
+    assert windowed.explain_admission(0).startswith("`windowed` always admits")
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_explain_admission_agrees_with_admit(name):
+    sampler, _ = make(name, 1)
+    for T in (0, 0, 0, 1, 1, 2):
+        said = sampler.explain_admission(T)
+        assert ("waits for" in said) == (sampler.admit(T) is None), said
+
+
+# ------------------------------------------------------------------------- registry and custom samplers
+def test_protocol_owns_the_dispatch_index_and_one_explain_signature():
+    assert {"dispatch_index", "name", "explain_admission"} <= set(PROTOCOL_MEMBERS)
+    explain = typing.get_type_hints(PromptGroupSampler.explain)
+    assert list(explain) == ["trainer_version", "min_groups", "max_groups", "return"]
+    for name in BUILT_IN:
+        sampler, _ = make(name)
+        assert isinstance(sampler, samplers.StalenessWindow) and sampler.name == name
+
+
+def test_every_built_in_policy_is_registered_once_by_its_name():
+    assert list(samplers.SAMPLERS) == [cls.name for cls in samplers.BUILT_IN]
+    for cls in samplers.BUILT_IN:
+        assert cls.Knobs().name == cls.name
+        assert cls.__name__ in samplers.__all__ and cls.Knobs.__name__ in samplers.__all__
+
+
+def test_a_new_policy_registered_in_one_place_is_buildable_by_name(tmp_path):
+    """Adding a policy: its own file, plus one entry in ``BUILT_IN``; config validation and errors follow."""
+    import shutil
+    from pathlib import Path
+
+    package = Path(samplers.__file__).parents[1]
+    shutil.copytree(package, tmp_path / "asyncrl", ignore=shutil.ignore_patterns("__pycache__"))
+    (tmp_path / "asyncrl" / "samplers" / "newest.py").write_text(
+        "from typing import Literal\n"
+        "from pydantic import Field\n"
+        "from asyncrl.samplers.base import KnobModel, SamplerBase\n\n"
+        "class NewestConfig(KnobModel):\n"
+        "    name: Literal['newest'] = 'newest'\n"
+        "    max_staleness_versions: int = Field(1, ge=0, strict=True)\n\n"
+        "class NewestSampler(SamplerBase):\n"
+        "    name = 'newest'\n"
+        "    Knobs = NewestConfig\n\n"
+        "    def _candidates(self, T):\n"
+        "        index = self.buffer.by_version\n"
+        "        for v in reversed(index.keys_between(self.lower_bound(T), T)):\n"
+        "            yield from index.ready[v]\n"
+    )
+    init = tmp_path / "asyncrl" / "samplers" / "__init__.py"
+    text = init.read_text()
+    anchor = "BUILT_IN: tuple[type[SamplerBase], ...] = ("
+    assert text.count(anchor) == 1
+    init.write_text(text.replace(anchor, "from asyncrl.samplers.newest import NewestSampler  # noqa: E402\n"
+                                         + anchor + "NewestSampler, "))
+    code = (
+        "from asyncrl.buffer import ReplayBuffer\n"
+        "from asyncrl.samplers import build_sampler\n"
+        "from asyncrl.config import load_config\n"
+        "buf = ReplayBuffer()\n"
+        "s = build_sampler({'name': 'newest', 'max_staleness_versions': 2}, buf)\n"
+        "[buf.commit(buf.reserve(v), None) for v in (0, 1, 2)]\n"
+        "print(type(s).__name__, s.window, [g.group_id for g in s.select(2, 1, 3)])\n"
+        "print(load_config('quickstart', sampler={'name': 'newest'}).sampler)\n"
+        "try:\n"
+        "    build_sampler({'name': 'nope'}, buf)\n"
+        "except Exception as e:\n"
+        "    print('newest' in str(e))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["NewestSampler 2 [2, 1, 0]", "name='newest' max_staleness_versions=1", "True"]
+
+
+@pytest.fixture
+def my_sampler(monkeypatch):
+    """``notebooks/my_sampler.py``, the custom sampler the docs and notebooks show."""
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "notebooks"))
+    import my_sampler
+
+    return my_sampler
+
+
+def test_the_notebooks_custom_sampler_is_short_and_complete(my_sampler):
+    import inspect
+
+    source = inspect.getsource(my_sampler)
+    code = [line for line in source.split('"""')[-1].splitlines() if line.strip()]
+    assert len(code) <= 20, len(code)  # SamplerBase carries the rest
+    buf = ReplayBuffer()
+    sampler = build_sampler({"name": "custom", "target": "my_sampler:NewestFirst", "max_lag": 1}, buf)
+    assert isinstance(sampler, PromptGroupSampler) and isinstance(sampler, samplers.StalenessWindow)
+    assert sampler.required_buffer_capacity(8) == 16 and not sampler.is_on_policy
+    add(buf, 0, 2)
+    add(buf, 1, 1)
+    add(buf, 2, 2)
+    add(buf, 2, 1, ready=False)
+    by_id = verdicts_by_id(sampler.explain(2, 1, 2))
+    assert [by_id[g].code for g in range(6)] == [
+        "too_stale", "too_stale", "beyond_max_groups", "selected", "selected", "pending"
+    ]
+    assert by_id[3].reason.endswith("newest first")
+    assert ids(sampler.evict(2)) == [0, 1]
+    assert ids(sampler.select(2, 1, 2)) == [3, 4]
+    with pytest.raises(ValueError, match=r"unknown knob\(s\) \['lag'\] for sampler 'NewestFirstKnobs'"):
+        build_sampler({"name": "custom", "target": "my_sampler:NewestFirst", "lag": 1}, buf)

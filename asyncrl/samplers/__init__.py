@@ -3,6 +3,9 @@
 Importable without torch, Ray or Jupyter. Pick a policy by config::
 
     sampler = build_sampler({"name": "weight_fifo", "max_staleness_versions": 2}, buffer)
+
+The rules of each policy are in ``docs/samplers.md``. A policy of your own subclasses ``SamplerBase`` with a
+``KnobModel`` for its knobs and is named by ``{"name": "custom", "target": "package.module:ClassName", ...}``.
 """
 
 from __future__ import annotations
@@ -12,26 +15,33 @@ from typing import Annotated, Any, Union
 
 from pydantic import Field, TypeAdapter
 
-from asyncrl.samplers.base import Admission, PromptGroupSampler, SamplerBase, Verdict
+from asyncrl.samplers.base import (
+    Admission,
+    KnobModel,
+    PromptGroupSampler,
+    SamplerBase,
+    StalenessWindow,
+    Verdict,
+)
 from asyncrl.samplers.custom import CustomConfig, build_custom
 from asyncrl.samplers.in_order import InOrderConfig, InOrderSampler
 from asyncrl.samplers.ready_first import ReadyFirstConfig, ReadyFirstSampler
 from asyncrl.samplers.weight_fifo import WeightFifoConfig, WeightFifoSampler
 from asyncrl.samplers.windowed import WindowedConfig, WindowedSampler
 
-SamplerConfig = Annotated[
-    Union[WindowedConfig, WeightFifoConfig, InOrderConfig, ReadyFirstConfig, CustomConfig],
-    Field(discriminator="name"),
-]
-SAMPLERS: dict[str, type[SamplerBase]] = {
-    cls.name: cls for cls in (WindowedSampler, WeightFifoSampler, InOrderSampler, ReadyFirstSampler)
-}
+# The built-in policies. A new one is a file with its class and its Knobs model, and one entry here: the config
+# union, the name lookup and the error messages below are all derived from this tuple.
+BUILT_IN: tuple[type[SamplerBase], ...] = (WindowedSampler, WeightFifoSampler, InOrderSampler, ReadyFirstSampler)
+
+SAMPLERS: dict[str, type[SamplerBase]] = {cls.name: cls for cls in BUILT_IN}
+CONFIGS: tuple[type[KnobModel], ...] = (*(cls.Knobs for cls in BUILT_IN), CustomConfig)
+SamplerConfig = Annotated[Union[CONFIGS], Field(discriminator="name")]  # noqa: UP007 (a tuple needs Union[...])
 _adapter = TypeAdapter(SamplerConfig)
 
 
 def sampler_config(config: Any) -> Any:
     """Validate a mapping (or pass through a config model) into one of the sampler config models."""
-    if isinstance(config, (WindowedConfig, WeightFifoConfig, InOrderConfig, ReadyFirstConfig, CustomConfig)):
+    if isinstance(config, CONFIGS):
         return config
     if not isinstance(config, Mapping):
         raise TypeError(f"sampler config must be a mapping or a sampler config model, got {type(config).__name__}")
@@ -45,8 +55,7 @@ def build_sampler(config: Any, buffer) -> PromptGroupSampler:
     cfg = sampler_config(config)
     if isinstance(cfg, CustomConfig):
         return build_custom(cfg, buffer)
-    knobs = cfg.model_dump(exclude={"name"})
-    return SAMPLERS[cfg.name](buffer, **knobs)
+    return SAMPLERS[cfg.name](buffer, **cfg.model_dump(exclude={"name"}))
 
 
 def explain_frame(verdicts: list[Verdict]):
@@ -54,11 +63,12 @@ def explain_frame(verdicts: list[Verdict]):
     import pandas as pd
 
     columns = ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
-    return pd.DataFrame([v.__dict__ for v in verdicts], columns=columns)
+    frame = pd.DataFrame([v.__dict__ for v in verdicts], columns=columns)
+    return frame.astype({"group_id": "Int64", "weight_version": "Int64", "target_step": "Int64"})
 
 
 __all__ = [
-    "Admission", "PromptGroupSampler", "Verdict", "SamplerConfig", "build_sampler", "sampler_config",
-    "explain_frame", "WindowedSampler", "WeightFifoSampler", "InOrderSampler", "ReadyFirstSampler",
-    "WindowedConfig", "WeightFifoConfig", "InOrderConfig", "ReadyFirstConfig", "CustomConfig",
+    "Admission", "PromptGroupSampler", "StalenessWindow", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
+    "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
+    *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),
 ]

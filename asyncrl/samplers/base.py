@@ -58,23 +58,51 @@ class Verdict:
 
 @runtime_checkable
 class PromptGroupSampler(Protocol):
-    """The policy that decides which prompt groups are admitted, trained, kept or dropped."""
+    """The policy that decides which prompt groups are admitted, trained, kept or dropped (docs/samplers.md).
 
-    is_on_policy: bool
+    The pumps follow it and encode no policy of their own. ``dispatch_index`` is saved in checkpoints.
+    """
 
-    def admit(self, trainer_version: int) -> Admission | None: ...
+    name: str  # the policy's name, as configurations and reasons write it
+    is_on_policy: bool  # true exactly when the policy trains only on data from the current weights
+    dispatch_index: int  # batches admitted so far minus one: -1 before the first admission
 
-    def select(self, trainer_version: int, min_groups: int, max_groups: int) -> list[Slot] | None: ...
+    def admit(self, trainer_version: int) -> Admission | None:
+        """Each rollout tick, before dispatching: an ``Admission`` for one batch, or None (the gate is shut)."""
 
-    def evict(self, trainer_version: int) -> list[Slot]: ...
+    def explain_admission(self, trainer_version: int) -> str:
+        """When ``admit`` said None (and for the trace): why the gate is open or shut now, in the policy's words.
+        Changes nothing."""
 
-    def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool: ...
+    def select(self, trainer_version: int, min_groups: int, max_groups: int) -> list[Slot] | None:
+        """Each train tick, after ``evict``: remove and return up to ``max_groups`` ready slots in the policy's
+        order, or None (buffer untouched) when fewer than ``min_groups`` qualify. Never waits."""
 
-    def explain(self, trainer_version: int) -> list[Verdict]: ...
+    def evict(self, trainer_version: int) -> list[Slot]:
+        """Each train tick, first: remove and return the ready slots the policy drops. Never a pending one."""
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None: ...
+    def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
+        """After each optimizer step, per group in flight: may a rollout started at ``weight_version`` be
+        cancelled now."""
 
-    def set_dispatch_index(self, resume_step: int) -> None: ...
+    def explain(self, trainer_version: int, min_groups: int = 1, max_groups: int | None = None) -> list[Verdict]:
+        """Whenever asked: a ``Verdict`` for every slot, in buffer order, as if ``evict`` then
+        ``select(trainer_version, min_groups, max_groups)`` ran now. Changes nothing."""
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
+        """Once, when the controller is built: the buffer size that never deadlocks (None: no fixed bound)."""
+
+    def set_dispatch_index(self, resume_step: int) -> None:
+        """On resume: ``dispatch_index = resume_step - 1``. Negative: ``ValueError``."""
+
+
+@runtime_checkable
+class StalenessWindow(Protocol):
+    """Optional: a sampler with a window of weight versions. The buffer view shades ``[lower_bound(T), T]``."""
+
+    window: int
+
+    def lower_bound(self, trainer_version: int) -> int: ...
 
 
 class KnobModel(BaseModel):
@@ -102,39 +130,64 @@ def check_version(name: str, value: object, minimum: int = 0) -> int:
 
 
 class SamplerBase:
-    """Shared mechanics of the built-in policies. Subclasses set ``name``, ``stamps_target`` and ``gated``, hold
-    their knobs in ``self.knobs`` (a validated ``KnobModel``), and implement ``_candidates``, ``_evictable`` and
-    ``_keep``."""
+    """The mechanics every built-in policy shares; subclass it to write your own (docs/samplers.md).
+
+    A subclass sets ``name`` and ``Knobs`` (a ``KnobModel`` whose fields are its keyword arguments), names the knob
+    that is its window in ``window_knob``, and implements ``_candidates`` (the slots ``select`` may take, in order)
+    and, when it drops differently from the default, ``_evictable``. ``select``, ``evict`` and ``explain`` are
+    derived from those generators, so they cannot disagree; ``_select_reason``, ``_evict_reason``, ``_keep`` and
+    ``_wait_hint`` word the verdicts. ``gated`` and ``stamps_target`` choose the admission rule.
+    """
 
     name: ClassVar[str]
-    stamps_target: ClassVar[bool] = False
-    gated: ClassVar[bool] = True
+    Knobs: ClassVar[type[KnobModel]]
+    window_knob: ClassVar[str] = "max_staleness_versions"
+    stamps_target: ClassVar[bool] = False  # admissions carry target_step = dispatch index (in_order)
+    gated: ClassVar[bool] = True  # admit while dispatch_index < T + window; False: always admit
+    buffer: ReplayBuffer
     knobs: KnobModel
+    dispatch_index: int
 
-    def __init__(self, buffer: ReplayBuffer) -> None:
+    def __init__(self, buffer: ReplayBuffer, **knobs: Any) -> None:
         self.buffer = buffer
+        self.knobs = self.Knobs(**knobs)
         self.dispatch_index = -1
 
-    # The window that bounds admission (gated policies) and, for most policies, staleness.
     @property
     def window(self) -> int:
-        raise NotImplementedError
+        """``W``: bounds gated admission (batches ahead of ``T``) and, for most policies, staleness."""
+        return getattr(self.knobs, self.window_knob)
 
     @property
     def is_on_policy(self) -> bool:
         return self.window == 0
 
     def lower_bound(self, trainer_version: int) -> int:
-        """``lo = max(0, T - W)``: the oldest weight version a policy with a staleness window may train on."""
+        """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on."""
         return max(0, trainer_version - self.window)
 
     # ------------------------------------------------------------------------------------------- admission
+    def _gate_open(self, T: int) -> bool:
+        return not self.gated or self.dispatch_index < T + self.window
+
     def admit(self, trainer_version: int) -> Admission | None:
-        trainer_version = check_version("trainer_version", trainer_version)
-        if self.gated and self.dispatch_index >= trainer_version + self.window:
+        T = check_version("trainer_version", trainer_version)
+        if not self._gate_open(T):
             return None
         self.dispatch_index += 1
         return Admission(self.dispatch_index, self.dispatch_index if self.stamps_target else None)
+
+    def explain_admission(self, trainer_version: int) -> str:
+        T = check_version("trainer_version", trainer_version)
+        if not self.gated:
+            return f"`{self.name}` always admits: only the buffer capacity and the in-flight limit bound dispatch"
+        W, k = self.window, self.dispatch_index + 1
+        ahead = "no batch" if W == 0 else "at most " + ("one batch" if W == 1 else _plural(W, "batch"))
+        batch = f"batch {k} (for step {k})" if self.stamps_target else f"batch {k}"
+        rule = f"`{self.name}` with {self.window_knob}={W} admits {ahead} ahead of T"
+        if self._gate_open(T):
+            return f"{rule}: {batch} may go at T={T}"
+        return f"{rule}: {batch} waits for T >= {k - W}"
 
     def required_buffer_capacity(self, groups_per_step: int) -> int | None:
         groups_per_step = check_version("groups_per_step", groups_per_step, 1)
@@ -178,12 +231,15 @@ class SamplerBase:
                 if n < min_groups:
                     action, code = "keep", "below_min_groups"
                     reason = (
-                        f"eligible, but only {n} candidate(s) < min_groups {min_groups}: select waits"
-                        f"{self._wait_hint(T)}"
+                        f"eligible, but a chunk needs {min_groups} group(s) (min_groups) and only {n} qualify: "
+                        f"select waits{self._wait_hint(T)}"
                     )
                 elif max_groups is not None and pos >= max_groups:
                     action, code = "keep", "beyond_max_groups"
-                    reason = f"eligible, candidate #{pos + 1} of {n}; this chunk takes max_groups {max_groups}"
+                    reason = (
+                        f"eligible (candidate #{pos + 1} of {n}), but this chunk takes only the first {max_groups} "
+                        "(max_groups): left for the next chunk"
+                    )
                 else:
                     action, code = "select", "selected"
                     reason = f"selected as candidate #{pos + 1} of {n}: {self._select_reason(slot, T)}"
@@ -194,20 +250,26 @@ class SamplerBase:
 
     # -------------------------------------------------------------------------------------- policy hooks
     def _candidates(self, T: int) -> Iterator[Slot]:
+        """The slots ``select`` may take now, in the order it takes them (only ready ones)."""
         raise NotImplementedError
 
     def _evictable(self, T: int) -> Iterator[Slot]:
-        """Default eviction: ready slots with ``weight_version < lo``."""
+        """Default eviction: ready slots with ``weight_version < lower_bound(T)``."""
         index = self.buffer.by_version
         for v in index.keys_between(hi=self.lower_bound(T) - 1):
             yield from list(index.ready[v])
 
+    def _window_words(self, T: int) -> str:
+        return f"the window [{self.lower_bound(T)}, {T}]"
+
     def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
-        lo = self.lower_bound(T)
-        return "too_stale", f"too stale: weight_version {slot.weight_version} < lo {lo} (T={T}, W={self.window})"
+        return "too_stale", (
+            f"too stale: weight version {slot.weight_version} is older than {self._window_words(T)} "
+            f"(at most {_plural(self.window, 'version')} behind T={T})"
+        )
 
     def _select_reason(self, slot: Slot, T: int) -> str:
-        return f"ready, weight_version {slot.weight_version} in [{self.lower_bound(T)}, {T}]"
+        return f"ready, weight version {slot.weight_version} is inside {self._window_words(T)}"
 
     def _wait_hint(self, T: int) -> str:
         """What ``select`` is waiting for when it has too few candidates (appended to ``below_min_groups``)."""
@@ -219,17 +281,21 @@ class SamplerBase:
         if not slot.ready:
             if w < self.lower_bound(T):
                 return "pending", (
-                    f"pending (rollouts not committed); already too stale (weight_version {w} < lo "
-                    f"{self.lower_bound(T)}): evicted once committed"
+                    f"pending (rollouts not committed yet) and already too stale (weight version {w} is older than "
+                    f"{self._window_words(T)}): evicted once committed"
                 )
-            return "pending", f"pending: rollouts started at weight_version {w} are not committed yet"
+            return "pending", f"pending: rollouts started with weight version {w} are not committed yet"
         if w > T:
-            return "future_version", f"future version: weight_version {w} > T={T}, kept for a later step"
+            return "future_version", f"future version: weight version {w} is newer than T={T}, kept for a later step"
         return "kept", "kept by the policy"
 
     def __repr__(self) -> str:
         knobs = ", ".join(f"{k}={v!r}" for k, v in self.knobs.model_dump().items())
         return f"{type(self).__name__}({knobs}, dispatch_index={self.dispatch_index})"
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}{'es' if word.endswith('ch') else 's'}"
 
 
 def _check_chunk(min_groups: object, max_groups: object) -> None:

@@ -2,7 +2,8 @@
 
 The class is imported and checked against the ``PromptGroupSampler`` Protocol when the configuration is
 validated (before any run starts), constructed as ``ClassName(buffer, **kwargs)`` by ``build_sampler``, and
-checked again as an instance. Its ``required_buffer_capacity`` is honoured like a built-in's.
+checked again as an instance. Its ``required_buffer_capacity`` is honoured like a built-in's. The short way to
+write one is to subclass ``SamplerBase`` (see ``docs/samplers.md`` and ``notebooks/my_sampler.py``).
 """
 
 from __future__ import annotations
@@ -10,15 +11,16 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-from pydantic import ConfigDict, field_validator
+from pydantic import ConfigDict, ValidationError, field_validator
 
 from asyncrl.samplers.base import KnobModel, PromptGroupSampler
 
-# Members the Protocol requires; checked on the class so a bad target fails at configuration time.
-PROTOCOL_METHODS = (
-    "admit", "select", "evict", "should_abort_inflight", "explain", "required_buffer_capacity", "set_dispatch_index",
+# The Protocol's members, read off the Protocol itself; checked on the class so a bad target fails at configuration
+# time. Attributes may be class attributes, properties, or at least annotations on the class (set per instance).
+PROTOCOL_ATTRIBUTES = tuple(PromptGroupSampler.__annotations__)
+PROTOCOL_METHODS = tuple(
+    name for name, value in vars(PromptGroupSampler).items() if callable(value) and not name.startswith("_")
 )
-PROTOCOL_ATTRIBUTES = ("is_on_policy",)  # a class attribute, a property, or at least an annotation on the class
 PROTOCOL_MEMBERS = PROTOCOL_METHODS + PROTOCOL_ATTRIBUTES
 
 
@@ -48,7 +50,9 @@ def load_target(target: str) -> type:
     if missing:
         raise ValueError(
             f"custom sampler target {target!r} does not satisfy PromptGroupSampler: missing or not callable "
-            f"{missing} (required: methods {list(PROTOCOL_METHODS)} and attribute 'is_on_policy')"
+            f"{missing} (required: methods {list(PROTOCOL_METHODS)} and attributes {list(PROTOCOL_ATTRIBUTES)}, an "
+            "attribute set in __init__ declared on the class, e.g. `dispatch_index: int`; subclassing "
+            "asyncrl.samplers.SamplerBase provides all of them)"
         )
     return cls
 
@@ -76,7 +80,7 @@ def build_custom(config: CustomConfig, buffer) -> PromptGroupSampler:
     cls = load_target(config.target)
     try:
         sampler = cls(buffer, **config.kwargs)
-    except TypeError as exc:
+    except (TypeError, ValidationError) as exc:  # a plain class's signature, or a SamplerBase's Knobs model
         raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: {exc}") from exc
     if not isinstance(sampler, PromptGroupSampler):
         missing = [m for m in PROTOCOL_MEMBERS if not hasattr(sampler, m)]

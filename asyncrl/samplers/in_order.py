@@ -17,7 +17,7 @@ from pydantic import Field
 from asyncrl.samplers.base import KnobModel, SamplerBase
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import ReplayBuffer, Slot
+    from asyncrl.buffer import Slot
 
 
 class InOrderConfig(KnobModel):
@@ -27,15 +27,9 @@ class InOrderConfig(KnobModel):
 
 class InOrderSampler(SamplerBase):
     name: ClassVar[str] = "in_order"
+    Knobs: ClassVar[type[KnobModel]] = InOrderConfig
+    window_knob: ClassVar[str] = "max_lookahead_versions"
     stamps_target: ClassVar[bool] = True
-
-    def __init__(self, buffer: ReplayBuffer, max_lookahead_versions: int = 1):
-        super().__init__(buffer)
-        self.knobs = InOrderConfig(max_lookahead_versions=max_lookahead_versions)
-
-    @property
-    def window(self) -> int:
-        return self.knobs.max_lookahead_versions
 
     def _candidates(self, T: int) -> Iterator[Slot]:
         yield from self.buffer.by_target.ready.get(T, ())
@@ -46,24 +40,24 @@ class InOrderSampler(SamplerBase):
             yield from list(index.ready[t])
 
     def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
-        return "past_target_step", f"target_step {slot.target_step} < T={T}: its step has passed"
+        return "past_target_step", f"its step has passed: made for step {slot.target_step}, the trainer is at T={T}"
 
     def _select_reason(self, slot: Slot, T: int) -> str:
-        return f"ready, target_step {slot.target_step} == T"
+        return f"ready, made for this step (target step {slot.target_step} = T)"
 
     def _wait_hint(self, T: int) -> str:
         pending = self.buffer.by_target.pending.get(T, ())
-        return f" for the {len(pending)} pending group(s) stamped for step {T}" if pending else ""
+        return f" for the {len(pending)} pending group(s) made for step {T}" if pending else ""
 
     def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
         t = slot.target_step
         if not slot.ready:
             if t is not None and t < T:
                 return "pending", (
-                    f"pending (rollouts not committed); its step has passed (target_step {t} < T={T}): "
-                    "evicted once committed"
+                    f"pending (rollouts not committed yet) and its step has passed (made for step {t}, the trainer "
+                    f"is at T={T}): evicted once committed"
                 )
-            return "pending", f"pending: rollouts for target_step {t} are not committed yet"
+            return "pending", f"pending: rollouts made for step {t} are not committed yet"
         if t is None:
-            return "no_target_step", "ready but has no target_step; in_order only trains stamped groups"
-        return "wrong_target_step", f"wrong target step: target_step {t} != T={T}, kept for step {t}"
+            return "no_target_step", "ready but made for no particular step; in_order trains only groups made for one"
+        return "wrong_target_step", f"made for step {t}, not this step (T={T}): kept until step {t}"

@@ -15,7 +15,7 @@ from pydantic import Field
 from asyncrl.samplers.base import KnobModel, SamplerBase
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import ReplayBuffer, Slot
+    from asyncrl.buffer import Slot
 
 
 class ReadyFirstConfig(KnobModel):
@@ -25,14 +25,7 @@ class ReadyFirstConfig(KnobModel):
 
 class ReadyFirstSampler(SamplerBase):
     name: ClassVar[str] = "ready_first"
-
-    def __init__(self, buffer: ReplayBuffer, max_staleness_versions: int = 1):
-        super().__init__(buffer)
-        self.knobs = ReadyFirstConfig(max_staleness_versions=max_staleness_versions)
-
-    @property
-    def window(self) -> int:
-        return self.knobs.max_staleness_versions
+    Knobs: ClassVar[type[KnobModel]] = ReadyFirstConfig
 
     def lower_bound(self, trainer_version: int) -> int:
         return 0  # no lower bound: nothing is ever too stale
@@ -46,4 +39,4 @@ class ReadyFirstSampler(SamplerBase):
         return iter(())
 
     def _select_reason(self, slot: Slot, T: int) -> str:
-        return f"ready, weight_version {slot.weight_version} <= T={T} (ready_first takes any ready group)"
+        return f"ready, weight version {slot.weight_version} is not newer than T={T} (ready_first takes any ready one)"

@@ -16,7 +16,7 @@ from pydantic import Field
 from asyncrl.samplers.base import KnobModel, SamplerBase
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import ReplayBuffer, Slot
+    from asyncrl.buffer import Slot
 
 
 class WeightFifoConfig(KnobModel):
@@ -26,14 +26,7 @@ class WeightFifoConfig(KnobModel):
 
 class WeightFifoSampler(SamplerBase):
     name: ClassVar[str] = "weight_fifo"
-
-    def __init__(self, buffer: ReplayBuffer, max_staleness_versions: int = 1):
-        super().__init__(buffer)
-        self.knobs = WeightFifoConfig(max_staleness_versions=max_staleness_versions)
-
-    @property
-    def window(self) -> int:
-        return self.knobs.max_staleness_versions
+    Knobs: ClassVar[type[KnobModel]] = WeightFifoConfig
 
     def target_version(self, T: int) -> int | None:
         """The oldest weight version among in-window slots, ready or pending; None when the window is empty."""
@@ -46,13 +39,16 @@ class WeightFifoSampler(SamplerBase):
             yield from self.buffer.by_version.ready[target]
 
     def _select_reason(self, slot: Slot, T: int) -> str:
-        return f"ready at the target version {slot.weight_version}, the oldest in [{self.lower_bound(T)}, {T}]"
+        return f"ready at weight version {slot.weight_version}, the oldest version in {self._window_words(T)}"
 
     def _wait_hint(self, T: int) -> str:
         target = self.target_version(T)
         waiting = 0 if target is None else len(self.buffer.by_version.pending[target])
         if waiting:
-            return f" for the {waiting} pending group(s) of version {target} (never skips ahead to a newer version)"
+            return (
+                f" for the {waiting} pending group(s) of version {target}, the oldest in {self._window_words(T)} "
+                "(weight_fifo never skips ahead to a newer version)"
+            )
         return ""
 
     def _keep(self, slot: Slot, T: int) -> tuple[str, str]:
@@ -62,7 +58,7 @@ class WeightFifoSampler(SamplerBase):
             waiting = len(self.buffer.by_version.pending[target])
             state = "ready" if slot.ready else "pending"
             return "not_oldest_version", (
-                f"{state}, not the oldest version: weight_version {w} waits until version {target} is trained "
+                f"{state}, not the oldest version: weight version {w} waits until version {target} is trained "
                 f"({waiting} group(s) of it still pending)"
             )
         return super()._keep(slot, T)

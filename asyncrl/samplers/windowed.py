@@ -16,7 +16,7 @@ from pydantic import Field
 from asyncrl.samplers.base import KnobModel, SamplerBase
 
 if TYPE_CHECKING:
-    from asyncrl.buffer import ReplayBuffer, Slot
+    from asyncrl.buffer import Slot
 
 
 class WindowedConfig(KnobModel):
@@ -27,15 +27,9 @@ class WindowedConfig(KnobModel):
 
 class WindowedSampler(SamplerBase):
     name: ClassVar[str] = "windowed"
+    Knobs: ClassVar[type[KnobModel]] = WindowedConfig
     gated: ClassVar[bool] = False
-
-    def __init__(self, buffer: ReplayBuffer, max_staleness_versions: int = 1, freshest_first: bool = False):
-        super().__init__(buffer)
-        self.knobs = WindowedConfig(max_staleness_versions=max_staleness_versions, freshest_first=freshest_first)
-
-    @property
-    def window(self) -> int:
-        return self.knobs.max_staleness_versions
+    knobs: WindowedConfig
 
     def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
         return weight_version < self.lower_bound(trainer_version)
