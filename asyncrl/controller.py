@@ -25,7 +25,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
@@ -35,12 +34,16 @@ from asyncrl.backends.base import GenerationRequest, GroupRollouts
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.run_loop import ActiveClock, RunHandle
-from asyncrl.samplers import Admission, SamplerBase, build_sampler, explain_frame
+from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
 
 TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
 ]
-TRACE_EVENTS = ("admit", "dispatch", "commit", "evict", "select", "train", "sync", "abort", "step", "fault", "skip")
+TRACE_EVENTS = (
+    "admit", "refuse", "dispatch", "commit", "evict", "select", "train", "sync", "abort", "step", "fault", "skip",
+)
+TRACE_DTYPES = {"seq": "int64", "trainer_version": "int64", "group_id": "Int64", "weight_version": "Int64",
+                "target_step": "Int64", "lag": "Int64"}
 
 
 @dataclass
@@ -100,6 +103,26 @@ def _tick(method):
     return tick
 
 
+@dataclass(frozen=True)
+class ControllerState:
+    """What ``Controller.state()`` returns: one consistent snapshot of the controller for widgets."""
+
+    trainer_version: int
+    generation_version: int
+    sampler: str  # the policy's name
+    sampler_repr: str
+    window: int | None  # None when the sampler has no staleness window (StalenessWindow)
+    lower_bound: int | None  # the window's oldest version at this T
+    buffer: pd.DataFrame  # slot counts by weight version x state (ReplayBuffer.summary())
+    capacity: int
+    inflight: int
+    step_groups_trained: int  # groups trained so far in the current step
+    groups_per_step: int
+    data_position: int
+    exhausted: bool
+    last_report: TickReport | None
+
+
 class Controller:
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
         from asyncrl.tasks import PromptStream
@@ -122,6 +145,7 @@ class Controller:
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
         self._trace: list[tuple] = []
+        self._refused: str | None = None  # the last refusal traced, until the gate opens again
         self._metrics: list[dict] = []
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
         self._prompt_ids: dict[str, list[int]] = {}
@@ -177,14 +201,18 @@ class Controller:
             self.exhausted = True
             report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
         else:
+            gate = self.sampler.explain_admission(T)  # asked first: admit changes what it would say
             admission = self.sampler.admit(T)
             report.admitted = admission
             if admission is None:
-                report.note = f"gate closed at T={T} (dispatch index {getattr(self.sampler, 'dispatch_index', '?')})"
+                report.note = f"gate closed: {gate}"
+                if gate != self._refused:  # once per distinct refusal: a running pump asks a shut gate every poll
+                    self._refused = gate
+                    self._event("refuse", None, None, None, None, f"batch {self.sampler.dispatch_index + 1}", gate)
                 return report
+            self._refused = None
             version = self.generator.version
-            self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}",
-                        f"{self.sampler.__class__.__name__}.admit({T}) opened the gate")
+            self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
             requests = []
             for _ in range(N):
                 prompt = self.stream.get(self.data_position)
@@ -368,18 +396,20 @@ class Controller:
         self._trace.append((len(self._trace), event, self.trainer_version, group_id, weight_version, target_step,
                             lag, detail, reason))
 
-    def _frame(self, name: str, rows: list, columns=None) -> pd.DataFrame:
+    def _frame(self, name: str, rows: list, columns=None, dtypes=None) -> pd.DataFrame:
         cached = self._frames.get(name)
         if cached is None or cached[0] != len(rows):
-            cached = (len(rows), pd.DataFrame(list(rows), columns=columns))
+            frame = pd.DataFrame(list(rows), columns=columns)
+            cached = (len(rows), frame if dtypes is None else frame.astype(dtypes))
             self._frames[name] = cached
         return cached[1]
 
     @property
     def trace(self) -> pd.DataFrame:
-        """Every admit/dispatch/commit/evict/select/train/sync/abort/step event, in order, with its reason."""
+        """Every admit/refuse/dispatch/commit/evict/select/train/sync/abort/step event, in order, with its reason.
+        Ids, versions, steps and lags are nullable integers (``Int64``): an event without one has ``<NA>``."""
         with self._lock:
-            return self._frame("trace", self._trace, TRACE_COLUMNS)
+            return self._frame("trace", self._trace, TRACE_COLUMNS, TRACE_DTYPES)
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -400,35 +430,32 @@ class Controller:
         """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
         chunk bounds), as a table. Changes nothing."""
         with self._lock:
-            T = self.trainer_version
-            if not isinstance(self.sampler, SamplerBase):  # a custom sampler's explain takes only T
-                return explain_frame(self.sampler.explain(T))
             remaining = self.cfg.groups_per_step - self._step["groups"]
             lo, hi = self.cfg.chunk_bounds
-            return explain_frame(self.sampler.explain(T, min(lo, remaining), min(hi, remaining)))
+            return explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
 
-    def state(self) -> dict[str, Any]:
-        """A consistent snapshot for widgets: versions, the buffer by version, verdicts, the last report."""
+    def state(self) -> ControllerState:
+        """A consistent snapshot for widgets (versions, the buffer by version, the window, the last report).
+        The verdicts are not in it: they cost a pass over the buffer, so ``explain()`` computes them when asked."""
         with self._lock:
             T = self.trainer_version
-            window = getattr(self.sampler, "window", None)
-            return {
-                "trainer_version": T,
-                "generation_version": self.generator.version,
-                "sampler": getattr(self.sampler, "name", type(self.sampler).__name__),
-                "sampler_repr": repr(self.sampler),
-                "window": window,
-                "lower_bound": self.sampler.lower_bound(T) if hasattr(self.sampler, "lower_bound") else None,
-                "buffer": self.buffer.summary(),
-                "capacity": self.capacity,
-                "inflight": len(self.inflight),
-                "step_groups_trained": self._step["groups"],
-                "groups_per_step": self.cfg.groups_per_step,
-                "data_position": self.data_position,
-                "exhausted": self.exhausted,
-                "verdicts": self.explain(),
-                "last_report": self.last_report,
-            }
+            windowed = isinstance(self.sampler, StalenessWindow)
+            return ControllerState(
+                trainer_version=T,
+                generation_version=self.generator.version,
+                sampler=self.sampler.name,
+                sampler_repr=repr(self.sampler),
+                window=self.sampler.window if windowed else None,
+                lower_bound=self.sampler.lower_bound(T) if windowed else None,
+                buffer=self.buffer.summary(),
+                capacity=self.capacity,
+                inflight=len(self.inflight),
+                step_groups_trained=self._step["groups"],
+                groups_per_step=self.cfg.groups_per_step,
+                data_position=self.data_position,
+                exhausted=self.exhausted,
+                last_report=self.last_report,
+            )
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy``."""

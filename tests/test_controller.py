@@ -147,6 +147,13 @@ def test_config_rejects_a_buffer_smaller_than_the_sampler_needs():
                     max_buffered_groups=15)
 
 
+@pytest.mark.parametrize("knob", ["min_groups_per_chunk", "max_groups_per_chunk"])
+def test_config_rejects_a_chunk_larger_than_a_step(knob):
+    with pytest.raises(ValueError, match=rf"{knob} 9 > groups_per_step 8: a chunk is part of one step"):
+        load_config("quickstart", **{knob: 9})
+    assert load_config("quickstart", **{knob: 8}).chunk_bounds == (8, 8)
+
+
 def test_config_rejects_stale_sampler_without_importance_correction():
     with pytest.raises(ValueError, match="importance"):
         load_config("quickstart", sampler={"name": "weight_fifo"},
@@ -166,9 +173,90 @@ def test_metrics_and_trace_columns():
     assert m.eval_accuracy.notna().tolist() == [False, True, False, True]
     assert set(ctrl.trace.event) >= {"admit", "dispatch", "commit", "select", "train", "sync", "step"}
     state = ctrl.state()
-    assert state["trainer_version"] == 4 and list(state["buffer"].columns) == ["pending", "ready", "total"]
+    assert state.trainer_version == 4 and list(state.buffer.columns) == ["pending", "ready", "total"]
     ev = ctrl.evaluate()
     assert 0.0 <= ev["accuracy"] <= 1.0 and "reward_mean" in ev
+
+
+def test_trace_ids_versions_steps_and_lags_are_nullable_integers():
+    ctrl = Controller.from_config(load_config("quickstart", eval_every=None))
+    ctrl.tick()
+    trace = ctrl.trace
+    assert {c: str(trace[c].dtype) for c in ("group_id", "weight_version", "target_step", "lag")} == dict.fromkeys(
+        ("group_id", "weight_version", "target_step", "lag"), "Int64")
+    select = trace[trace.event == "select"]
+    assert select.group_id.tolist() == list(range(8)) and select.target_step.tolist() == [0] * 8
+    assert trace[trace.event == "train"].group_id.isna().all()
+    assert str(ctrl.explain().target_step.dtype) == "Int64"
+
+
+def test_state_is_a_frozen_snapshot_and_verdicts_are_computed_only_when_asked(monkeypatch):
+    import dataclasses
+
+    from asyncrl.controller import ControllerState
+
+    ctrl = Controller.from_config(load_config("quickstart", eval_every=None))
+    ctrl.rollout_tick()
+    explained = []
+    original = ctrl.sampler.explain
+    monkeypatch.setattr(ctrl.sampler, "explain", lambda *args: explained.append(args) or original(*args))
+    state = ctrl.state()
+    assert explained == []  # a snapshot costs no pass over the buffer
+    assert isinstance(state, ControllerState)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        state.trainer_version = 5
+    assert (state.sampler, state.window, state.lower_bound, state.capacity) == ("in_order", 1, 0, 16)
+    assert state.buffer.ready.sum() == 8 and state.last_report.dispatched == list(range(8))
+    assert len(ctrl.explain()) == 8 and explained == [(0, 8, 8)]  # this step's chunk bounds
+
+
+def test_a_refused_admission_says_why_in_the_samplers_words_and_is_traced_once():
+    ctrl = Controller.from_config(load_config(
+        "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, max_buffered_groups=48,
+        eval_every=None,
+    ))
+    ctrl.rollout_tick(), ctrl.rollout_tick()  # batches 0 and 1: one batch ahead of T = 0
+    why = ("`weight_fifo` with max_staleness_versions=1 admits at most one batch ahead of T: "
+           "batch 2 waits for T >= 1")
+    for _ in range(3):  # a pump polling a shut gate
+        report = ctrl.rollout_tick()
+        assert report.dispatched == [] and report.note == f"gate closed: {why}"
+    refused = ctrl.trace[ctrl.trace.event == "refuse"]
+    assert refused.reason.tolist() == [why] and refused.detail.tolist() == ["batch 2"]
+    admits = ctrl.trace[ctrl.trace.event == "admit"]
+    assert admits.reason.iloc[1].endswith("batch 1 may go at T=0")
+    ctrl.train_tick()  # T = 1: batch 2 is due
+    assert len(ctrl.rollout_tick().dispatched) == 8
+    ctrl.rollout_tick()
+    assert ctrl.trace[ctrl.trace.event == "refuse"].detail.tolist() == ["batch 2", "batch 3"]
+
+
+def test_a_running_pump_traces_each_refusal_once():
+    ctrl = Controller.from_config(load_config(
+        "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, max_buffered_groups=48,
+        generation={"backend": "simulated", "options": {"latency_s": 0.002}}, trainer={"backend": "simulated"},
+        eval_every=None,
+    ))
+    ctrl.run(8, progress=False)
+    refused = ctrl.trace[ctrl.trace.event == "refuse"]
+    assert refused.reason.is_unique and len(refused) <= 10  # at most once per batch, however often it polled
+
+
+@pytest.mark.parametrize("target", ["my_sampler:NewestFirst", "tests.custom_sampler_fixture:NewestFirstSampler"])
+def test_a_custom_sampler_runs_in_the_controller(target, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "notebooks"))
+    ctrl = Controller.from_config(load_config("quickstart", sampler={"name": "custom", "target": target},
+                                              eval_every=None))
+    for _ in range(6):
+        ctrl.tick()
+    assert ctrl.trainer_version >= 3
+    assert len(ctrl.explain()) == len(ctrl.buffer)
+    state = ctrl.state()
+    assert state.sampler == ctrl.sampler.name
+    assert (state.window is None) == target.startswith("tests.")  # the fixture has no staleness window
+    accounting(ctrl)
 
 
 def test_run_stops_cleanly_when_the_data_runs_out():
@@ -247,4 +335,10 @@ def test_cli_run_writes_metrics_trace_and_plot(tmp_path):
 
     assert len(pd.read_csv(out / "metrics.csv")) == 4
     assert (pd.read_csv(out / "trace.csv").event == "select").sum() == 32
+    import csv
+
+    rows = list(csv.DictReader((out / "trace.csv").open()))
+    select = next(r for r in rows if r["event"] == "select")
+    assert [select[c] for c in ("group_id", "weight_version", "lag")] == ["0", "0", "0"]  # not 0.0
+    assert next(r for r in rows if r["event"] == "train")["group_id"] == ""
     assert (out / "config.yaml").exists() and (out / "reward.png").stat().st_size > 1000

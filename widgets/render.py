@@ -45,7 +45,7 @@ def step_events(ctrl) -> pd.DataFrame:
 def buffer_table(ctrl) -> pd.DataFrame:
     """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now) and ``selected`` / ``evicted``
     (taken out this step; evicted includes aborted), one row per version."""
-    summary = ctrl.state()["buffer"]
+    summary = ctrl.state().buffer
     table = pd.DataFrame(
         {"pending": summary["pending"], "ready": summary["ready"]}, index=summary.index, dtype="int64"
     )
@@ -62,7 +62,7 @@ def draw_buffer(ctrl, ax) -> None:
     """The buffer view on a matplotlib Axes: stacked bars by weight version, ``T`` and the window marked."""
     state = ctrl.state()
     table = buffer_table(ctrl)
-    T, lo = state["trainer_version"], state["lower_bound"]
+    T, lo = state.trainer_version, state.lower_bound
     versions = list(table.index) + [T] + ([lo] if lo is not None else [])
     x0, x1 = min(versions), max(versions)
     if lo is not None:
@@ -82,8 +82,8 @@ def draw_buffer(ctrl, ax) -> None:
     ax.set_ylabel("prompt groups")
     held = int(table["pending"].sum() + table["ready"].sum())
     ax.set_title(
-        f"{state['sampler']}: T={T}, generator at {state['generation_version']}, "
-        f"{held}/{state['capacity']} slots, {state['inflight']} in flight",
+        f"{state.sampler}: T={T}, generator at {state.generation_version}, "
+        f"{held}/{state.capacity} slots, {state.inflight} in flight",
         fontsize=10,
     )
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)

@@ -82,7 +82,7 @@ class StepControls(W.VBox):
                 callback()
 
     def _last_report(self) -> str:
-        report = self.ctrl.state()["last_report"]
+        report = self.ctrl.state().last_report
         return str(report) if report is not None else f"T={self.ctrl.trainer_version}: no tick yet"
 
     def _show(self, text: str, error: str | None = None) -> None:
@@ -126,7 +126,8 @@ class VerdictTable(W.VBox):
         self.refresh()
 
     def refresh(self) -> None:
-        counts = render.verdict_table(self.ctrl).action.value_counts()
+        self._verdicts = render.verdict_table(self.ctrl)  # once per refresh; the filter only slices it
+        counts = self._verdicts.action.value_counts()
         options = [(f"all ({int(counts.sum())})", "all")]
         options += [(f"{a} ({int(counts.get(a, 0))})", a) for a in ("select", "evict", "keep")]
         current = self.filter.value or "all"
@@ -140,7 +141,7 @@ class VerdictTable(W.VBox):
 
     def _draw(self) -> None:
         action = None if self.filter.value in (None, "all") else self.filter.value
-        frame = render.verdict_table(self.ctrl, action)
+        frame = self._verdicts if action is None else self._verdicts[self._verdicts.action == action]
         T = self.ctrl.trainer_version
         if frame.empty:
             self.table.value = f"<p>T={T}: no buffered groups{'' if action is None else f' with action {action}'}</p>"
