@@ -116,8 +116,9 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         N = self.groups_per_step
-        if self.min_groups_per_chunk is not None and self.min_groups_per_chunk > N:
-            raise ValueError(f"min_groups_per_chunk {self.min_groups_per_chunk} > groups_per_step {N}")
+        for knob in ("min_groups_per_chunk", "max_groups_per_chunk"):  # a chunk is part of one step
+            if getattr(self, knob) is not None and getattr(self, knob) > N:
+                raise ValueError(f"{knob} {getattr(self, knob)} > groups_per_step {N}: a chunk is part of one step")
         if self.max_groups_per_chunk is not None and self.max_groups_per_chunk < self.chunk_bounds[0]:
             raise ValueError(
                 f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
