@@ -15,13 +15,14 @@ import traceback
 from pathlib import Path
 
 import yaml
+from pydantic import BaseModel, ValidationError
 
 
 def _overrides(pairs: list[str]) -> dict:
     out: dict = {}
     for pair in pairs:
         if "=" not in pair:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
         key, raw = pair.split("=", 1)
         node = out
         *parents, leaf = key.split(".")
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         print("interrupted before the run started; nothing written", file=sys.stderr)
         return 130
     except (ValueError, TypeError, ImportError, OSError) as exc:  # pydantic's ValidationError is a ValueError
-        print(f"asyncrl run: {exc}", file=sys.stderr)
+        print(_error_message(exc), file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
@@ -91,9 +92,11 @@ def run(args: argparse.Namespace) -> int:
     summary["constant_answer_accuracy"] = ctrl.task.constant_answer_accuracy
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     if not args.no_plot and len(ctrl.metrics):
-        _plot(ctrl.metrics, out / "reward.png", ctrl.task.constant_answer_accuracy)
+        _plot(ctrl, out / "reward.png")
     ctrl.close()
     print(json.dumps(summary))
+    if status == "completed":
+        print(_learning(ctrl, final))
     return {"completed": 0, "interrupted": 130}.get(status, 1)
 
 
@@ -141,28 +144,67 @@ class _CsvLog:
         self.file.close()
 
 
-def _plot(metrics, path: Path, constant_accuracy: float) -> None:
+def _plot(ctrl, path: Path) -> None:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        from widgets.render import draw_reward  # the notebook's reward panel: one drawing of it
+        from matplotlib.figure import Figure
     except ImportError:
         print("matplotlib is not installed: no reward.png (pip install 'asyncrl[notebook]')", file=sys.stderr)
         return
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.plot(metrics["step"], metrics["reward_mean"], label="train reward (sampled)")
-    if "eval_accuracy" in metrics:
-        ev = metrics.dropna(subset=["eval_accuracy"])
-        ax.plot(ev["step"], ev["eval_accuracy"], "o-", label="held-out greedy accuracy")
-    ax.axhline(constant_accuracy, color="gray", ls="--", lw=1, label="best constant answer")
-    ax.set_xlabel("optimizer step")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
+    fig = Figure(figsize=(8.4, 3.4), layout="constrained")
+    draw_reward(ctrl, fig.add_subplot())
     fig.savefig(path, dpi=110)
-    plt.close(fig)
+
+
+def _learning(ctrl, final: dict) -> str:
+    """One line a person reads: held-out accuracy before training (when ``eval_every`` evaluated the untrained
+    model), after the run, and the bar it is judged against."""
+    start = ctrl.evaluations.iloc[0]
+    before = f"{start.accuracy:.2f} untrained -> " if start.weight_version == 0 < ctrl.trainer_version else ""
+    return (f"held-out greedy accuracy: {before}{final['accuracy']:.2f} after {ctrl.trainer_version} steps; "
+            f"the best constant answer scores {ctrl.task.constant_answer_accuracy:.2f}")
+
+
+def _error_message(exc: Exception) -> str:
+    """What a user sees for a mistake found before the run: a configuration error is one line per error, without
+    a traceback, pydantic's links or a dump of the whole config; anything else is its message."""
+    if not isinstance(exc, ValidationError):
+        return f"asyncrl run: {exc}"
+    errors = _config_errors(exc)
+    return "\n".join([f"asyncrl run: invalid configuration ({len(errors)} error{'s' if len(errors) > 1 else ''}):",
+                      *(f"  {line}" for line in errors)])
+
+
+def _config_errors(exc: ValidationError) -> list[str]:
+    """One line per error: the dotted key, what was given, what is allowed (no pydantic boilerplate, no dump of
+    the whole config)."""
+    from asyncrl.config import Config
+    from asyncrl.samplers import SAMPLERS
+
+    lines = []
+    for err in exc.errors(include_url=False):
+        # A sampler's config is a union tagged by its name: the tag is in the location, not a key a person types.
+        loc = [str(p) for i, p in enumerate(err["loc"]) if not (i == 1 and err["loc"][0] == "sampler"
+                                                                 and p in {*SAMPLERS, "custom"})]
+        key, given = ".".join(loc), err["input"]
+        message = err["msg"].removeprefix("Value error, ").removeprefix("Input ")
+        if err["type"] == "extra_forbidden":
+            message = f"not a configuration key; the keys here are {', '.join(_keys_at(Config, loc[:-1]))}"
+            elsewhere = [f"{name}.{loc[-1]}" for name, field in Config.model_fields.items()
+                         if len(loc) == 1 and loc[-1] in getattr(field.annotation, "model_fields", {})]
+            message += f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
+        elif err["type"] == "union_tag_invalid":
+            key, given = f"{key}.name", err["ctx"]["tag"]
+            message = f"should be one of {err['ctx']['expected_tags']}"
+        where = key or "configuration"
+        lines.append(f"{where} = {given!r}: {message}" if not isinstance(given, (dict, list)) else f"{where}: {message}")
+    return lines
+
+
+def _keys_at(model: type[BaseModel], loc: list[str]) -> list[str]:
+    for part in loc:
+        model = model.model_fields[part].annotation
+    return list(model.model_fields)
 
 
 def _positive(text: str) -> int:
@@ -173,16 +215,30 @@ def _positive(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__.splitlines()[0])
+    from asyncrl.config import presets
+
+    parser = argparse.ArgumentParser(
+        prog="asyncrl", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"presets: {', '.join(presets())} (or the path of a YAML file with the same keys)\n"
+               "example: asyncrl run quickstart --steps 300 --out runs/q",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run headless and write metrics.csv, trace.csv, config.yaml, summary.json")
-    p.add_argument("config", help="a preset name (quickstart, ...) or a YAML path")
-    p.add_argument("--steps", type=_positive, required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("config", help=f"a preset ({', '.join(presets())}) or the path of a YAML config")
+    p.add_argument("--steps", type=_positive, required=True, help="optimizer steps to train (>= 1)")
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="directory for metrics.csv, trace.csv, config.yaml, summary.json and reward.png "
+                        "(created if missing; files in it are overwritten)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, dotted, value in YAML (repeatable): --set sampler.name=windowed")
+    p.add_argument("--tensorboard", metavar="DIR", help="log every metrics row to TensorBoard in DIR "
+                   "(same as --set tracking.tensorboard_dir=DIR)")
+    p.add_argument("--wandb", metavar="PROJECT", help="log every metrics row to this W&B project (needs wandb)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-plot", action="store_true", help="do not write reward.png")
     args = parser.parse_args(argv)
+    args.set += [f"tracking.{key}={value}" for key, value in
+                 (("tensorboard_dir", args.tensorboard), ("wandb_project", args.wandb)) if value is not None]
     return run(args)
 
 

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
+from asyncrl.tracking import TrackingConfig
 
 PRESETS = Path(__file__).parent / "presets"
 
@@ -112,6 +113,18 @@ class Config(_Strict):
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _stale_sampler_needs_correction(cls, loss: Any, info: ValidationInfo) -> Any:
+        # Runs before LossConfig's own checks, so a stale sampler with importance_correction 'none' is reported
+        # as the cause (the sampler rule), not as a truncation that has nothing to correct.
+        correction = loss.get("importance_correction") if isinstance(loss, dict) else None
+        sampler = info.data.get("sampler")
+        if correction == "none" and sampler is not None and not isinstance(sampler, CustomConfig):
+            check_importance_correction(SAMPLERS[sampler.name](None, **sampler.model_dump(exclude={"name"})), correction)
+        return loss
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -144,16 +157,20 @@ class Config(_Strict):
 
 def check_sampler_fits(sampler: Any, cfg: Config) -> None:
     """Reject a sampler the rest of the config cannot serve (raises ValueError naming both sides)."""
-    if not sampler.is_on_policy and cfg.loss.importance_correction == "none":
-        raise ValueError(
-            f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
-            "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
-        )
+    check_importance_correction(sampler, cfg.loss.importance_correction)
     required = sampler.required_buffer_capacity(cfg.groups_per_step)
     if required is not None and cfg.max_buffered_groups is not None and cfg.max_buffered_groups < required:
         raise ValueError(
             f"max_buffered_groups {cfg.max_buffered_groups} is smaller than the {required} groups sampler "
             f"{sampler!r} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
+        )
+
+
+def check_importance_correction(sampler: Any, importance_correction: str) -> None:
+    if not sampler.is_on_policy and importance_correction == "none":
+        raise ValueError(
+            f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
+            "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
         )
 
 

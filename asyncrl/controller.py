@@ -35,6 +35,7 @@ from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
+from asyncrl.tracking import Tracker
 
 TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
@@ -147,6 +148,8 @@ class Controller:
         self._trace: list[tuple] = []
         self._refused: str | None = None  # the last refusal traced, until the gate opens again
         self._metrics: list[dict] = []
+        self._evals: list[dict] = []
+        self.tracker = Tracker(cfg.tracking, cfg.model_dump(mode="json"))  # does nothing unless configured
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
         self._prompt_ids: dict[str, list[int]] = {}
         self._run: RunHandle | None = None  # the latest run (start/run); at most one goes at a time
@@ -252,6 +255,8 @@ class Controller:
         N = self.cfg.groups_per_step
         with self._lock:
             T = self.trainer_version
+            if T == 0 and self.cfg.eval_every and not self._evals:
+                self.evaluate()  # the untrained model: where the held-out curve starts
             report = TickReport("train", T)
             for slot in self.sampler.evict(T):
                 report.evicted.append(slot.group_id)
@@ -339,6 +344,7 @@ class Controller:
             ev = self.evaluate()
             row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]
         self._metrics.append(row)
+        self.tracker.log(row)
         self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row['reward_mean']:.3f}",
                     f"optimizer step {T - 1} done")
         report.step_finished = True
@@ -457,11 +463,23 @@ class Controller:
                 last_report=self.last_report,
             )
 
+    @property
+    def evaluations(self) -> pd.DataFrame:
+        """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
+        0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
+        with self._lock:
+            return self._frame("evaluations", self._evals, ["weight_version", "reward_mean", "accuracy"])
+
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy``."""
+        """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy`` (also recorded in
+        ``evaluations``)."""
         from asyncrl.tasks import evaluate
 
-        return evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
+        version = self.generator.version
+        ev = evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
+        with self._lock:
+            self._evals.append({"weight_version": version, "reward_mean": ev["reward_mean"], "accuracy": ev["accuracy"]})
+        return ev
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
@@ -487,6 +505,7 @@ class Controller:
                 "torch_rng": torch.get_rng_state(),
                 "trace": list(self._trace),
                 "metrics": list(self._metrics),
+                "evaluations": list(self._evals),
             }
         torch.save(state, path / "controller.pt")
         return path
@@ -508,6 +527,7 @@ class Controller:
             ctrl.generator.load_state_dict(state["generator"])
         torch.set_rng_state(state["torch_rng"])
         ctrl._trace, ctrl._metrics = state["trace"], state["metrics"]
+        ctrl._evals = state.get("evaluations", [])
         pending = ctrl.buffer.pending_slots()
         for slot in pending:
             ctrl.inflight[slot.group_id] = slot.weight_version
@@ -521,6 +541,7 @@ class Controller:
         for backend in (self.generator, self.policy):
             if hasattr(backend, "close"):
                 backend.close()
+        self.tracker.close()
 
     def __enter__(self) -> Controller:
         return self

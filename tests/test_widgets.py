@@ -18,6 +18,7 @@ pytest.importorskip("matplotlib")
 
 import widgets  # noqa: E402
 from asyncrl import Controller, load_config  # noqa: E402
+from matplotlib.backends.backend_agg import FigureCanvasAgg  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,15 +42,16 @@ def test_buffer_table_counts_ready_then_selected_this_step():
     ctrl = make()  # in_order, lookahead 1: two batches fit
     play(ctrl, "rr")
     table = widgets.buffer_table(ctrl)
-    assert list(table.columns) == ["ready", "pending", "selected", "evicted"]
-    assert table.loc[0].to_dict() == {"ready": 16, "pending": 0, "selected": 0, "evicted": 0}
-    play(ctrl, "t")  # step 0 finished: "this step" falls back to the step that just finished
+    assert list(table.columns) == ["ready", "doomed", "pending", "selected", "evicted"]
+    assert table.loc[0].to_dict() == {"ready": 16, "doomed": 0, "pending": 0, "selected": 0, "evicted": 0}
+    play(ctrl, "t")  # step 0 finished: the table falls back to the step that just finished
     assert ctrl.trainer_version == 1
-    assert widgets.buffer_table(ctrl).loc[0].to_dict() == {"ready": 8, "pending": 0, "selected": 8, "evicted": 0}
+    assert widgets.buffer_table(ctrl).loc[0].to_dict() == {"ready": 8, "doomed": 0, "pending": 0, "selected": 8,
+                                                           "evicted": 0}
     play(ctrl, "rt")  # step 1 trains batch 1 (version 0); batch 2 was generated with weights 1
     table = widgets.buffer_table(ctrl)
     assert table.loc[0, "selected"] == 8 and table.loc[0, "ready"] == 0
-    assert table.loc[1].to_dict() == {"ready": 8, "pending": 0, "selected": 0, "evicted": 0}
+    assert table.loc[1].to_dict() == {"ready": 8, "doomed": 0, "pending": 0, "selected": 0, "evicted": 0}
 
 
 def test_buffer_table_shows_evictions_of_this_step():
@@ -93,8 +95,54 @@ def test_figures_before_and_after_steps():
     assert any(text.get_text() == "T = 3" for text in ax.get_legend().get_texts())
     assert any(text.get_text().startswith("window [") for text in ax.get_legend().get_texts())
     metrics_fig = widgets.metrics_figure(ctrl)
-    assert [a.get_title() for a in metrics_fig.axes] == ["reward", "lag of trained groups, by step", "throughput"]
-    assert len(metrics_fig.axes[0].lines) >= 2  # batch reward and its running mean
+    reward, lags, throughput, _colourbar = metrics_fig.axes
+    assert [a.get_title(loc) for a, loc in ((reward, "center"), (lags, "left"), (throughput, "center"))] == [
+        "reward and held-out accuracy", "lag of trained groups, by step", "throughput"]
+    assert len(reward.lines) >= 2  # batch reward and its running mean
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+def test_metrics_figure_labels_colourbar_legends_and_the_untrained_evaluation():
+    ctrl = make(eval_every=2)
+    play(ctrl, "rtrtrtrt")
+    evals = ctrl.evaluations
+    assert evals.weight_version.tolist() == [0, 2, 4]  # the untrained model first, before step 0 trained
+    fig = widgets.metrics_figure(ctrl)
+    reward, lags, throughput, colourbar = fig.axes
+    assert reward.get_ylabel() == "reward / accuracy" and reward.get_xlabel() == "optimizer step"
+    assert lags.get_ylabel() and throughput.get_ylabel() == "tokens / s"
+    assert colourbar.get_ylabel() == "groups trained" and lags.collections[0].colorbar is not None
+    (accuracy,) = [line for line in reward.lines if line.get_label() == "held-out greedy accuracy"]
+    assert list(accuracy.get_xdata()) == [0, 2, 4] and not accuracy.get_clip_on()  # a point on the axis shows whole
+    assert list(accuracy.get_ydata()) == evals.accuracy.tolist()
+    FigureCanvasAgg(fig).draw()  # legends are placed at draw time: none may cover a plotting area
+    renderer = fig.canvas.get_renderer()
+    for ax in (reward, lags):
+        legend = ax.get_legend().get_window_extent(renderer)
+        for other in (reward, lags, colourbar, throughput):
+            assert not _overlaps(legend, other.get_window_extent(renderer)), (ax.get_title(), other.get_title())
+
+
+def test_buffer_view_marks_what_the_next_train_tick_evicts_and_names_the_step_shown():
+    ctrl = make({"name": "windowed", "max_staleness_versions": 1})
+    play(ctrl, "rrrtt")  # T = 2: the third batch (version 0) is out of the window; evict runs on the next tick
+    doomed = ctrl.explain().query("action == 'evict'")
+    assert len(doomed) == 8
+    table = widgets.buffer_table(ctrl)
+    assert table.loc[0, "doomed"] == 8 and table.loc[0, "ready"] == 0
+    (ax,) = widgets.buffer_figure(ctrl).axes
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "ready, evicted by the next train tick" in labels
+    hatched = [p for p in ax.patches if p.get_hatch()]
+    assert len(hatched) == 1 and hatched[0].get_height() == 8  # only the doomed bar is hatched
+    # step 1 just finished (T = 2): its selection is labelled as step 1's, not as "this step"
+    assert "selected for step 1" in labels and not any("this step" in label for label in labels)
+    play(ctrl, "t")  # the eviction happens; the doomed bar becomes "evicted in step 2"
+    labels = [t.get_text() for t in widgets.buffer_figure(ctrl).axes[0].get_legend().get_texts()]
+    assert "evicted / aborted in step 2" in labels and "ready, evicted by the next train tick" not in labels
 
 
 def test_custom_sampler_without_window_renders():

@@ -15,40 +15,50 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-# Colours of the buffer states (stack order, bottom to top).
+# Colours of the buffer states (stack order, bottom to top). "doomed": ready groups the next train tick evicts.
 STATES = {
     "ready": "#4C72B0",
+    "doomed": "#F4D4D5",
     "pending": "#B0C4DE",
     "selected": "#55A868",
     "evicted": "#C44E52",
 }
-LABELS = {
+LABELS = {  # {step}: the step whose events are shown (see step_events)
     "ready": "ready",
+    "doomed": "ready, evicted by the next train tick",
     "pending": "pending",
-    "selected": "selected this step",
-    "evicted": "evicted / aborted this step",
+    "selected": "selected for step {step}",
+    "evicted": "evicted / aborted in step {step}",
 }
 
 
-def step_events(ctrl) -> pd.DataFrame:
-    """The select, evict and abort events of the current step, or, when the current step has none yet (it just
-    started), those of the step that just finished. This is what "selected / evicted this step" means."""
+def _shown_step(ctrl) -> tuple[int, pd.DataFrame]:
     trace = ctrl.trace
     events = trace[trace.event.isin(["select", "evict", "abort"])]
     T = ctrl.trainer_version
     # select/evict are stamped with the T they ran at; an abort happens just after T += 1, so it counts for T - 1.
     step = events.trainer_version - (events.event == "abort").astype(int)
     current = events[step == T]
-    return current if not current.empty else events[step == T - 1]
+    return (T, current) if not current.empty else (T - 1, events[step == T - 1])
+
+
+def step_events(ctrl) -> pd.DataFrame:
+    """The select, evict and abort events of the current step ``T``, or, when it has none yet (it just started),
+    those of step ``T - 1``, the one that just finished. The buffer view labels them with that step's number."""
+    return _shown_step(ctrl)[1]
 
 
 def buffer_table(ctrl) -> pd.DataFrame:
-    """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now) and ``selected`` / ``evicted``
-    (taken out this step; evicted includes aborted), one row per version."""
-    summary = ctrl.state().buffer
+    """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now; ``doomed`` are the ready ones
+    the next train tick will evict, by ``explain()``) and ``selected`` / ``evicted`` (taken out in the step
+    ``step_events`` shows; evicted includes aborted), one row per version."""
+    summary, verdicts = ctrl.state().buffer, ctrl.explain()
     table = pd.DataFrame(
         {"pending": summary["pending"], "ready": summary["ready"]}, index=summary.index, dtype="int64"
     )
+    doomed = verdicts[(verdicts.action == "evict") & (verdicts.state == "ready")].weight_version.astype(int)
+    table["doomed"] = doomed.value_counts().reindex(table.index, fill_value=0).astype("int64")
+    table["ready"] -= table["doomed"]
     events = step_events(ctrl)
     for column, kinds in (("selected", ["select"]), ("evicted", ["evict", "abort"])):
         counts = events[events.event.isin(kinds)].weight_version.astype(int).value_counts()
@@ -62,6 +72,7 @@ def draw_buffer(ctrl, ax) -> None:
     """The buffer view on a matplotlib Axes: stacked bars by weight version, ``T`` and the window marked."""
     state = ctrl.state()
     table = buffer_table(ctrl)
+    shown = _shown_step(ctrl)[0]
     T, lo = state.trainer_version, state.lower_bound
     versions = list(table.index) + [T] + ([lo] if lo is not None else [])
     x0, x1 = min(versions), max(versions)
@@ -70,7 +81,10 @@ def draw_buffer(ctrl, ax) -> None:
     bottom = pd.Series(0, index=table.index)
     for column, colour in STATES.items():
         if table[column].any():
-            ax.bar(table.index, table[column], bottom=bottom, color=colour, width=0.7, label=LABELS[column])
+            doomed = column == "doomed"  # hatched in the eviction colour: still in the buffer, not for long
+            ax.bar(table.index, table[column], bottom=bottom, color=colour, width=0.7,
+                   label=LABELS[column].format(step=shown), hatch="///" if doomed else None,
+                   edgecolor=STATES["evicted"] if doomed else None, lw=0)
             bottom = bottom + table[column]
     ax.axvline(T, color="#333333", ls="--", lw=1.2, label=f"T = {T}")
     ax.set_xlim(x0 - 0.6, x1 + 0.6)
@@ -116,50 +130,62 @@ def lag_table(ctrl) -> pd.DataFrame:
     return table
 
 
+def _legend_outside(ax) -> None:
+    """The legend right of the axes, so it never covers data (constrained layout makes room for it)."""
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False, borderaxespad=0)
+
+
 def draw_reward(ctrl, ax) -> None:
-    metrics = ctrl.metrics
-    ax.set_title("reward", fontsize=10)
-    ax.set_xlabel("step")
-    if metrics.empty:
+    """Train reward by step (each batch and a 10-step mean), held-out greedy accuracy by the weight version it
+    judged (the untrained model's at 0 when ``eval_every`` is set), and the best constant answer's accuracy."""
+    metrics, evals = ctrl.metrics, ctrl.evaluations.drop_duplicates("weight_version", keep="last")
+    ax.set_title("reward and held-out accuracy", fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.02, 1.02)
+    if metrics.empty and evals.empty:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
-    ax.plot(metrics.step, metrics.reward_mean, color="#4C72B0", lw=1, alpha=0.5, label="reward (batch)")
-    smooth = metrics.reward_mean.rolling(10, min_periods=1).mean()
-    ax.plot(metrics.step, smooth, color="#4C72B0", lw=2, label="reward (10-step mean)")
-    if "eval_accuracy" in metrics:
-        evals = metrics.dropna(subset=["eval_accuracy"])
-        ax.plot(evals.step, evals.eval_accuracy, "o-", color="#DD8452", ms=4, label="eval accuracy")
-        bar = getattr(getattr(ctrl, "task", None), "constant_answer_accuracy", None)
-        if bar is not None:  # the best any prompt-independent answer scores: learning is judged against it
-            ax.axhline(bar, color="#DD8452", ls=":", lw=1, label=f"best constant answer ({bar:.2f})")
-    ax.set_ylim(-0.02, 1.02)
-    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    if not metrics.empty:
+        ax.plot(metrics.step, metrics.reward_mean, color="#4C72B0", lw=1, alpha=0.5, label="train reward (batch)")
+        smooth = metrics.reward_mean.rolling(10, min_periods=1).mean()
+        ax.plot(metrics.step, smooth, color="#4C72B0", lw=2, label="train reward (10-step mean)")
+    if not evals.empty:
+        ax.plot(evals.weight_version, evals.accuracy, "o-", color="#DD8452", ms=4, clip_on=False,
+                label="held-out greedy accuracy")
+    bar = getattr(getattr(ctrl, "task", None), "constant_answer_accuracy", None)
+    if bar is not None:  # the best any prompt-independent answer scores: learning is judged against it
+        ax.axhline(bar, color="#DD8452", ls=":", lw=1, label=f"best constant answer ({bar:.2f})")
+    _legend_outside(ax)
 
 
 def draw_lags(ctrl, ax) -> None:
-    """Lag distribution by step: a 2-D histogram (step × lag, shade = groups trained) with the mean lag on top."""
+    """Lag distribution by step: a 2-D histogram (step × lag, shade = groups trained, scale in the colourbar) with
+    the mean lag on top."""
     table = lag_table(ctrl)
-    ax.set_title("lag of trained groups, by step", fontsize=10)
-    ax.set_xlabel("step")
+    ax.set_title("lag of trained groups, by step", fontsize=10, loc="left")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("lag (T - weight version)")
     if table.empty:
         ax.text(0.5, 0.5, "nothing trained yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
     steps = range(int(table.index.min()), int(table.index.max()) + 1)
     lags = range(0, int(table.columns.max()) + 1)
     grid = table.reindex(index=steps, columns=lags, fill_value=0).T
-    ax.pcolormesh([s - 0.5 for s in [*steps, steps[-1] + 1]], [lag - 0.5 for lag in [*lags, lags[-1] + 1]],
-                  grid.values, cmap="Blues", vmin=0, shading="flat")
+    mesh = ax.pcolormesh([s - 0.5 for s in [*steps, steps[-1] + 1]], [lag - 0.5 for lag in [*lags, lags[-1] + 1]],
+                         grid.values, cmap="Blues", vmin=0, shading="flat")
+    ax.figure.colorbar(mesh, ax=ax, label="groups trained", pad=0.02)
     mean = (grid.mul(list(lags), axis=0).sum() / grid.sum().where(grid.sum() > 0))
     ax.plot(list(steps), mean.values, color="#C44E52", lw=1.5, label="mean lag")
     ax.set_yticks(list(lags))
-    ax.set_ylabel("lag (T - weight version)")
-    ax.legend(fontsize=8, loc="upper left")
+    # above the plot, right-aligned (the title is left-aligned): right of it is the colourbar
+    ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, borderaxespad=0.2)
 
 
 def draw_throughput(ctrl, ax) -> None:
     metrics = ctrl.metrics
     ax.set_title("throughput", fontsize=10)
-    ax.set_xlabel("step")
+    ax.set_xlabel("optimizer step")
     if metrics.empty:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
@@ -168,7 +194,7 @@ def draw_throughput(ctrl, ax) -> None:
     ax.set_ylim(bottom=0)
 
 
-def metrics_figure(ctrl, figsize=(12.8, 3.0)) -> Figure:
+def metrics_figure(ctrl, figsize=(14.4, 3.2)) -> Figure:
     """Reward over steps, lag distribution by step, and throughput, side by side."""
     fig = Figure(figsize=figsize, layout="constrained")
     axes = fig.subplots(1, 3)

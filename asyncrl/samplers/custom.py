@@ -37,7 +37,7 @@ def load_target(target: str) -> type:
     except Exception as exc:  # not only ImportError: a module that raises while importing does not import either
         raise ValueError(
             f"custom sampler target {target!r}: module {module_name!r} does not import "
-            f"({type(exc).__name__}: {exc})"
+            f"({type(exc).__name__}: {exc}){'; is its folder on PYTHONPATH?' if isinstance(exc, ModuleNotFoundError) else ''}"
         ) from exc
     cls = getattr(module, class_name, None)
     if not isinstance(cls, type):
