@@ -1,9 +1,9 @@
 # The two commands a new user needs (see README.md):
 #   make test        set up .venv and run the whole test suite (what CI runs)
-#   make quickstart  set up .venv, run the quickstart notebook headless and a CLI run; outputs in runs/quickstart/
+#   make quickstart  set up .venv, run the quickstart notebook headless and a 300-step CLI run; outputs in runs/quickstart/
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= notebook,ray,megatron,dev
+EXTRAS ?= notebook,ray,megatron,tracking,dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export MPLBACKEND := Agg
@@ -32,8 +32,9 @@ quickstart: setup
 	PATH="$(abspath $(VENV))/bin:$$PATH" ASYNCRL_FIGURES_DIR="$(CURDIR)/runs/quickstart" \
 		$(VENV)/bin/jupyter nbconvert --to notebook --execute notebooks/quickstart.ipynb \
 		--ExecutePreprocessor.timeout=900 --output-dir runs/quickstart --output quickstart.ipynb
-	$(VENV)/bin/asyncrl run quickstart --steps 30 --out runs/quickstart/cli --quiet
-	@echo "executed notebook: runs/quickstart/quickstart.ipynb; figures (metrics.png, buffer.png) and CLI outputs: runs/quickstart/"
+	@echo "executed notebook: runs/quickstart/quickstart.ipynb, its figures runs/quickstart/metrics.png and buffer.png"
+	@echo "now 300 headless steps (about a minute on 2 CPU cores; held-out accuracy climbs from the start, the sampled reward from step ~120) -> runs/quickstart/cli/"
+	$(VENV)/bin/asyncrl run quickstart --steps 300 --out runs/quickstart/cli
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -95,8 +95,8 @@ class StepControls(W.VBox):
 
 
 class BufferView(W.VBox):
-    """Slot counts by weight version, stacked pending / ready / selected this step / evicted this step, with ``T``
-    and the sampler's window marked."""
+    """Slot counts by weight version, stacked ready / ready but evicted by the next train tick / pending /
+    selected / evicted (in the step ``render.step_events`` shows), with ``T`` and the sampler's window marked."""
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
