@@ -221,7 +221,7 @@ def test_a_dashboard_refresh_computes_the_verdicts_once(monkeypatch):
     original = ctrl.explain
     monkeypatch.setattr(ctrl, "explain", lambda: calls.append(1) or original())
     dash.refresh()
-    assert len(calls) == 1  # the verdict table; the buffer view and the rest read state(), which has no verdicts
+    assert len(calls) == 1  # the verdict table's; the buffer view (evictions to come) reuses it
     dash.verdicts.filter.value = "keep"  # filtering slices the verdicts it has
     assert len(calls) == 1 and dash.verdicts.table.value.count("wrong_target_step") == 8
 

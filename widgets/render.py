@@ -48,11 +48,13 @@ def step_events(ctrl) -> pd.DataFrame:
     return _shown_step(ctrl)[1]
 
 
-def buffer_table(ctrl) -> pd.DataFrame:
+def buffer_table(ctrl, verdicts: pd.DataFrame | None = None) -> pd.DataFrame:
     """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now; ``doomed`` are the ready ones
     the next train tick will evict, by ``explain()``) and ``selected`` / ``evicted`` (taken out in the step
-    ``step_events`` shows; evicted includes aborted), one row per version."""
-    summary, verdicts = ctrl.state().buffer, ctrl.explain()
+    ``step_events`` shows; evicted includes aborted), one row per version. ``verdicts``: ``explain()`` when the
+    caller has it already (it costs a pass over the buffer)."""
+    summary = ctrl.state().buffer
+    verdicts = ctrl.explain() if verdicts is None else verdicts
     table = pd.DataFrame(
         {"pending": summary["pending"], "ready": summary["ready"]}, index=summary.index, dtype="int64"
     )
@@ -68,10 +70,10 @@ def buffer_table(ctrl) -> pd.DataFrame:
     return table[list(STATES)]
 
 
-def draw_buffer(ctrl, ax) -> None:
+def draw_buffer(ctrl, ax, verdicts: pd.DataFrame | None = None) -> None:
     """The buffer view on a matplotlib Axes: stacked bars by weight version, ``T`` and the window marked."""
     state = ctrl.state()
-    table = buffer_table(ctrl)
+    table = buffer_table(ctrl, verdicts)
     shown = _shown_step(ctrl)[0]
     T, lo = state.trainer_version, state.lower_bound
     versions = list(table.index) + [T] + ([lo] if lo is not None else [])
@@ -103,10 +105,10 @@ def draw_buffer(ctrl, ax) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
 
 
-def buffer_figure(ctrl, figsize=(7.2, 3.4)) -> Figure:
+def buffer_figure(ctrl, figsize=(7.2, 3.4), verdicts: pd.DataFrame | None = None) -> Figure:
     """The buffer view as a Figure (see ``draw_buffer``)."""
     fig = Figure(figsize=figsize, layout="constrained")
-    draw_buffer(ctrl, fig.add_subplot())
+    draw_buffer(ctrl, fig.add_subplot(), verdicts)
     return fig
 
 

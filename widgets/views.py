@@ -106,8 +106,8 @@ class BufferView(W.VBox):
         self.add_class("asyncrl-buffer")
         self.refresh()
 
-    def refresh(self) -> None:
-        self.image.value = render.png(render.buffer_figure(self.ctrl), dpi=88)
+    def refresh(self, verdicts=None) -> None:
+        self.image.value = render.png(render.buffer_figure(self.ctrl, verdicts=verdicts), dpi=88)
 
 
 class VerdictTable(W.VBox):
@@ -180,5 +180,6 @@ class Dashboard(W.VBox):
         self.add_class("asyncrl-dashboard")
 
     def refresh(self) -> None:
-        for view in (self.controls, self.buffer, self.verdicts, self.metrics):
+        for view in (self.controls, self.verdicts, self.metrics):
             view.refresh()
+        self.buffer.refresh(verdicts=self.verdicts._verdicts)  # the table's explain(): one per refresh
