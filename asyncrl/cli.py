@@ -1,6 +1,9 @@
 """``asyncrl run CONFIG_OR_PRESET --steps N --out DIR``: a headless run that writes its metrics, trace and config.
 
 Overrides use dotted keys: ``--set seed=1 --set sampler.name=weight_fifo --set sampler.max_staleness_versions=2``.
+Checkpoints: ``--checkpoint-every K`` writes ``DIR/checkpoints/step-XXXXXX`` every K steps; ``--resume DIR``
+continues that run from its newest complete checkpoint to ``--steps`` in all (metrics.csv and trace.csv are
+rewritten to hold exactly the steps of one uninterrupted history).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv.
     Exit 0 when the run completed (or the data ran out), 130 on Ctrl-C (the files hold every finished step),
     1 when it failed; summary.json says which (``status``) and why."""
+    from asyncrl.checkpoint import resolve
     from asyncrl.config import load_config
     from asyncrl.controller import TRACE_COLUMNS, Controller
 
@@ -48,10 +52,18 @@ def run(args: argparse.Namespace) -> int:
             stop["handle"].stop(wait=False)
 
     try:  # nothing is written before the config, the output directory and the controller are known to be good
-        cfg = load_config(args.config, **_overrides(args.set))
-        out = Path(args.out)
+        if args.out is None and args.resume is None:
+            raise ValueError("give --out DIR (or --resume DIR to continue a run)")
+        out, overrides = Path(args.out or args.resume), _overrides(args.set)
+        resume = resolve(args.resume) if args.resume else None  # its newest complete checkpoint
+        every = args.checkpoint_every
+        if every is None and resume is not None:  # a resumed run keeps checkpointing as it did
+            every = (yaml.safe_load((resume / "config.yaml").read_text()) or {}).get("checkpoint_every")
+        if every is not None:
+            overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
+        cfg = load_config(args.config, **overrides)
         _check_writable(out)
-        ctrl = Controller.from_config(cfg)
+        ctrl = Controller.restore(resume, config=cfg) if resume else Controller.from_config(cfg)
     except KeyboardInterrupt:
         print("interrupted before the run started; nothing written", file=sys.stderr)
         return 130
@@ -61,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     metrics, trace = _CsvLog(out / "metrics.csv"), _CsvLog(out / "trace.csv")
+    metrics.write(ctrl._metrics)  # a resumed run's files start from its checkpoint's history, not the old files
+    trace.write(dict(zip(TRACE_COLUMNS, event)) for event in ctrl._trace)
 
     def on_step(row: dict, events: list[tuple]) -> None:
         trace.write(dict(zip(TRACE_COLUMNS, event)) for event in events)
@@ -69,10 +83,11 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGINT, on_sigint)
     error = None
     try:
-        stop["handle"] = ctrl.start(args.steps, progress=not args.quiet, on_step=on_step)
-        if stop["asked"]:
-            stop["handle"].stop(wait=False)
-        stop["handle"].wait()
+        if args.steps > ctrl.trainer_version:  # --steps counts in all: a resumed run has done some
+            stop["handle"] = ctrl.start(args.steps - ctrl.trainer_version, progress=not args.quiet, on_step=on_step)
+            if stop["asked"]:
+                stop["handle"].stop(wait=False)
+            stop["handle"].wait()
     except Exception as exc:  # the run's own error, re-raised by wait()
         error = exc
         traceback.print_exception(exc)
@@ -225,10 +240,16 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("run", help="run headless and write metrics.csv, trace.csv, config.yaml, summary.json")
     p.add_argument("config", help=f"a preset ({', '.join(presets())}) or the path of a YAML config")
-    p.add_argument("--steps", type=_positive, required=True, help="optimizer steps to train (>= 1)")
-    p.add_argument("--out", required=True, metavar="DIR",
+    p.add_argument("--steps", type=_positive, required=True,
+                   help="optimizer steps to train (>= 1), in all: a resumed run counts the steps it already has")
+    p.add_argument("--out", metavar="DIR",
                    help="directory for metrics.csv, trace.csv, config.yaml, summary.json and reward.png "
-                        "(created if missing; files in it are overwritten)")
+                        "(created if missing; files in it are overwritten; with --resume: the resumed directory)")
+    p.add_argument("--checkpoint-every", type=_positive, metavar="K",
+                   help="checkpoint every K steps under OUT/checkpoints, keeping the newest keep_checkpoints")
+    p.add_argument("--resume", metavar="DIR",
+                   help="continue the run in DIR (an --out directory or a checkpoint) from its newest complete "
+                        "checkpoint to --steps in all; CONFIG must have the same model")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, dotted, value in YAML (repeatable): --set sampler.name=windowed")
     p.add_argument("--tensorboard", metavar="DIR", help="log every metrics row to TensorBoard in DIR "

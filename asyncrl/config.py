@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
+from asyncrl.faults import FaultsConfig
 from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
 from asyncrl.tracking import TrackingConfig
 
@@ -107,6 +108,11 @@ class Config(_Strict):
     # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
     # Generous by default, for slow generation on big models.
     stall_timeout_s: float = Field(60.0, gt=0)
+    # Checkpoints (asyncrl/checkpoint.py): every K steps into checkpoint_dir/step-XXXXXX, keeping the newest few.
+    checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
+    checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")
+    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)
@@ -129,6 +135,13 @@ class Config(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> Config:
         N = self.groups_per_step
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size {self.group_size}: GRPO's advantage is a reward minus its group's mean, so a group of "
+                "one always has advantage 0 and learns nothing; use group_size >= 2"
+            )
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every {self.checkpoint_every} needs checkpoint_dir (where to write)")
         for knob in ("min_groups_per_chunk", "max_groups_per_chunk"):  # a chunk is part of one step
             if getattr(self, knob) is not None and getattr(self, knob) > N:
                 raise ValueError(f"{knob} {getattr(self, knob)} > groups_per_step {N}: a chunk is part of one step")

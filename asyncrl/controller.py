@@ -7,7 +7,9 @@ its pause/stop/breakpoints and its failure handling are in ``asyncrl.run_loop``)
 
 Invariants:
 - The pumps never encode a policy: every admit/select/evict/abort decision is the sampler's.
-- Every admitted group is, exactly once, trained, evicted, or aborted (skipped), and the trace says which and why.
+- Every admitted group is, exactly once, trained (``select``), evicted, aborted or skipped (given up after a fault,
+  ``_skip`` is the only way), and the trace says which and why. Every error caught is a ``fault`` event
+  (``asyncrl/faults.py`` describes the budgets, retries and replacements).
 - Permits: ``len(buffer) <= capacity`` (a batch is dispatched only when all its groups fit) and in-flight groups
   never exceed ``max_inflight_groups``.
 - ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
@@ -25,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 import torch
@@ -33,6 +36,7 @@ from asyncrl.algorithms import make_train_batch
 from asyncrl.backends.base import GenerationRequest, GroupRollouts
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
+from asyncrl.faults import _FAILED, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
 from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
 from asyncrl.tracking import Tracker
@@ -59,23 +63,26 @@ class TickReport:
     evicted: list[int] = field(default_factory=list)
     selected: list[int] = field(default_factory=list)
     aborted: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
     step_finished: bool = False
     note: str = ""
 
     @property
     def progressed(self) -> bool:
-        return bool(self.dispatched or self.committed or self.evicted or self.selected or self.aborted)
+        return bool(self.dispatched or self.committed or self.evicted or self.selected or self.aborted
+                    or self.skipped)
 
     def merge(self, other: TickReport) -> TickReport:
         return TickReport(
             "tick", other.trainer_version, self.admitted, self.dispatched + other.dispatched,
             self.committed + other.committed, self.evicted + other.evicted, self.selected + other.selected,
-            self.aborted + other.aborted, other.step_finished, "; ".join(n for n in (self.note, other.note) if n),
+            self.aborted + other.aborted, self.skipped + other.skipped, other.step_finished,
+            "; ".join(n for n in (self.note, other.note) if n),
         )
 
     def __str__(self) -> str:
         parts = [f"{self.kind} T={self.trainer_version}"]
-        for name in ("dispatched", "committed", "evicted", "selected", "aborted"):
+        for name in ("dispatched", "committed", "evicted", "selected", "aborted", "skipped"):
             ids = getattr(self, name)
             if ids:
                 parts.append(f"{name} {len(ids)} {_ids(ids)}")
@@ -124,7 +131,7 @@ class ControllerState:
     last_report: TickReport | None
 
 
-class Controller:
+class Controller(FaultContainment):
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
         from asyncrl.tasks import PromptStream
 
@@ -136,12 +143,15 @@ class Controller:
         self.buffer = buffer if buffer is not None else ReplayBuffer()
         self.sampler = sampler if sampler is not None else build_sampler(cfg.sampler, self.buffer)
         check_sampler_fits(self.sampler, cfg)
+        if not task.train_prompts:
+            raise ValueError(f"task {getattr(task, 'name', task)!r} has no training prompts; a run needs at least one")
         self.capacity = cfg.buffer_capacity(self.sampler.required_buffer_capacity(cfg.groups_per_step))
         self.stream = PromptStream(task.train_prompts, seed=cfg.seed, max_epochs=cfg.max_epochs)
         self.trainer_version = 0
         self.data_position = 0
         self.exhausted = False
         self.inflight: dict[int, int] = {}  # group id -> weight version at dispatch
+        self._init_faults()  # FaultContainment's state (asyncrl/faults.py)
         self.last_report: TickReport | None = None
         self._lock = threading.RLock()
         self._changed = threading.Condition(self._lock)
@@ -159,6 +169,23 @@ class Controller:
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
         self.sync_weights(0)
+        self._check_prompt_lengths()
+
+    def _check_prompt_lengths(self) -> None:
+        """Every prompt plus ``max_new_tokens`` fits the model's context (``model.max_position_embeddings``); the
+        longest offender is named. (A model from ``hf_path`` brings its own context and is not checked here.)"""
+        if self.cfg.model.hf_path is not None:
+            return
+        context, new = self.cfg.model.max_position_embeddings, self.cfg.generation.max_new_tokens
+        prompts = list(self.task.train_prompts) + list(getattr(self.task, "eval_prompts", []))
+        longest = max(prompts, key=lambda p: len(self._encode(p.text)))
+        n = len(self._encode(longest.text))
+        if n + new > context:
+            raise ValueError(
+                f"prompt {longest.text[:60]!r} is {n} tokens; with generation.max_new_tokens {new} it needs {n + new} "
+                f"positions, more than the model's context model.max_position_embeddings {context}: shorten the "
+                "task's prompts, lower max_new_tokens or raise max_position_embeddings"
+            )
 
     def _encode(self, text: str) -> list[int]:
         """Prompt token ids, cached per controller: prompts repeat every epoch and HF encode costs ~0.1 ms."""
@@ -186,7 +213,7 @@ class Controller:
         ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self._lock:
             report = self._dispatch()
-        self._collect(self.generator.poll(timeout=wait_s if self.inflight else 0.0), report)
+        self._collect(self._poll(wait_s if self.inflight else 0.0), report)
         self.last_report = report
         return report
 
@@ -200,9 +227,13 @@ class Controller:
             report.note = f"no dispatch: buffer holds {len(self.buffer)}, a batch of {N} needs room (capacity {self.capacity})"
         elif limit is not None and len(self.inflight) + N > limit:
             report.note = f"no dispatch: {len(self.inflight)} in flight, limit {limit}"
+        elif self._unsent:
+            report.note = f"no dispatch: {len(self._unsent)} group(s) wait to be re-submitted to the generation backend"
         elif self.stream.exhausted(self.data_position + N - 1):
             self.exhausted = True
             report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
+        elif (version := self._generation_call("version", lambda: self.generator.version)) is _FAILED:
+            report.note = "no dispatch: the generation backend failed (see the fault event)"
         else:
             gate = self.sampler.explain_admission(T)  # asked first: admit changes what it would say
             admission = self.sampler.admit(T)
@@ -214,7 +245,6 @@ class Controller:
                     self._event("refuse", None, None, None, None, f"batch {self.sampler.dispatch_index + 1}", gate)
                 return report
             self._refused = None
-            version = self.generator.version
             self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
             requests = []
             for _ in range(N):
@@ -225,28 +255,43 @@ class Controller:
                 self.inflight[gid] = version
                 report.dispatched.append(gid)
                 self._event("dispatch", gid, version, admission.target_step, None, prompt.text, "")
-            self.generator.submit(requests)
+            self._unsent.extend(requests)
+            self._flush_unsent()
+        report.skipped.extend(self._take_skipped())
         return report
 
     def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
         with self._lock:  # an aborted group may still come back finished: it was already accounted for
             finished = [g for g in finished if g.group_id in self.inflight]
             prompts = [self.buffer[g.group_id].prompt for g in finished]
+        problems, bad = [], None
         for group, prompt in zip(finished, prompts):  # scoring is pure Python; done outside the lock
-            if group.rewards is None:
-                group.texts = self.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
-                group.rewards = [self.task.reward(prompt, text) for text in group.texts]
+            try:
+                problems.append(self._score(group, prompt))
+            except RewardTypeError as exc:  # a bug in the reward, not a fault to retry: stop, accounted
+                problems.append(f"the reward is broken: {exc}")
+                bad = bad or exc
         with self._changed:
-            for group in finished:
-                if self.inflight.pop(group.group_id, None) is None:
+            for group, problem in zip(finished, problems):
+                if group.group_id not in self.inflight:
                     continue  # aborted while it was being scored
+                if problem is not None:
+                    self._skip(group.group_id, problem)
+                    continue
+                self.inflight.pop(group.group_id)
+                self._attempts.pop(group.group_id, None)
+                if self._unsent:  # an attempt thought lost came back after all: no need to send it again
+                    self._unsent = [r for r in self._unsent if r.group_id != group.group_id]
                 slot = self.buffer.commit(group.group_id, group, end_weight_version=group.end_weight_version)
                 report.committed.append(group.group_id)
                 self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
                             f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
                             f"generated with weights {group.weight_version}..{group.end_weight_version}")
+            report.skipped.extend(self._take_skipped())
             if finished:
                 self._changed.notify_all()
+        if bad is not None:
+            raise bad
 
     # -------------------------------------------------------------------------------------------- train pump
     @_tick
@@ -267,6 +312,7 @@ class Controller:
             lo, hi = self.cfg.chunk_bounds
             chunk = self.sampler.select(T, min(lo, remaining), min(hi, remaining))
             if chunk is None:
+                self._check_shortfall(T)
                 report.note = (
                     f"select waits: {self.buffer.num_ready} ready, {self.buffer.num_pending} pending, "
                     f"needs {min(lo, remaining)}"
@@ -277,11 +323,23 @@ class Controller:
                 report.selected.append(slot.group_id)
                 self._event("select", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
                             "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
-        self._train_chunk(chunk, T)
-        with self._changed:
-            if self._step["groups"] == N:
-                self._finish_step(report)
-            self._changed.notify_all()
+        try:
+            self._train_chunk(chunk, T)
+            with self._changed:
+                if self._step["groups"] == N:
+                    self._finish_step(report)
+                    every = self.cfg.checkpoint_every
+                    if every and self.trainer_version % every == 0:
+                        from asyncrl.checkpoint import save_periodic
+
+                        save_periodic(self, self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
+                self._changed.notify_all()
+        except (GenerationFailed, StepShortfall):
+            raise
+        except Exception as exc:
+            self._trainer_fault(exc, T)
+            raise
+        report.skipped.extend(self._take_skipped())
         report.trainer_version = self.trainer_version
         self.last_report = report
         return report
@@ -308,13 +366,19 @@ class Controller:
         out = self.policy.finish_train_step()
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
-        self.sync_weights(T)
+        self._sync_generator(T)
         sync_s = time.perf_counter() - sync_start
         self.trainer_version = T
         self._event("sync", None, T, None, None, "", f"generator now holds weights {T}")  # no timings: traces replay
         doomed = [g for g, w in self.inflight.items() if self.sampler.should_abort_inflight(w, T)]
-        for gid in self.generator.abort(doomed) if doomed else []:
+        cancelled = self._generation_call("abort", self.generator.abort, doomed) if doomed else []
+        cancelled = [] if cancelled is _FAILED else list(cancelled)
+        if self._unsent and doomed:  # never sent: cancelled here
+            cancelled += [r.group_id for r in self._unsent if r.group_id in set(doomed)]
+            self._unsent = [r for r in self._unsent if r.group_id not in set(doomed)]
+        for gid in cancelled:
             w = self.inflight.pop(gid)
+            self._attempts.pop(gid, None)
             slot = self.buffer.remove([gid])[0]
             report.aborted.append(gid)
             self._step["aborted"] += 1
@@ -395,7 +459,7 @@ class Controller:
     def _drain(self) -> None:
         """Collect what finished after the pumps stopped, so nothing is left half-accounted."""
         report = TickReport("rollout", self.trainer_version)
-        self._collect(self.generator.poll(timeout=0.0), report)
+        self._collect(self._poll(0.0), report)
 
     # ------------------------------------------------------------------------------------------------ reading
     def _event(self, event, group_id, weight_version, target_step, lag, detail, reason) -> None:
@@ -483,58 +547,28 @@ class Controller:
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
-        """Weights, optimizer, buffer (rollouts included), sampler dispatch index, data position, RNG, history.
-        Groups still in flight are saved as pending slots and re-submitted on restore."""
-        path = Path(path)
-        with self._lock:
-            if self._step["started"]:
-                raise RuntimeError(
-                    f"cannot save in the middle of step {self.trainer_version}: {self._step['groups']} of "
-                    f"{self.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
-                )
-            path.mkdir(parents=True, exist_ok=True)
-            state = {
-                "config": self.cfg.model_dump(mode="json"),
-                "trainer_version": self.trainer_version,
-                "data_position": self.data_position,
-                "exhausted": self.exhausted,
-                "dispatch_index": getattr(self.sampler, "dispatch_index", None),
-                "buffer": self.buffer.state_dict(),
-                "policy": self.policy.state_dict(),
-                "generator": self.generator.state_dict() if hasattr(self.generator, "state_dict") else None,
-                "torch_rng": torch.get_rng_state(),
-                "trace": list(self._trace),
-                "metrics": list(self._metrics),
-                "evaluations": list(self._evals),
-            }
-        torch.save(state, path / "controller.pt")
-        return path
+        """Write a checkpoint directory at ``path`` atomically. ``asyncrl/checkpoint.py`` documents the format and
+        what a resume restores; groups in flight are saved as pending and submitted again on restore."""
+        from asyncrl.checkpoint import save
+
+        return save(self, path)
 
     @classmethod
-    def restore(cls, path: str | Path) -> Controller:
-        state = torch.load(Path(path) / "controller.pt", weights_only=False)
-        ctrl = cls.from_config(Config.model_validate(state["config"]))
-        ctrl.policy.load_state_dict(state["policy"])
-        ctrl.buffer = ReplayBuffer.from_state_dict(state["buffer"])
-        ctrl.sampler = build_sampler(ctrl.cfg.sampler, ctrl.buffer)
-        ctrl.trainer_version = state["trainer_version"]
-        ctrl.sampler.set_dispatch_index(ctrl.trainer_version)
-        if state["dispatch_index"] is not None:  # exact, including batches admitted ahead of T
-            ctrl.sampler.dispatch_index = state["dispatch_index"]
-        ctrl.data_position, ctrl.exhausted = state["data_position"], state["exhausted"]
-        ctrl.sync_weights(ctrl.trainer_version)
-        if state["generator"] is not None:
-            ctrl.generator.load_state_dict(state["generator"])
-        torch.set_rng_state(state["torch_rng"])
-        ctrl._trace, ctrl._metrics = state["trace"], state["metrics"]
-        ctrl._evals = state.get("evaluations", [])
-        pending = ctrl.buffer.pending_slots()
-        for slot in pending:
-            ctrl.inflight[slot.group_id] = slot.weight_version
-        if pending:
-            ctrl.generator.submit([GenerationRequest(s.group_id, ctrl._encode(s.prompt.text), ctrl.cfg.group_size)
-                                   for s in pending])
-        return ctrl
+    def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
+                on_sampler_change: str = "rejudge") -> Controller:
+        """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
+        them: the newest complete one), built from ``config`` (default: the checkpoint's own), whose model must
+        have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
+
+        When the sampler differs from the checkpoint's, the capacity is the new sampler's and the restored
+        groups are, with ``on_sampler_change="rejudge"``, judged by the new sampler's rules: groups it can never
+        train (no ``target_step`` under a stamping sampler such as ``in_order``) and groups beyond its capacity
+        (newest first) are skipped, the rest stay and its ``evict`` runs at once; its dispatch index counts the
+        batches it kept. With ``"drop"`` every restored group is skipped and the new sampler starts at the
+        checkpoint's step with an empty buffer. Either way the trace records each skip and eviction."""
+        from asyncrl.checkpoint import restore
+
+        return restore(cls, path, sampler, config, on_sampler_change)
 
     def close(self) -> None:
         """Release the backends (and their Ray actors). The controller's history stays readable."""

@@ -59,8 +59,27 @@ class RemoteBackend:
     """Proxy: ``proxy.method(...)`` is ``ray.get(actor.call.remote("method", ...))``; ``proxy.version`` reads the
     attribute remotely."""
 
-    def __init__(self, actor: Any) -> None:
+    def __init__(self, actor: Any, start: Any = None) -> None:
         self._actor = actor
+        self._start = start  # () -> a new actor hosting the same backend, built the same way (``restart``)
+
+    @property
+    def actor_id(self) -> str:
+        """The actor's id (hex), as ``RayActorError.actor_id`` names a dead one."""
+        return self._actor._actor_id.hex()
+
+    def restart(self) -> None:
+        """Replace the actor with a fresh one built from the same class and arguments (what the controller does
+        when this actor died: ``asyncrl/faults.py``). The new backend starts from its constructor's state."""
+        import ray
+
+        if self._start is None:
+            raise RuntimeError("this RemoteBackend was not made by asyncrl.backends.ray.remote; it cannot restart")
+        try:
+            ray.kill(self._actor)
+        except Exception:  # already dead: that is why we restart
+            pass
+        self._actor = self._start()
 
     @property
     def version(self) -> int:
@@ -135,4 +154,4 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
             f"{options} and the cluster has {ray.available_resources()} free; free resources or set ray_options"
         )
     ray.get(ready[0])  # surfaces a constructor error here, not at the first call
-    return RemoteBackend(actor)
+    return RemoteBackend(actor, start=lambda: remote(cls, args, section)._actor)

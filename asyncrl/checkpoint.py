@@ -1,0 +1,309 @@
+"""Checkpoints on disk: atomic directories that load without unpickling code.
+
+One checkpoint is a directory:
+
+| file | holds | read with |
+| --- | --- | --- |
+| ``tensors.pt`` | policy state (weights, optimizer, reference model), generator state (weights, sampling RNG, version), the torch RNG | ``torch.load(weights_only=True)`` |
+| ``state.json`` | the buffer (every slot: stamps, prompt, rollouts), the trace, the metrics, the evaluations | ``json`` |
+| ``config.yaml`` | the run's configuration | ``yaml.safe_load`` |
+| ``meta.json`` | format, asyncrl version, model shape, trainer version, data position, dispatch index | ``json`` |
+
+Invariants:
+- Atomic: everything is written into a hidden temporary directory next to the target (``.NAME.tmp-*``), flushed
+  to disk, then renamed into place; ``meta.json`` is written last, so a directory without it is never complete.
+  Overwriting a checkpoint renames the old one aside (``.NAME.old-*``) first and deletes it only after the new one
+  is in place; if a crash falls between the two renames, ``resolve`` finds the old one. A crash at any point leaves
+  the previous checkpoint loadable. Leftover temporary directories are ignored and removed by the next save.
+- ``checkpoint_every: K`` writes ``step-XXXXXX`` (the trainer version) under ``checkpoint_dir`` and keeps the
+  newest ``keep_checkpoints`` complete ones; ``latest(dir)`` is the newest complete one.
+- A checkpoint is restored only by the asyncrl version that wrote it and only into the same model shape (the
+  ``model`` config and every parameter's shape): anything else is a clear error before anything is loaded.
+
+What a resume restores: weights, optimizer, the generator's weights, version and sampling RNG, the torch RNG, every
+buffered group (ready ones with their rollouts; pending ones are submitted again), the sampler's dispatch index,
+the data position, the trace and the metrics. So ``in_order`` with ``max_lookahead_versions: 0`` (nothing in flight
+between steps) resumes bit-identically. What it does not restore: work in flight at save time is generated again
+(so with lookahead or an asynchronous sampler those groups differ from an uninterrupted run), fault counters and
+retry backoffs start fresh, timings, and where the backends ran (the restoring config decides placement).
+Saving is refused in the middle of a step (``Controller.save`` says so).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+FORMAT = 1
+PREFIX = "step-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be restored here (another version, another model shape, incomplete)."""
+
+
+# --- the three file-system operations a save is made of (tests make each one fail in turn) ---------------------
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _rename(src: Path, dst: Path) -> None:
+    os.rename(src, dst)
+    _fsync_dir(dst.parent)
+
+
+def _remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# --- writing ---------------------------------------------------------------------------------------------------
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.asdict(obj)
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    raise TypeError(f"cannot write {type(obj).__name__} {obj!r} into a checkpoint")
+
+
+def write(path: str | Path, meta: dict, config: dict, state: dict, tensors: dict) -> Path:
+    """Write one checkpoint directory at ``path`` atomically (see the module docstring)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        _remove(stale)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{time.monotonic_ns()}"
+    tmp.mkdir()
+    try:
+        blob = io.BytesIO()
+        torch.save(tensors, blob)
+        _write(tmp / "tensors.pt", blob.getvalue())
+        _write(tmp / "state.json", json.dumps(state, default=_jsonable).encode())
+        _write(tmp / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
+        _write(tmp / "meta.json", json.dumps({**meta, "format": FORMAT}, indent=1, default=_jsonable).encode())
+        _fsync_dir(tmp)
+    except BaseException:
+        _remove(tmp)
+        raise
+    if path.exists():
+        _rename(path, path.parent / f".{path.name}.old-{time.monotonic_ns()}")
+    _rename(tmp, path)
+    for old in path.parent.glob(f".{path.name}.old-*"):  # this one's, and any a crash left behind
+        _remove(old)
+    return path
+
+
+def complete(path: Path) -> bool:
+    return (path / "meta.json").is_file()
+
+
+def resolve(path: str | Path) -> Path:
+    """The checkpoint at ``path``; the one a crashed overwrite left aside; or, for a directory of checkpoints
+    (``checkpoint_dir`` or a CLI ``--out`` directory), the newest complete one in it."""
+    path = Path(path)
+    if complete(path):
+        return path
+    aside = sorted(path.parent.glob(f".{path.name}.old-*"))
+    if aside and complete(aside[-1]):
+        return aside[-1]
+    newest = latest(path) or latest(path / "checkpoints")
+    if newest is None:
+        raise CheckpointError(f"no complete checkpoint at {str(path)!r} (a checkpoint directory has meta.json)")
+    return newest
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The newest complete ``step-*`` checkpoint in ``directory`` (None when there is none)."""
+    found = sorted(p for p in Path(directory).glob(f"{PREFIX}*") if complete(p))
+    return found[-1] if found else None
+
+
+def save_periodic(ctrl: Any, directory: str | Path, keep: int) -> Path:
+    """``checkpoint_every``: ``directory/step-XXXXXX``, then delete all but the newest ``keep`` complete ones."""
+    directory = Path(directory)
+    path = ctrl.save(directory / f"{PREFIX}{ctrl.trainer_version:06d}")
+    done = sorted(p for p in directory.glob(f"{PREFIX}*") if complete(p))
+    for old in done[:-keep]:
+        _remove(old)
+    return path
+
+
+# --- reading ---------------------------------------------------------------------------------------------------
+@dataclass
+class Checkpoint:
+    path: Path
+    meta: dict
+    config: dict
+    state: dict
+    tensors: dict
+
+
+def read(path: str | Path, version: str) -> Checkpoint:
+    """Load a checkpoint written by asyncrl ``version`` (anything else is a ``CheckpointError``)."""
+    path = resolve(path)
+    meta = json.loads((path / "meta.json").read_text())
+    if meta.get("format") != FORMAT or meta.get("asyncrl_version") != version:
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} was written by asyncrl {meta.get('asyncrl_version')!r} (format "
+            f"{meta.get('format')!r}); this is asyncrl {version!r} (format {FORMAT}), which restores only its own "
+            "checkpoints"
+        )
+    config = yaml.safe_load((path / "config.yaml").read_text())
+    state = json.loads((path / "state.json").read_text())
+    tensors = torch.load(path / "tensors.pt", weights_only=True)
+    return Checkpoint(path, meta, config, state, tensors)
+
+
+def check_model(saved: dict, model: dict, where: str) -> None:
+    """The restoring config's model must be the checkpoint's (every field of the ``model`` section)."""
+    diff = {k: (saved.get(k), model.get(k)) for k in sorted(set(saved) | set(model)) if saved.get(k) != model.get(k)}
+    if diff:
+        pairs = ", ".join(f"{k}: checkpoint {a!r}, config {b!r}" for k, (a, b) in diff.items())
+        raise CheckpointError(f"checkpoint {where} holds another model shape ({pairs}); restore it with its own model")
+
+
+def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], where: str) -> None:
+    if saved != current:
+        diff = [f"{k}: checkpoint {saved.get(k)}, model {current.get(k)}"
+                for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+        raise CheckpointError(f"checkpoint {where} holds another model shape: {'; '.join(diff[:5])}")
+
+
+def shapes(policy_state: dict) -> dict[str, list[int]]:
+    """Parameter shapes of a policy state (its ``model`` tensors), the model-shape fingerprint."""
+    model = policy_state.get("model", {}) if isinstance(policy_state, dict) else {}
+    return {k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
+
+
+# --- the controller's side -------------------------------------------------------------------------------------
+def save(ctrl: Any, path: str | Path) -> Path:
+    """``Controller.save``: gather the state under the controller's lock and ``write`` it."""
+    import asyncrl
+
+    with ctrl._lock:
+        if ctrl._step["started"]:
+            raise RuntimeError(
+                f"cannot save in the middle of step {ctrl.trainer_version}: {ctrl._step['groups']} of "
+                f"{ctrl.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
+            )
+        policy = ctrl.policy.state_dict()
+        try:
+            generator = ctrl.generator.state_dict()
+        except AttributeError:  # a generator without state (simulated) starts fresh on restore
+            generator = None
+        buffer = ctrl.buffer.state_dict()
+        for row in buffer["slots"]:  # dataclasses (Prompt, GroupRollouts) become plain JSON objects
+            row["prompt"] = _jsonable(row["prompt"]) if row["prompt"] is not None else None
+            row["rollouts"] = _jsonable(row["rollouts"]) if row["rollouts"] is not None else None
+        meta = {
+            "asyncrl_version": asyncrl.__version__,
+            "model": ctrl.cfg.model.model_dump(mode="json"),
+            "shapes": shapes(policy),
+            "trainer_version": ctrl.trainer_version,
+            "data_position": ctrl.data_position,
+            "exhausted": ctrl.exhausted,
+            "dispatch_index": getattr(ctrl.sampler, "dispatch_index", None),
+            "sampler": ctrl.cfg.sampler.model_dump(mode="json"),
+        }
+        state = {"buffer": buffer, "trace": ctrl._trace, "metrics": ctrl._metrics, "evaluations": ctrl._evals}
+        tensors = {"policy": policy, "generator": generator, "torch_rng": torch.get_rng_state()}
+        return write(path, meta, ctrl.cfg.model_dump(mode="json"), state, tensors)
+
+
+def restore(cls: Any, path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Any:
+    """``Controller.restore`` (its docstring says what a sampler change does). Every check that can fail runs
+    before anything is loaded."""
+    import asyncrl
+    from asyncrl.backends.base import GenerationRequest, GroupRollouts
+    from asyncrl.buffer import ReplayBuffer
+    from asyncrl.config import Config, check_sampler_fits
+    from asyncrl.samplers import build_sampler
+    from asyncrl.tasks import Prompt
+
+    if on_sampler_change not in ("rejudge", "drop"):
+        raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {on_sampler_change!r}")
+    ckpt = read(path, asyncrl.__version__)
+    where = repr(str(ckpt.path))
+    data = (config if config is not None else Config.model_validate(ckpt.config)).model_dump(mode="json")
+    if sampler is not None:
+        data["sampler"] = sampler.model_dump(mode="json") if hasattr(sampler, "model_dump") else dict(sampler)
+    cfg = Config.model_validate(data)
+    check_model(ckpt.meta["model"], cfg.model.model_dump(mode="json"), where)
+    ctrl = cls.from_config(cfg)
+    try:
+        check_shapes(ckpt.meta["shapes"], shapes(ctrl.policy.state_dict()), where)
+    except CheckpointError:
+        ctrl.close()
+        raise
+    meta, state = ckpt.meta, ckpt.state
+    ctrl.policy.load_state_dict(ckpt.tensors["policy"])
+    for row in state["buffer"]["slots"]:
+        row["prompt"] = Prompt(**row["prompt"]) if row["prompt"] is not None else None
+        row["rollouts"] = GroupRollouts(**row["rollouts"]) if row["rollouts"] is not None else None
+    ctrl.buffer = ReplayBuffer.from_state_dict(state["buffer"])
+    ctrl.sampler = build_sampler(cfg.sampler, ctrl.buffer)
+    check_sampler_fits(ctrl.sampler, cfg)
+    ctrl.capacity = cfg.buffer_capacity(ctrl.sampler.required_buffer_capacity(cfg.groups_per_step))
+    T = ctrl.trainer_version = meta["trainer_version"]
+    ctrl.data_position, ctrl.exhausted = meta["data_position"], meta["exhausted"]
+    ctrl._trace = [tuple(row) for row in state["trace"]]
+    ctrl._metrics, ctrl._evals, ctrl._frames = state["metrics"], state["evaluations"], {}
+    ctrl.sync_weights(T)
+    if ckpt.tensors["generator"] is not None:
+        ctrl.generator.load_state_dict(ckpt.tensors["generator"])
+    torch.set_rng_state(ckpt.tensors["torch_rng"])
+    for slot in ctrl.buffer.pending_slots():  # in flight at save time: generated again
+        ctrl.inflight[slot.group_id] = slot.weight_version
+        ctrl._unsent.append(GenerationRequest(slot.group_id, ctrl._encode(slot.prompt.text), cfg.group_size))
+    ctrl.sampler.set_dispatch_index(T)
+    with ctrl._lock:
+        if meta["sampler"] == cfg.sampler.model_dump(mode="json"):
+            if meta["dispatch_index"] is not None:  # exact, including batches admitted ahead of T
+                ctrl.sampler.dispatch_index = meta["dispatch_index"]
+        else:
+            _rejudge(ctrl, meta["sampler"], on_sampler_change)
+        ctrl._flush_unsent()
+    return ctrl
+
+
+def _rejudge(ctrl: Any, old: dict, how: str) -> None:
+    """Restore under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
+    T, N, new = ctrl.trainer_version, ctrl.cfg.groups_per_step, ctrl.cfg.sampler.name
+    change = f"restored under sampler {new} (was {old.get('name')})"
+    stamps = getattr(ctrl.sampler, "stamps_target", False)
+    for slot in ctrl.buffer.slots():
+        if how == "drop":
+            ctrl._skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
+        elif stamps and slot.target_step is None:
+            ctrl._skip(slot.group_id, f"{change}, which trains only groups stamped with a target step", replace=False)
+    for slot in reversed(ctrl.buffer.slots()[ctrl.capacity:]):
+        ctrl._skip(slot.group_id, f"{change}; over its capacity {ctrl.capacity}", replace=False)
+    kept = ctrl.buffer.slots()
+    if stamps:
+        ctrl.sampler.dispatch_index = max([T - 1] + [s.target_step for s in kept])
+    else:
+        ctrl.sampler.dispatch_index = T - 1 + -(-len(kept) // N)  # the batches it holds count as admitted
+    for slot in ctrl.sampler.evict(T):
+        ctrl._event("evict", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                    "on restore", f"{ctrl.sampler.__class__.__name__}.evict({T}) dropped it ({change})")
+    ctrl._take_skipped()

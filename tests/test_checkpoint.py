@@ -1,0 +1,192 @@
+"""Checkpoints (asyncrl/checkpoint.py): atomic under a crash at every point of a save, loadable without unpickling
+code, refused from another version or model shape, restorable under another sampler, kept K at a time, and a run
+killed with SIGKILL resumes from the CLI with bit-identical losses (in_order, no lookahead)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pandas as pd
+import pytest
+import torch
+
+from asyncrl import Controller, checkpoint
+from tests.faults import check_accounting, small_config
+
+SYNC = {"name": "in_order", "max_lookahead_versions": 0}
+
+
+def stepped(cfg, steps: int) -> Controller:
+    ctrl = Controller.from_config(cfg)
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+    return ctrl
+
+
+# ------------------------------------------------------------------------------------------------- atomicity
+class Crash(Exception):
+    pass
+
+
+def crash_at(monkeypatch, k: int | None) -> list[str]:
+    """Make the k-th file-system operation of a save raise (None: count them). Returns the log of operations."""
+    log: list[str] = []
+    for name in ("_write", "_rename", "_remove"):
+        real = getattr(checkpoint, name)
+
+        def op(*args, _real=real, _name=name):
+            log.append(f"{_name} {args[0].name}")
+            if k is not None and len(log) == k:
+                raise Crash(f"crash at {log[-1]}")
+            return _real(*args)
+
+        monkeypatch.setattr(checkpoint, name, op)
+    return log
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["new", "overwrite"])
+def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, overwrite):
+    ctrl = stepped(small_config(), 2)
+    directory = tmp_path / "ckpts"
+    first = checkpoint.save_periodic(ctrl, directory, keep=3)
+    while ctrl.trainer_version < 3:
+        ctrl.tick()
+    target = first if overwrite else directory / "step-000003"
+    if overwrite:
+        ctrl.save(tmp_path / "dry-run" / target.name)
+    with monkeypatch.context() as m:
+        points = crash_at(m, None)
+        ctrl.save(tmp_path / "dry-run" / target.name)
+    assert len(points) == (7 if overwrite else 5), points  # 4 files, then rename (aside, in, remove the old)
+    for k in range(1, len(points) + 1):
+        with monkeypatch.context() as m:
+            crash_at(m, k)
+            try:
+                ctrl.save(target)
+            except Crash:
+                pass
+        found = checkpoint.resolve(target if overwrite else directory)
+        version = checkpoint.read(found, checkpoint_version()).meta["trainer_version"]
+        assert version in (2, 3), (k, points[k - 1], found)
+        assert checkpoint.read(first if not overwrite else found, checkpoint_version())  # the previous survives
+    ctrl.save(target)  # and a save that completes cleans up after the crashed ones
+    assert checkpoint.resolve(target) == target
+    assert not [p.name for p in target.parent.iterdir() if p.name.startswith(".")]
+    restored = Controller.restore(target)
+    assert restored.trainer_version == 3 and restored.trace.equals(ctrl.trace)
+
+
+def checkpoint_version() -> str:
+    import asyncrl
+
+    return asyncrl.__version__
+
+
+def test_checkpoint_files_load_without_unpickling_code(tmp_path):
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    assert sorted(p.name for p in path.iterdir()) == ["config.yaml", "meta.json", "state.json", "tensors.pt"]
+    tensors = torch.load(path / "tensors.pt", weights_only=True)
+    assert set(tensors) == {"policy", "generator", "torch_rng"}
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["trainer_version"] == 1 and meta["asyncrl_version"] == checkpoint_version()
+    assert json.loads((path / "state.json").read_text())["metrics"][0]["step"] == 0
+
+
+def test_restore_refuses_another_version_or_model_shape_and_changes_nothing(tmp_path):
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    other = small_config(model={"hidden_size": 64, "intermediate_size": 172})
+    with pytest.raises(checkpoint.CheckpointError, match="hidden_size: checkpoint 128, config 64"):
+        Controller.restore(path, config=other)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps({**meta, "asyncrl_version": "0.0.1"}))
+    with pytest.raises(checkpoint.CheckpointError, match="written by asyncrl '0.0.1'.*this is asyncrl"):
+        Controller.restore(path)
+    assert json.loads((path / "meta.json").read_text())["asyncrl_version"] == "0.0.1"  # untouched
+
+
+def test_checkpoint_every_keeps_the_newest(tmp_path):
+    cfg = small_config(checkpoint_every=2, checkpoint_dir=str(tmp_path), keep_checkpoints=2)
+    stepped(cfg, 6)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "step-000006"]
+    assert checkpoint.latest(tmp_path).name == "step-000006"
+
+
+# --------------------------------------------------------------------------------------- another sampler
+def test_restore_under_another_sampler_rejudges_the_groups(tmp_path):
+    ctrl = stepped(small_config(sampler={"name": "windowed", "max_staleness_versions": 1}), 3)
+    for _ in range(2):
+        ctrl.rollout_tick()  # groups buffered ahead of the trainer
+    held = {s.group_id for s in ctrl.buffer}
+    assert held
+    path = ctrl.save(tmp_path / "c")
+
+    fifo = Controller.restore(path, sampler={"name": "weight_fifo", "max_staleness_versions": 1})
+    assert fifo.capacity == 4 * 2  # N (W + 1), recomputed for the new sampler
+    kept, trace = {s.group_id for s in fifo.buffer}, fifo.trace
+    gone = set(trace.group_id[trace.event.isin(["skip", "evict"])].dropna().astype(int))
+    assert kept | (gone & held) == held and len(fifo.buffer) <= fifo.capacity
+    while fifo.trainer_version < 6:
+        fifo.tick()
+    check_accounting(fifo)
+
+    in_order = Controller.restore(path, sampler={"name": "in_order", "max_lookahead_versions": 1})
+    skips = in_order.trace[in_order.trace.event == "skip"]
+    assert set(skips.group_id.astype(int)) == held  # windowed groups carry no target step: in_order cannot train them
+    assert skips.reason.str.contains("stamped with a target step").all()
+    while in_order.trainer_version < 5:
+        in_order.tick()
+    check_accounting(in_order)
+
+    dropped = Controller.restore(path, sampler=SYNC, on_sampler_change="drop")
+    assert len(dropped.buffer) == 0 and not dropped.inflight
+    assert dropped.trace.reason[dropped.trace.event == "skip"].str.contains("dropped").sum() == len(held)
+
+
+# ----------------------------------------------------------------------------------------------------- CLI
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--quiet", "--no-plot",
+            "--set", "sampler.max_lookahead_versions=0", "--set", "eval_every=null", "--set", "torch_threads=1",
+            *args]
+
+
+def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path):
+    steps, out = 10, tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.Popen(cli("--steps", "100000", "--out", str(out), "--checkpoint-every", "2"), env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while checkpoint.latest(out / "checkpoints") is None:
+        assert killed.poll() is None, killed.stderr.read().decode()
+        assert time.monotonic() < deadline, "no checkpoint within 10 minutes"
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert killed.returncode == -signal.SIGKILL
+    resumed_from = checkpoint.latest(out / "checkpoints")
+    at = json.loads((resumed_from / "meta.json").read_text())["trainer_version"]
+    assert 2 <= at < steps, f"killed too late (newest checkpoint at step {at})"
+
+    proc = subprocess.run(cli("--steps", str(steps), "--resume", str(out)), env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert metrics.step.tolist() == list(range(steps))  # one uninterrupted history, no step twice
+    trace = pd.read_csv(out / "trace.csv")
+    assert (trace.event == "step").sum() == steps and trace.seq.tolist() == list(range(len(trace)))
+
+    straight = Controller.from_config(small_config_like_cli())
+    straight.run(steps, progress=False)
+    assert metrics.loss.tolist() == straight.metrics.loss.tolist()  # bit-identical (CSV floats round-trip)
+
+
+def small_config_like_cli():
+    from asyncrl import load_config
+
+    return load_config("quickstart", sampler=SYNC, eval_every=None, torch_threads=1)
