@@ -232,8 +232,6 @@ class Controller(FaultContainment):
         elif self.stream.exhausted(self.data_position + N - 1):
             self.exhausted = True
             report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
-        elif (version := self._generation_call("version", lambda: self.generator.version)) is _FAILED:
-            report.note = "no dispatch: the generation backend failed (see the fault event)"
         else:
             gate = self.sampler.explain_admission(T)  # asked first: admit changes what it would say
             admission = self.sampler.admit(T)
@@ -245,6 +243,9 @@ class Controller(FaultContainment):
                     self._event("refuse", None, None, None, None, f"batch {self.sampler.dispatch_index + 1}", gate)
                 return report
             self._refused = None
+            version = self._generation_call("version", lambda: self.generator.version)
+            if version is _FAILED:  # the fault is recorded; under the lock the generator holds weights T
+                version = T
             self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
             requests = []
             for _ in range(N):
