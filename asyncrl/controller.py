@@ -270,6 +270,7 @@ class Controller(FaultContainment):
             try:
                 problems.append(self._score(group, prompt))
             except RewardTypeError as exc:  # a bug in the reward, not a fault to retry: stop, accounted
+                self._fault(group.group_id, str(exc), "not retried: a bug in the reward; the run stops")
                 problems.append(f"the reward is broken: {exc}")
                 bad = bad or exc
         with self._changed:
