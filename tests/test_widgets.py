@@ -9,6 +9,7 @@ import ast
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,13 @@ def make(sampler=None, **overrides) -> Controller:
     if sampler is not None:
         cfg["sampler"] = sampler
     return Controller.from_config(load_config("quickstart", **cfg))
+
+
+def wait_for(predicate, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
 
 
 def play(ctrl, pattern: str) -> None:
@@ -207,9 +215,60 @@ def test_dashboard_buttons_update_every_view():
     dash.controls.buttons["tick"].click()
     assert ctrl.trainer_version == 2 and "tick T=2" in dash.controls.report.value
 
-    dash.controls.buttons["run"].click()  # N = 2
-    assert ctrl.trainer_version == 4 and "run T=2→4" in dash.controls.report.value
-    assert not any(b.disabled for b in dash.controls.buttons.values())
+    metrics = dash.metrics.image.value
+    dash.controls.buttons["start"].click()  # N = 2, in the background
+    assert "started: 2 steps from T=2" in dash.controls.report.value
+    dash.controls.handle.wait()
+    wait_for(lambda: "completed | step 4 of 4" in dash.controls.progress.value, "the watcher's last redraw")
+    assert ctrl.trainer_version == 4 and dash.metrics.image.value != metrics
+    assert not any(dash.controls.buttons[k].disabled for k in ("rollout", "train", "tick", "start"))
+    assert dash.controls.buttons["pause"].disabled and dash.controls.buttons["stop"].disabled
+
+
+def test_dashboard_start_pause_stop_a_background_run():
+    pytest.importorskip("ipywidgets")
+    ctrl = make(generation={"backend": "simulated", "options": {"latency_s": 0.01}})
+    dash = widgets.Dashboard(ctrl, steps=100_000)
+    controls, buttons = dash.controls, dash.controls.buttons
+    controls.refresh_s = 0.05
+    assert "no run yet" in controls.progress.value
+    buttons["start"].click()
+    assert buttons["start"].disabled and buttons["train"].disabled and not buttons["pause"].disabled
+    follower = widgets.StepControls(ctrl)  # built beside a going run: follows it
+    assert follower.handle is controls.handle and follower.buttons["tick"].disabled
+    wait_for(lambda: ctrl.trainer_version >= 2 and "running | step" in controls.progress.value, "two steps")
+    image = dash.buffer.image.value
+    wait_for(lambda: dash.buffer.image.value != image, "a live redraw of the buffer view")
+
+    buttons["pause"].click()
+    assert controls.handle.paused and buttons["pause"].description == "Resume" and not buttons["train"].disabled
+    assert "paused | step" in controls.progress.value
+    T = ctrl.trainer_version
+    buttons["tick"].click()  # by hand while paused
+    assert "tick T=" in controls.report.value and ctrl.trainer_version in (T, T + 1)
+
+    buttons["pause"].click()  # Resume
+    assert not controls.handle.paused and buttons["pause"].description == "Pause" and buttons["train"].disabled
+    wait_for(lambda: ctrl.trainer_version >= T + 2, "the resumed run")
+    buttons["stop"].click()
+    assert not controls.handle.running and controls.handle.status == "stopped"
+    assert "stopped at T=" in controls.report.value and not buttons["start"].disabled
+    wait_for(lambda: "stopped | step" in controls.progress.value, "the stopped run's last redraw")
+
+
+def test_dashboard_shows_a_failed_run():
+    pytest.importorskip("ipywidgets")
+    ctrl = make()
+    controls = widgets.StepControls(ctrl, steps=50, refresh_s=0.05)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("generator went away")
+
+    ctrl.generator.poll = broken
+    controls.buttons["start"].click()
+    wait_for(lambda: "failed |" in controls.progress.value, "the failed run's last redraw")
+    assert "run failed: RuntimeError: generator went away" in controls.report.value
+    assert "failed" in controls.progress.value and not controls.buttons["start"].disabled
 
 
 def test_a_dashboard_refresh_computes_the_verdicts_once(monkeypatch):

@@ -8,6 +8,8 @@ executed notebook and under nbval. Every view has a stable CSS class (``asyncrl-
 from __future__ import annotations
 
 import html
+import threading
+import time
 import traceback
 from collections.abc import Callable
 
@@ -26,30 +28,47 @@ TABLE_CSS = (
 
 
 class StepControls(W.VBox):
-    """Buttons "Rollout tick", "Train tick", "Tick" and "Run N steps"; the last action's report beside them.
-    ``on_action(callback)`` registers a callable run after every action (the dashboard refreshes its views)."""
+    """Buttons "Rollout tick", "Train tick" and "Tick" step by hand; "Start" runs N optimizer steps in the background
+    (``ctrl.start``), "Pause"/"Resume" parks and resumes its pumps (tick by hand while paused), "Stop" ends it. The
+    last action's report and a progress line (step, reward, lag) sit under the buttons. ``on_action(callback)``
+    registers a callable run after every action and, while a run goes, at most every ``refresh_s`` seconds (the
+    dashboard redraws its views), from a thread of its own so the kernel stays responsive. Built while a run started
+    in code (``ctrl.start``) goes, the controls follow that run."""
 
-    def __init__(self, ctrl, steps: int = 10):
+    def __init__(self, ctrl, steps: int = 10, refresh_s: float = 0.75):
         self.ctrl = ctrl
+        self.refresh_s = refresh_s
+        self.handle = None  # the run these controls started or follow
         self._callbacks: list[Callable[[], None]] = []
+        self._watcher: threading.Thread | None = None
         self.buttons = {
             "rollout": self._button("Rollout tick", "asyncrl-rollout-tick", "one rollout tick: admit, dispatch, commit"),
             "train": self._button("Train tick", "asyncrl-train-tick", "one train tick: evict, select, train"),
             "tick": self._button("Tick", "asyncrl-tick", "a rollout tick, then a train tick"),
-            "run": self._button("Run N steps", "asyncrl-run", "run N optimizer steps with both pumps"),
+            "start": self._button("Start", "asyncrl-start", "run N optimizer steps in the background"),
+            "pause": self._button("Pause", "asyncrl-pause", "park both pumps at a safe point (tick by hand meanwhile)"),
+            "stop": self._button("Stop", "asyncrl-stop", "end the run at a safe point"),
         }
-        self.steps = W.BoundedIntText(value=steps, min=1, max=100_000, description="N",
-                                      style={"description_width": "initial"}, layout=W.Layout(width="140px"))
+        self.steps = W.BoundedIntText(value=steps, min=1, max=1_000_000, description="N",
+                                      style={"description_width": "initial"}, layout=W.Layout(width="150px"))
         self.steps.add_class("asyncrl-run-steps")
         self.report = W.HTML()
         self.report.add_class("asyncrl-report")
-        actions = {"rollout": ctrl.rollout_tick, "train": ctrl.train_tick, "tick": ctrl.tick, "run": self._run}
-        for key, button in self.buttons.items():
-            button.on_click(lambda _button, action=actions[key]: self._act(action))
+        self.progress = W.HTML()
+        self.progress.add_class("asyncrl-progress")
+        actions = {"rollout": ctrl.rollout_tick, "train": ctrl.train_tick, "tick": ctrl.tick}
+        for key, action in actions.items():
+            self.buttons[key].on_click(lambda _button, action=action: self._act(action))
+        self.buttons["start"].on_click(lambda _button: self._act(self._start))
+        self.buttons["pause"].on_click(lambda _button: self._act(self._pause_or_resume))
+        self.buttons["stop"].on_click(lambda _button: self._act(self._stop))
         row = W.HBox([*self.buttons.values(), self.steps])
-        super().__init__([row, self.report])
+        super().__init__([row, self.report, self.progress])
         self.add_class("asyncrl-controls")
         self._show(self._last_report())
+        if ctrl.last_run is not None and ctrl.last_run.running:  # built beside a run started in code: follow it
+            self._follow(ctrl.last_run)
+        self._sync()
 
     @staticmethod
     def _button(label: str, css: str, tooltip: str) -> W.Button:
@@ -60,14 +79,70 @@ class StepControls(W.VBox):
     def on_action(self, callback: Callable[[], None]) -> None:
         self._callbacks.append(callback)
 
-    def _run(self) -> str:
-        before = self.ctrl.trainer_version
-        ran = self.ctrl.run(self.steps.value, progress=False)
-        if ran.empty:
-            return f"run: no step finished (T={before})"
-        return (f"run T={before}→{self.ctrl.trainer_version} | {len(ran)} steps | reward "
-                f"{ran.reward_mean.iloc[0]:.3f}→{ran.reward_mean.iloc[-1]:.3f} | lag mean {ran.lag_mean.mean():.2f}")
+    # -------------------------------------------------------------------------------------- background run
+    def _start(self) -> str:
+        self._follow(self.ctrl.start(self.steps.value, progress=False))
+        return f"started: {self.steps.value} steps from T={self.ctrl.trainer_version}"
 
+    def _follow(self, handle) -> None:
+        self.handle = handle
+        self._watcher = threading.Thread(target=self._watch, args=(handle,), daemon=True, name="asyncrl-dashboard")
+        self._watcher.start()
+
+    def _pause_or_resume(self) -> str:
+        if self.handle.paused:
+            self.handle.resume()
+            return f"resumed at T={self.ctrl.trainer_version}"
+        self.handle.pause()
+        return f"paused at T={self.ctrl.trainer_version}: tick by hand, or Resume"
+
+    def _stop(self) -> str:
+        self.handle.stop()
+        return f"stopped at T={self.ctrl.trainer_version}"
+
+    def _watch(self, handle) -> None:
+        """While the run goes: redraw every ``refresh_s`` when something moved; once it ended, a last redraw."""
+        seen = None
+        while handle.running:
+            time.sleep(self.refresh_s)
+            now = (self.ctrl.trainer_version, handle.status)
+            if now != seen and not handle.paused:  # a paused run is redrawn by the action that paused it
+                seen = now
+                self._notify()
+        if handle.error is not None:
+            error = handle.error
+            self._show(f"run failed: {type(error).__name__}: {error}",
+                       error="".join(traceback.format_exception(error)))
+        elif handle.breakpoint is not None:
+            self._show(f"stopped at breakpoint: trace row {handle.breakpoint.seq} ({handle.breakpoint.event})")
+        self._notify()
+
+    def _running(self) -> bool:
+        return self.handle is not None and self.handle.running
+
+    def _sync(self) -> None:
+        """Buttons and the progress line from the run's state: no hand ticks while its pumps go."""
+        running = self._running()
+        paused = running and self.handle.paused
+        for key in ("rollout", "train", "tick"):
+            self.buttons[key].disabled = running and not paused
+        self.buttons["start"].disabled = running
+        self.buttons["pause"].disabled = self.buttons["stop"].disabled = not running
+        self.buttons["pause"].description = "Resume" if paused else "Pause"
+        self.progress.value = f"<code>{html.escape(self._progress_line())}</code>"
+
+    def _progress_line(self) -> str:
+        T = self.ctrl.trainer_version
+        if self.handle is None:
+            return f"T={T} | no run yet: Start runs N steps in the background"
+        metrics = self.ctrl.metrics
+        parts = [self.handle.status, f"step {T} of {self.handle.target}"]
+        if len(metrics):
+            last = metrics.iloc[-1]
+            parts += [f"reward {last.reward_mean:.3f}", f"lag {last.lag_mean:.2f}"]
+        return " | ".join(parts)
+
+    # ------------------------------------------------------------------------------------------------ actions
     def _act(self, action: Callable) -> None:
         for button in self.buttons.values():
             button.disabled = True
@@ -76,10 +151,12 @@ class StepControls(W.VBox):
         except Exception as exc:  # shown where the user looks, not lost in a log console
             self._show(f"{type(exc).__name__}: {exc}", error=traceback.format_exc())
         finally:
-            for button in self.buttons.values():
-                button.disabled = False
-            for callback in self._callbacks:
-                callback()
+            self._notify()
+
+    def _notify(self) -> None:
+        self._sync()
+        for callback in self._callbacks:
+            callback()
 
     def _last_report(self) -> str:
         report = self.ctrl.state().last_report
@@ -91,7 +168,8 @@ class StepControls(W.VBox):
         self.report.value = f'<code style="color:{colour}"{title}>{html.escape(text)}</code>'
 
     def refresh(self) -> None:
-        """Nothing to redraw: the report changes only with an action."""
+        """The buttons and the progress line follow the run; the report changes only with an action."""
+        self._sync()
 
 
 class BufferView(W.VBox):
@@ -166,8 +244,8 @@ class MetricsView(W.VBox):
 
 
 class Dashboard(W.VBox):
-    """Step controls above the buffer view and the verdict table, with the metric plots below; every action
-    refreshes every view."""
+    """Step controls above the buffer view and the verdict table, with the metric plots below; every action, and a
+    background run while it goes (throttled), refreshes every view."""
 
     def __init__(self, ctrl, steps: int = 10):
         self.ctrl = ctrl
