@@ -211,10 +211,6 @@ def _wait_for_dashboard(page, lab) -> None:
                 reset_since, reruns = None, reruns + 1
         else:
             reset_since = None
-        if int(time.monotonic()) % 15 == 0:
-            prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt").all_inner_texts()
-            print(f"{time.strftime('%H:%M:%S')} prompts {prompts} idle {idle.count()} dialogs "
-                  f"{page.locator('.jp-Dialog').count()}", flush=True)
         time.sleep(0.5)
     pytest.fail(f"the dashboard did not appear within {RUN_TIMEOUT_S} s; server log:\n{lab['log'].read_text()[-3000:]}")
 
@@ -235,7 +231,7 @@ def _click(page, locator) -> None:
     closes it without choosing anything, so the notebook keeps its running kernel."""
     dialog = page.locator(".jp-Dialog")
     for _ in range(10):
-        if not dialog.count():
+        if not (dialog.count() and dialog.first.is_visible()):
             break
         page.keyboard.press("Escape")
         time.sleep(0.5)
@@ -253,8 +249,11 @@ def _start_pause_stop(page, dash) -> None:
     steps = dash.locator(".asyncrl-run-steps input")
     _click(page, steps)
     steps.fill("100000")
-    steps.press("Enter")
+    steps.press("Tab")  # the widget takes the new value on change (blur)
     _click(page, dash.locator(".asyncrl-start"))
+    report = dash.locator(".asyncrl-report")
+    _wait_until(lambda: "started: 100000 steps" in report.inner_text(), 60,
+                f"Start did not start 100000 steps: {report.inner_text()!r}")
     first = _wait_until(lambda: step("running"), 60, f"no running progress line: {progress.inner_text()!r}")
     _wait_until(lambda: (step("running") or 0) > first, 60, f"the progress line did not move from step {first}")
     _click(page, dash.locator(".asyncrl-pause"))

@@ -41,6 +41,7 @@ class StepControls(W.VBox):
         self.handle = None  # the run these controls started or follow
         self._callbacks: list[Callable[[], None]] = []
         self._watcher: threading.Thread | None = None
+        self._redraw = threading.Lock()
         self.buttons = {
             "rollout": self._button("Rollout tick", "asyncrl-rollout-tick", "one rollout tick: admit, dispatch, commit"),
             "train": self._button("Train tick", "asyncrl-train-tick", "one train tick: evict, select, train"),
@@ -101,21 +102,26 @@ class StepControls(W.VBox):
         return f"stopped at T={self.ctrl.trainer_version}"
 
     def _watch(self, handle) -> None:
-        """While the run goes: redraw every ``refresh_s`` when something moved; once it ended, a last redraw."""
-        seen = None
-        while handle.running:
-            time.sleep(self.refresh_s)
-            now = (self.ctrl.trainer_version, handle.status)
-            if now != seen and not handle.paused:  # a paused run is redrawn by the action that paused it
-                seen = now
-                self._notify()
-        if handle.error is not None:
-            error = handle.error
-            self._show(f"run failed: {type(error).__name__}: {error}",
-                       error="".join(traceback.format_exception(error)))
-        elif handle.breakpoint is not None:
-            self._show(f"stopped at breakpoint: trace row {handle.breakpoint.seq} ({handle.breakpoint.event})")
-        self._notify()
+        """While the run goes: redraw when something moved, at most every ``refresh_s`` and never more than a
+        quarter of the time (drawing holds the GIL the pumps need); once the run ended, a last redraw."""
+        seen, pause = None, self.refresh_s
+        try:
+            while handle.running:
+                time.sleep(pause)
+                now = (self.ctrl.trainer_version, handle.status)
+                if now != seen and not handle.paused:  # a paused run is redrawn by the action that paused it
+                    seen, started = now, time.perf_counter()
+                    self._notify()
+                    pause = max(self.refresh_s, 3 * (time.perf_counter() - started))
+            if handle.error is not None:
+                error = handle.error
+                self._show(f"run failed: {type(error).__name__}: {error}",
+                           error="".join(traceback.format_exception(error)))
+            elif handle.breakpoint is not None:
+                self._show(f"stopped at breakpoint: trace row {handle.breakpoint.seq} ({handle.breakpoint.event})")
+            self._notify()
+        except Exception as exc:  # a thread's error is printed nowhere a person looks: show it
+            self._show(f"live refresh failed: {type(exc).__name__}: {exc}", error=traceback.format_exc())
 
     def _running(self) -> bool:
         return self.handle is not None and self.handle.running
@@ -154,9 +160,10 @@ class StepControls(W.VBox):
             self._notify()
 
     def _notify(self) -> None:
-        self._sync()
-        for callback in self._callbacks:
-            callback()
+        with self._redraw:  # the watcher and a button's action never redraw at once
+            self._sync()
+            for callback in self._callbacks:
+                callback()
 
     def _last_report(self) -> str:
         report = self.ctrl.state().last_report
