@@ -36,8 +36,10 @@ class InOrderSampler(SamplerBase):
 
     def _evictable(self, T: int) -> Iterator[Slot]:
         index = self.buffer.by_target
-        for t in index.keys_between(hi=T - 1):
-            yield from list(index.ready[t])
+        doomed = [slot for t in index.keys_between(hi=T - 1) for slot in index.ready[t]]
+        # Buffer order: target steps follow dispatch order for what the controller admits, but not necessarily
+        # for slots reserved by hand.
+        return iter(sorted(doomed, key=lambda slot: slot.group_id))
 
     def _evict_reason(self, slot: Slot, T: int) -> tuple[str, str]:
         return "past_target_step", f"its step has passed: made for step {slot.target_step}, the trainer is at T={T}"
