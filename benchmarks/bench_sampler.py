@@ -16,17 +16,21 @@ the refill keeps the buffer at its stated size and the state steady: ``E`` stale
 version 10 commit in random order (out of dispatch order, as real rollouts finish).
 
 Run: ``python benchmarks/bench_sampler.py`` (``--quick`` for a smoke run). Prints a pandas table: median us per
-call at each size and the ratio 100k/1k.
+call at each size and the ratio 100k/1k. ``--baseline OLD_BUFFER.py`` times another ``ReplayBuffer`` (say
+``git show REV:asyncrl/buffer.py > /tmp/old_buffer.py``) against this one in the same run, alternating which goes
+first in each of ``--rounds`` rounds, so that a loaded machine slows both alike.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import os
 import platform
 import random
 import statistics
+import sys
 import time
 
 import pandas as pd
@@ -48,10 +52,11 @@ POLICIES = {
 class SteadyState:
     """A buffer of ``size`` groups in the layout above, plus the untimed refill that keeps it there."""
 
-    def __init__(self, policy: dict, size: int, groups_per_step: int, calls: int, rng: random.Random):
+    def __init__(self, policy: dict, size: int, groups_per_step: int, calls: int, rng: random.Random,
+                 buffer_cls: type = ReplayBuffer):
         self.rng, self.N = rng, groups_per_step
         self.stamps = policy["name"] == "in_order"
-        self.buffer = ReplayBuffer()
+        self.buffer = buffer_cls()
         self.sampler = build_sampler(policy, self.buffer)
         n_stale = max(size // 20, EVICT_PER_CALL * calls)
         n_old = (size - n_stale) * 45 // 95
@@ -94,14 +99,15 @@ class SteadyState:
         return dt, len(evicted), len(chunk or ())
 
 
-def time_policy(policy: dict, size: int, groups_per_step: int, samples: int, seed: int = 0) -> float:
-    """Median us per evict+select call over ``samples`` calls, in rounds on fresh steady states."""
+def time_policy(policy: dict, size: int, groups_per_step: int, samples: int, seed: int = 0,
+                buffer_cls: type = ReplayBuffer) -> list[int]:
+    """ns per evict+select call for ``samples`` calls, in rounds on fresh steady states."""
     rng = random.Random(seed)
     # A round may not drain version 9's ready groups (weight_fifo's and in_order's candidates for step T).
     per_round = max(1, min(50, (size * 45 // 100) // (groups_per_step + EVICT_PER_CALL) - 1))
     times: list[int] = []
     while len(times) < samples:
-        state = SteadyState(policy, size, groups_per_step, per_round, rng)
+        state = SteadyState(policy, size, groups_per_step, per_round, rng, buffer_cls)
         gc.collect()
         for _ in range(min(per_round, samples - len(times))):
             state.prepare()
@@ -114,7 +120,16 @@ def time_policy(policy: dict, size: int, groups_per_step: int, samples: int, see
             state.refill(n_evicted + n_selected)
             assert len(state.buffer) == size
             times.append(dt)
-    return statistics.median(times) / 1e3
+    return times
+
+
+def load_buffer(path: str) -> type:
+    """``ReplayBuffer`` from a buffer.py file elsewhere (another revision of this one)."""
+    spec = importlib.util.spec_from_file_location("baseline_buffer", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module.ReplayBuffer
 
 
 def main() -> None:
@@ -123,28 +138,45 @@ def main() -> None:
     parser.add_argument("--groups-per-step", type=int, nargs="+", default=[8, 64])
     parser.add_argument("--samples", type=int, default=300, help="timed calls per (policy, N, size)")
     parser.add_argument("--quick", action="store_true", help="few samples, for a smoke run")
+    parser.add_argument("--baseline", metavar="BUFFER_PY", help="also time the ReplayBuffer of this buffer.py file")
+    parser.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds per cell")
     args = parser.parse_args()
     samples = 20 if args.quick else args.samples
+    buffers = {"this": ReplayBuffer}
+    if args.baseline:
+        buffers["baseline"] = load_buffer(args.baseline)
+    rounds = args.rounds if args.baseline else 1
     print(f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, Python {platform.python_version()}, "
-          f"{samples} calls per cell, median us per evict+select call")
+          f"load average {os.getloadavg()[0]:.1f}, {samples} calls per cell, median us per evict+select call")
     rows = []
     for label, policy in POLICIES.items():
         for n in args.groups_per_step:
-            row = {"policy": label, "N": n}
-            for size in args.sizes:
-                row[f"{size // 1000}k us"] = time_policy(policy, size, n, samples)
-            first, last = args.sizes[0], args.sizes[-1]
-            row[f"{last // 1000}k/{first // 1000}k"] = row[f"{last // 1000}k us"] / row[f"{first // 1000}k us"]
-            rows.append(row)
-            timings = "  ".join(f"{k}={v:.1f}" for k, v in row.items() if "us" in k)
-            print(f"  {label:<24} N={n:<3} {timings}", flush=True)
-    table = pd.DataFrame(rows).set_index(["policy", "N"])
+            cells = {(name, size): [] for name in buffers for size in args.sizes}
+            for r in range(rounds):
+                names = list(buffers) if r % 2 == 0 else list(buffers)[::-1]  # who goes first alternates
+                for size in args.sizes:
+                    for name in names:
+                        cells[name, size] += time_policy(policy, size, n, -(-samples // rounds), seed=r,
+                                                         buffer_cls=buffers[name])
+            for name in buffers:
+                row = {"policy": label, "N": n, "buffer": name}
+                for size in args.sizes:
+                    row[f"{size // 1000}k us"] = statistics.median(cells[name, size]) / 1e3
+                first, last = args.sizes[0], args.sizes[-1]
+                row[f"{last // 1000}k/{first // 1000}k"] = row[f"{last // 1000}k us"] / row[f"{first // 1000}k us"]
+                rows.append(row)
+                timings = "  ".join(f"{k}={v:.1f}" for k, v in row.items() if "us" in k)
+                print(f"  {label:<24} N={n:<3} {name:<8} {timings}", flush=True)
+    table = pd.DataFrame(rows).set_index(["policy", "N", "buffer"])
+    if not args.baseline:
+        table = table.droplevel("buffer")
     with pd.option_context("display.float_format", "{:.1f}".format, "display.width", 120):
         print()
         print(table.to_string())
-    worst = table.iloc[:, -1].max()
-    at_max = table.iloc[:, -2].max()
-    print(f"\nworst ratio {worst:.2f} (target <= 3), worst at {args.sizes[-1]:,}: {at_max:.1f} us (target < 100)")
+    for name in buffers:
+        part = table.xs(name, level="buffer") if args.baseline else table
+        print(f"{name}: worst ratio {part.iloc[:, -1].max():.2f} (target <= 3), worst at {args.sizes[-1]:,}: "
+              f"{part.iloc[:, -2].max():.1f} us (target < 100)")
 
 
 if __name__ == "__main__":
