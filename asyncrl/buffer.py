@@ -20,10 +20,11 @@ import bisect
 import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
+from itertools import islice
 from typing import Any
 
 import pandas as pd
+from sortedcontainers import SortedList
 
 
 @dataclass(eq=False)
@@ -45,77 +46,6 @@ class Slot:
         return f"Slot(group_id={self.group_id}, weight_version={self.weight_version}{target}, {self.state})"
 
 
-class _SortedIds:
-    """Ascending distinct ints in blocks of at most ``2 * LOAD`` (a minimal ``sortedcontainers.SortedList``).
-
-    ``add`` is O(1) when ids arrive in order (the common case: rollouts mostly finish in dispatch order) and
-    O(log n + LOAD) otherwise; ``remove`` is O(log n + LOAD); iteration is in ascending order."""
-
-    __slots__ = ("blocks", "maxes")
-    LOAD = 256
-
-    def __init__(self) -> None:
-        self.blocks: list[list[int]] = []
-        self.maxes: list[int] = []  # maxes[i] == blocks[i][-1]; no block is ever empty
-
-    def add(self, x: int) -> None:
-        blocks, maxes = self.blocks, self.maxes
-        if not maxes:
-            blocks.append([x])
-            maxes.append(x)
-            return
-        if x > maxes[-1]:
-            i = len(maxes) - 1
-            block = blocks[i]
-            block.append(x)
-            maxes[i] = x
-        else:
-            i = bisect.bisect_left(maxes, x)
-            block = blocks[i]
-            bisect.insort(block, x)
-        if len(block) > 2 * self.LOAD:
-            half = self.LOAD
-            blocks[i : i + 1] = [block[:half], block[half:]]
-            maxes[i : i + 1] = [block[half - 1], block[-1]]
-
-    def remove(self, x: int) -> None:
-        maxes = self.maxes
-        i = bisect.bisect_left(maxes, x)
-        block = self.blocks[i]
-        j = bisect.bisect_left(block, x)
-        del block[j]
-        if not block:
-            del self.blocks[i], maxes[i]
-        elif j == len(block):
-            maxes[i] = block[-1]
-
-    def remove_many(self, xs: list[int]) -> None:
-        """Remove ``xs`` (ascending, all present). A run of ids that sit next to each other in a block (what
-        ``select`` takes: the first candidates of a bucket) goes in one slice deletion."""
-        blocks, maxes = self.blocks, self.maxes
-        n, p, i = len(xs), 0, 0
-        while p < n:
-            x = xs[p]
-            i = bisect.bisect_left(maxes, x, i)
-            block = blocks[i]
-            q = bisect.bisect_right(xs, maxes[i], p)  # xs[p:q] all lie in this block
-            j = bisect.bisect_left(block, x)
-            if block[j + q - p - 1] == xs[q - 1]:  # contiguous in the block
-                del block[j : j + q - p]
-            else:
-                drop = set(xs[p:q])
-                block[:] = [y for y in block if y not in drop]
-            if block:
-                maxes[i] = block[-1]
-                i += 1
-            else:
-                del blocks[i], maxes[i]
-            p = q
-
-    def __iter__(self) -> Iterator[int]:
-        return chain.from_iterable(self.blocks)
-
-
 def _as_int(name: str, value: object, minimum: int = 0) -> int:
     """``value`` as a plain int >= ``minimum`` (numpy integers welcome; bools are not versions)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
@@ -126,13 +56,15 @@ def _as_int(name: str, value: object, minimum: int = 0) -> int:
 class Bucket:
     """The slots of one index key in one state, in dispatch (``group_id``) order whatever order they arrive in.
 
-    Iterating gives slots; do not change the bucket while iterating it (copy to a list first)."""
+    The ids live in a ``sortedcontainers.SortedList``: an add or a remove costs O(log n), and iterating the first
+    ``k`` slots costs O(k), so a sampler reads its first candidates without touching the rest. Iterating gives
+    slots; do not change the bucket while iterating it (copy to a list first)."""
 
     __slots__ = ("_slots", "_order")
 
     def __init__(self) -> None:
         self._slots: dict[int, Slot] = {}
-        self._order = _SortedIds()
+        self._order = SortedList()
 
     def add(self, slot: Slot) -> None:
         self._slots[slot.group_id] = slot
@@ -143,10 +75,15 @@ class Bucket:
         self._order.remove(slot.group_id)
 
     def remove_many(self, group_ids: list[int]) -> None:
-        slots = self._slots
+        slots, order = self._slots, self._order
         for gid in group_ids:
             del slots[gid]
-        self._order.remove_many(sorted(group_ids))
+        ids = sorted(group_ids)
+        if ids == list(islice(order, len(ids))):  # the first candidates, what select takes: one slice deletion
+            del order[: len(ids)]
+        else:
+            for gid in ids:
+                order.remove(gid)
 
     def __len__(self) -> int:
         return len(self._slots)

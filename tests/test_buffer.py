@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from asyncrl.buffer import ReplayBuffer, _SortedIds
+from asyncrl.buffer import Bucket, ReplayBuffer, Slot
 
 
 def ids(slots):
@@ -278,11 +278,7 @@ def test_state_dict_round_trip():
     assert repr(buf) == "ReplayBuffer(4 slots: 2 ready, 2 pending)"
 
 
-# ----------------------------------------------------------------------------------------- the ordered ids
-class _SmallBlocks(_SortedIds):
-    LOAD = 2  # splits and empties blocks often
-
-
+# ------------------------------------------------------------------------------------- the ordered buckets
 @settings(max_examples=150, deadline=None)
 @given(
     st.lists(
@@ -291,22 +287,20 @@ class _SmallBlocks(_SortedIds):
         max_size=150,
     )
 )
-def test_sorted_ids_match_a_sorted_set(ops):
-    ordered, model = _SmallBlocks(), set()
+def test_a_bucket_iterates_in_dispatch_order_whatever_order_slots_arrive(ops):
+    bucket, model = Bucket(), {}
     for op, x, k in ops:
         if op == "add" and x not in model:
-            ordered.add(x)
-            model.add(x)
+            model[x] = Slot(x, 0)
+            bucket.add(model[x])
         elif op == "remove" and model:
             y = sorted(model)[x % len(model)]
-            ordered.remove(y)
-            model.discard(y)
+            bucket.remove(model.pop(y))
         elif op == "remove_many" and model:
             present = sorted(model)
             start = x % len(present)
             run = present[start : start + k] if x % 2 else present[start :: max(1, k)][:k]  # runs and scatters
-            ordered.remove_many(run)
-            model.difference_update(run)
-        assert list(ordered) == sorted(model)
-        assert all(ordered.blocks) and ordered.maxes == [b[-1] for b in ordered.blocks]
-        assert all(len(b) <= 2 * ordered.LOAD for b in ordered.blocks)
+            bucket.remove_many(run[::-1] if k % 2 else run)  # in any order
+            for gid in run:
+                del model[gid]
+        assert [s.group_id for s in bucket] == sorted(model) and len(bucket) == len(model)
