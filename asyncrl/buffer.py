@@ -20,11 +20,11 @@ import bisect
 import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import islice
 from typing import Any
 
 import pandas as pd
-from sortedcontainers import SortedList
+
+from asyncrl.sorted_ids import SortedIds
 
 
 @dataclass(eq=False)
@@ -56,15 +56,13 @@ def _as_int(name: str, value: object, minimum: int = 0) -> int:
 class Bucket:
     """The slots of one index key in one state, in dispatch (``group_id``) order whatever order they arrive in.
 
-    The ids live in a ``sortedcontainers.SortedList``: an add or a remove costs O(log n), and iterating the first
-    ``k`` slots costs O(k), so a sampler reads its first candidates without touching the rest. Iterating gives
-    slots; do not change the bucket while iterating it (copy to a list first)."""
+    Iterating gives slots; do not change the bucket while iterating it (copy to a list first)."""
 
     __slots__ = ("_slots", "_order")
 
     def __init__(self) -> None:
         self._slots: dict[int, Slot] = {}
-        self._order = SortedList()
+        self._order = SortedIds()
 
     def add(self, slot: Slot) -> None:
         self._slots[slot.group_id] = slot
@@ -75,15 +73,10 @@ class Bucket:
         self._order.remove(slot.group_id)
 
     def remove_many(self, group_ids: list[int]) -> None:
-        slots, order = self._slots, self._order
+        slots = self._slots
         for gid in group_ids:
             del slots[gid]
-        ids = sorted(group_ids)
-        if ids == list(islice(order, len(ids))):  # the first candidates, what select takes: one slice deletion
-            del order[: len(ids)]
-        else:
-            for gid in ids:
-                order.remove(gid)
+        self._order.remove_many(sorted(group_ids))
 
     def __len__(self) -> int:
         return len(self._slots)

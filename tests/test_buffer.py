@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from asyncrl.buffer import Bucket, ReplayBuffer, Slot
+from asyncrl.sorted_ids import SortedIds
 
 
 def ids(slots):
@@ -304,3 +305,36 @@ def test_a_bucket_iterates_in_dispatch_order_whatever_order_slots_arrive(ops):
             for gid in run:
                 del model[gid]
         assert [s.group_id for s in bucket] == sorted(model) and len(bucket) == len(model)
+
+
+class _SmallBlocks(SortedIds):
+    LOAD = 2  # splits and empties blocks often
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["add"] * 3 + ["remove", "remove_many"]), st.integers(0, 60), st.integers(1, 8)),
+        min_size=30,
+        max_size=150,
+    )
+)
+def test_sorted_ids_match_a_sorted_set(ops):
+    ordered, model = _SmallBlocks(), set()
+    for op, x, k in ops:
+        if op == "add" and x not in model:
+            ordered.add(x)
+            model.add(x)
+        elif op == "remove" and model:
+            y = sorted(model)[x % len(model)]
+            ordered.remove(y)
+            model.discard(y)
+        elif op == "remove_many" and model:
+            present = sorted(model)
+            start = x % len(present)
+            run = present[start : start + k] if x % 2 else present[start :: max(1, k)][:k]  # runs and scatters
+            ordered.remove_many(run)
+            model.difference_update(run)
+        assert list(ordered) == sorted(model)
+        assert all(ordered.blocks) and ordered.maxes == [b[-1] for b in ordered.blocks]
+        assert all(len(b) <= 2 * ordered.LOAD for b in ordered.blocks)
