@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
-from tests.plain_grpo import plain_grpo
+from examples.plain_grpo import plain_grpo
 
 from asyncrl import Controller, load_config
 
@@ -176,6 +176,17 @@ def test_metrics_and_trace_columns():
     assert state.trainer_version == 4 and list(state.buffer.columns) == ["pending", "ready", "total"]
     ev = ctrl.evaluate()
     assert 0.0 <= ev["accuracy"] <= 1.0 and "reward_mean" in ev
+
+
+def test_the_readme_snippet_has_verdicts_to_explain():
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    snippet = readme.split("## Use it", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    namespace: dict = {}
+    exec(snippet[: snippet.index("ctrl.train_tick()")], namespace)  # up to its explain(), as a reader runs it
+    verdicts = namespace["ctrl"].explain()
+    assert verdicts.code.value_counts().to_dict() == {"selected": 8, "beyond_max_groups": 8}
 
 
 def test_trace_ids_versions_steps_and_lags_are_nullable_integers():

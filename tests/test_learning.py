@@ -2,7 +2,7 @@
 least twice the task's best constant answer (and at least 0.6) within a few CPU minutes, on 2 of 3 seeds. Run the
 way a user runs it: ``Controller.run`` with both pumps overlapping, under the preset's own sampler (``in_order``
 L=1) and under ``weight_fifo`` W=1, so generation runs a weight version ahead of training and the token-level
-importance weight corrects it. (Synchronous GRPO is the same computation as ``tests/plain_grpo.py``, bit for bit:
+importance weight corrects it. (Synchronous GRPO is the same computation as ``examples/plain_grpo.py``, bit for bit:
 tests/test_controller.py.)"""
 
 from __future__ import annotations
