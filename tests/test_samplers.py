@@ -633,7 +633,7 @@ def test_explain_reasons_are_readable():
         "selected as candidate #1 of 4: ready, weight version 4 is inside the window [4, 5], buffer order"
     )
     assert by_id[4].reason == (
-        "eligible (candidate #3 of 4), but this chunk takes only the first 2 (max_groups): left for the next chunk"
+        "eligible (candidate #3 of 4), but this chunk takes only the first 2 (max_groups): left for a later chunk"
     )
     assert by_id[7].reason == "future version: weight version 6 is newer than T=5, kept for a later step"
 

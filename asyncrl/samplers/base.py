@@ -238,7 +238,7 @@ class SamplerBase:
                     action, code = "keep", "beyond_max_groups"
                     reason = (
                         f"eligible (candidate #{pos + 1} of {n}), but this chunk takes only the first {max_groups} "
-                        "(max_groups): left for the next chunk"
+                        "(max_groups): left for a later chunk"
                     )
                 else:
                     action, code = "select", "selected"
