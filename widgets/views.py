@@ -82,8 +82,9 @@ class StepControls(W.VBox):
 
     # -------------------------------------------------------------------------------------- background run
     def _start(self) -> str:
+        T = self.ctrl.trainer_version
         self._follow(self.ctrl.start(self.steps.value, progress=False))
-        return f"started: {self.steps.value} steps from T={self.ctrl.trainer_version}"
+        return f"started: {self.steps.value} steps from T={T}"
 
     def _follow(self, handle) -> None:
         self.handle = handle
