@@ -60,7 +60,9 @@ class GenerationConfig(_Strict):
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
     device: str = "cpu"
-    placement: Literal["local", "ray"] = "local"
+    # local: in the controller's process; process: a child process over a pipe (own interpreter lock, for CPU
+    # overlap; asyncrl/backends/process.py); ray: a Ray actor
+    placement: Literal["local", "process", "ray"] = "local"
     gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm
     enforce_eager: bool = True  # vllm
     options: dict[str, Any] = Field(default_factory=dict)  # backend-specific extras (e.g. simulated latency)

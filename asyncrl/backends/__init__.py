@@ -1,7 +1,8 @@
 """Backends: generation (rollouts) and policy (training) behind two small Protocols (see ``base``).
 
-``build_backends(cfg)`` picks the implementations named in the config and places them in-process or as Ray
-actors (``placement: ray``): placement is configuration, not code.
+``build_backends(cfg)`` picks the implementations named in the config and places them in-process, as Ray
+actors (``placement: ray``) or, the generator, in a child process (``placement: process``): placement is
+configuration, not code.
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ def build_backends(cfg):
             else generator_cls(*generator_args)
         )
         return policy, generator, tokenizer
+    if cfg.generation.placement == "process":
+        from asyncrl.backends.process import ProcessGenerator
+
+        return policy_cls(*policy_args), ProcessGenerator(generator_cls, generator_args), tokenizer
     return policy_cls(*policy_args), generator_cls(*generator_args), tokenizer
 
 
