@@ -114,8 +114,8 @@ class _Channel:
 
 class ProcessGenerator:
     """A :class:`~asyncrl.backends.base.GenerationBackend` whose ``cls(*args)`` lives in a child process (see the
-    module docstring). Other methods of the hosted backend (``generate_greedy``, ``state_dict``,
-    ``load_state_dict``, ...) are forwarded over the control pipe."""
+    module docstring). Besides the protocol it forwards ``generate_greedy`` (evaluation), ``state_dict`` and
+    ``load_state_dict`` (save/restore) over the control pipe."""
 
     def __init__(self, cls: type, args: tuple, threads: int | None = None) -> None:
         ctx = torch.multiprocessing.get_context("spawn")  # torch's pickler shares tensors through shared memory
@@ -269,8 +269,3 @@ class ProcessGenerator:
                 self._process.join(CLOSE_TIMEOUT_S)
             for ch in (self._gen, self._ctl):
                 ch.conn.close()
-
-    def __getattr__(self, name: str) -> Any:  # read-only attributes of the hosted backend, e.g. max_new_tokens
-        if name.startswith("_"):
-            raise AttributeError(name)
-        return self._call(self._ctl, "get", name)
