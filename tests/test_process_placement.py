@@ -88,7 +88,7 @@ def test_an_error_in_the_child_is_raised_with_its_traceback_and_the_child_serves
     assert len(child.poll()) == 3
 
 
-def test_close_ends_the_child_and_a_dead_child_is_an_error_naming_it():
+def test_close_ends_the_child_a_dead_child_is_an_error_naming_it_and_sigint_is_the_parents():
     cfg = load_config("quickstart", seed=0)
     tokenizer = build_tokenizer()
     child = ProcessGenerator(TorchGenerator, (cfg.model, cfg.generation, cfg.seed, tokenizer))
@@ -99,6 +99,9 @@ def test_close_ends_the_child_and_a_dead_child_is_an_error_naming_it():
     child.close()  # closing a dead child is fine
 
     child = ProcessGenerator(TorchGenerator, (cfg.model, cfg.generation, cfg.seed, tokenizer))
+    os.kill(child.pid, signal.SIGINT)  # Ctrl-C reaches the whole process group: the child leaves it to the parent
+    child.submit(requests(tokenizer, 0))
+    assert len(child.poll()) == 3
     process = child._process
     child.close()
     assert not process.is_alive() and process.exitcode == 0

@@ -28,10 +28,12 @@ How:
   it first: a late generation's groups are returned by the next ``poll`` (nothing is lost), a late load sets
   ``version``.
 - ``close()`` asks the child to close its backend and exit, then reaps it (terminates it after a grace period).
+  The child ignores SIGINT (Ctrl-C reaches the whole process group): interrupts are the parent's to handle.
 """
 
 from __future__ import annotations
 
+import signal
 import sys
 import threading
 import traceback
@@ -48,6 +50,9 @@ CLOSE_TIMEOUT_S = 10.0
 
 def _serve(cls: type, args: tuple, threads: int, gen_conn: Connection, ctl_conn: Connection) -> None:
     """The child's main loop."""
+    # Ctrl-C in a terminal or a notebook's Interrupt signals the whole process group: the parent decides what an
+    # interrupt stops, and the child ends on "close" or when the parent's pipe ends close.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         obj = cls(*args)
