@@ -260,7 +260,8 @@ def main() -> None:
     pd.set_option("display.width", 160)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"preset={args.preset} steps={args.steps} max_new_tokens={args.max_new_tokens} threads={args.threads} "
-          f"cpus={len(os.sched_getaffinity(0))} torch={torch.__version__} python={sys.version.split()[0]} load={load:.2f}")
+          f"cpus={len(os.sched_getaffinity(0))} torch={torch.__version__} python={sys.version.split()[0]} "
+          f"load={load:.2f}")
 
     rows = []
     for r in range(args.repeats):
