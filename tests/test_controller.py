@@ -128,7 +128,7 @@ def test_windowed_evicts_and_aborts_stale_groups_with_reasons_and_loses_none():
 def test_buffer_and_inflight_permits_hold_with_slow_simulated_generation():
     cfg = load_config(
         "quickstart", sampler={"name": "windowed", "max_staleness_versions": 2}, max_buffered_groups=40,
-        max_inflight_groups=16, generation={"backend": "simulated", "options": {"latency_s": 0.002}},
+        max_inflight_groups=16, generation={"backend": "simulated", "options": {"prefill_s": 2.5}},
         trainer={"backend": "simulated"}, eval_every=None,
     )
     ctrl = Controller.from_config(cfg)

@@ -1,139 +1,298 @@
-"""``simulated``: backends with no model, for what-if studies of samplers and throughput.
+"""``simulated``: backends with no model, on a virtual clock, for what-if studies of samplers and throughput.
 
-The generator draws completion lengths and per-group latencies from a latency model and rewards from a reward
-model that improves with the weight version it generated with (so staleness has a visible cost); the policy
-"trains" by sleeping a time proportional to the tokens it is given. Everything else — buffer, sampler, pumps,
-trace, metrics — is the real controller.
+Everything but the model is real: buffer, sampler, pumps, trace and metrics are the controller's. What is
+modelled, with typed knobs (``SimulatedGeneration`` in ``generation.options``, ``SimulatedTraining`` in
+``trainer.options``):
+- **Latency.** A group's ``G`` completions decode together: it takes ``prefill_s + decode_s_per_token x`` its
+  longest completion, whose lengths come from a (long-tailed, if asked) distribution clipped to
+  ``[1, max_new_tokens]``. At most ``concurrency`` groups decode at once; the rest wait, first in first out.
+  Training a chunk takes ``train_s_per_token`` per completion token, a step adds ``train_s_per_step``, and a weight
+  sync takes ``sync_s``, during which the generator stops decoding.
+- **Reward.** The policy accumulates *progress*: a step on fresh data adds ``reward_gain``, a step on data ``L``
+  versions stale adds ``reward_gain * stale_progress ** L``. Progress travels to the generator with the weights; a
+  group generated at version ``v`` succeeds with probability ``min(reward_max, reward_base + progress(v))``.
+- **Importance weights.** Token logprobs drift by ``DRIFT`` per version, so stale rollouts carry importance weights
+  ``exp(-DRIFT * lag)`` as real ones do; the policy reads each token's lag back from that difference.
 
-Options (``generation.options`` / ``trainer.options``):
-- generator: ``latency_s`` (mean seconds per group, 0 = finished at once), ``latency_jitter`` (lognormal sigma),
-  ``reward_base`` (success probability at version 0), ``reward_gain`` (added per version), ``reward_max``.
-- policy: ``train_s_per_token`` (seconds of simulated training per completion token).
+Time is virtual (``SimClock``): nothing sleeps. Stepped by hand (or under ``Controller.run``) each ``poll`` is one
+rollout tick and advances the clock by ``rollout_tick_s``, so a group finishes after a number of rollout ticks
+drawn from the model, the same every time for a seed. Under ``asyncrl.simulate`` a discrete-event loop owns the
+clock instead (``clock.stepping = False``) and asks ``next_event_time``/``train_seconds`` how long things take.
+
+Invariants (kept here): random draws happen only in ``submit`` (lengths and rewards, in request order), so a
+seed and the order of submissions fix every outcome; a group's finish time depends only on the groups submitted
+before it, aborts and pauses, never on when it is polled.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import threading
-import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
 
 LOG_HALF = math.log(0.5)
+DRIFT = 0.01  # token logprobs at version v are LOG_HALF - DRIFT * v: stale tokens carry IS weights exp(-DRIFT * lag)
+
+
+class _Knobs(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class SimulatedGeneration(_Knobs):
+    """Latency and reward model of the simulated generator (``generation.options``). Times are virtual seconds."""
+
+    prefill_s: float = Field(0.0, ge=0, description="seconds before a group's first token (prefill, engine queue)")
+    decode_s_per_token: float = Field(
+        0.0, ge=0, description="seconds per decoding step; a group lasts prefill_s + this x its longest completion")
+    lengths: Literal["uniform", "lognormal", "pareto"] = Field(
+        "uniform", description="completion-length distribution: uniform on [1, max_new_tokens], or a long tail "
+        "(lognormal, pareto) with mean length_mean, clipped to [1, max_new_tokens]")
+    length_mean: float | None = Field(
+        None, gt=0, description="mean completion length in tokens before clipping (lognormal, pareto); "
+        "None: max_new_tokens / 4")
+    length_sigma: float = Field(1.0, gt=0, le=4, description="lognormal: standard deviation of log length")
+    pareto_alpha: float = Field(2.0, gt=1, le=20, description="pareto: tail index (> 1; smaller is heavier)")
+    concurrency: int | None = Field(
+        None, ge=1, description="groups decoding at once; later ones wait in order. None: no limit")
+    rollout_tick_s: float = Field(
+        1.0, gt=0, description="when stepped (or under Controller.run), the seconds one rollout tick stands for: a "
+        "group finishes ceil(its seconds / rollout_tick_s) ticks after dispatch (at the first tick if 0 s)")
+    reward_base: float = Field(0.1, ge=0, le=1, description="success probability with no progress (version 0)")
+    reward_max: float = Field(0.95, ge=0, le=1, description="success probability ceiling")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> SimulatedGeneration:
+        if self.reward_max < self.reward_base:
+            raise ValueError(f"reward_max {self.reward_max} must be >= reward_base {self.reward_base}")
+        return self
+
+
+class SimulatedTraining(_Knobs):
+    """Latency and learning model of the simulated policy (``trainer.options``). Times are virtual seconds."""
+
+    train_s_per_token: float = Field(0.0, ge=0, description="seconds of training per completion token")
+    train_s_per_step: float = Field(0.0, ge=0, description="fixed seconds per optimizer step (optimizer, overhead)")
+    sync_s: float = Field(0.0, ge=0, description="seconds per weight sync; the generator stops decoding meanwhile")
+    reward_gain: float = Field(0.01, ge=0, le=1, description="success probability a step on fresh data adds")
+    stale_progress: float = Field(
+        0.5, ge=0, le=1, description="share of a step's progress kept per version of lag: gain x this ** lag")
+
+
+def knobs(model: type[_Knobs], options: Mapping | _Knobs, where: str) -> _Knobs:
+    """``options`` validated as ``model``; errors name the section and the allowed knobs."""
+    if isinstance(options, model):
+        return options
+    try:
+        return model.model_validate(dict(options))
+    except Exception as exc:
+        allowed = ", ".join(model.model_fields)
+        raise ValueError(f"bad simulated {where}: {exc}\nallowed knobs: {allowed}") from None
+
+
+class SimClock:
+    """Virtual seconds shared by a simulation's parts. ``stepping``: each generator poll advances ``now``."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.stepping = True
+
+
+@dataclass
+class _Flight:
+    request: GenerationRequest
+    version: int
+    seconds: float  # decoding time, drawn at submit
+    lengths: list[int]
+    rewards: list[float]
+    start: float | None = None
+    finish: float | None = None
 
 
 class SimulatedGenerator:
     def __init__(self, model_cfg, gen_cfg, seed: int, tokenizer) -> None:
-        opts = dict(gen_cfg.options)
-        self.latency_s = float(opts.pop("latency_s", 0.0))
-        self.jitter = float(opts.pop("latency_jitter", 0.5))
-        self.reward_base = float(opts.pop("reward_base", 0.1))
-        self.reward_gain = float(opts.pop("reward_gain", 0.01))
-        self.reward_max = float(opts.pop("reward_max", 0.95))
-        if opts:
-            raise ValueError(f"unknown simulated generation options {sorted(opts)}; allowed: latency_s, "
-                             "latency_jitter, reward_base, reward_gain, reward_max")
+        self.model = knobs(SimulatedGeneration, gen_cfg.options, "generation.options")
         self.max_new_tokens = gen_cfg.max_new_tokens
         self.eos_id = tokenizer.eos_token_id
         self.rng = random.Random(seed)
+        self.clock = SimClock()
+        self.progress = 0.0  # what the weights have learned (see the module docstring), set by load_weights
         self._version = 0
-        self._queue: list[tuple[float, GenerationRequest, int]] = []  # (ready_at, request, start version)
-        self._cond = threading.Condition()
+        self._flights: dict[int, _Flight] = {}  # in submission order: the order the engine starts them
+        self._paused_until = 0.0
+        self.busy: list[tuple[float, float]] = []  # (start, end) of every decoded group and every weight load
+        self._lock = threading.Lock()  # Controller.run calls in from two pumps
 
     @property
     def version(self) -> int:
         return self._version
 
+    def length(self) -> int:
+        m, cap = self.model, self.max_new_tokens
+        if m.lengths == "uniform":
+            return self.rng.randint(1, cap)
+        mean = m.length_mean or cap / 4
+        if m.lengths == "lognormal":
+            x = self.rng.lognormvariate(math.log(mean) - m.length_sigma ** 2 / 2, m.length_sigma)
+        else:  # pareto with this mean: scale x_m = mean (alpha - 1) / alpha
+            x = mean * (m.pareto_alpha - 1) / m.pareto_alpha * self.rng.paretovariate(m.pareto_alpha)
+        return min(cap, max(1, math.ceil(x)))
+
+    def success(self) -> float:
+        return min(self.model.reward_max, self.model.reward_base + self.progress)
+
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        now = time.perf_counter()
-        with self._cond:
+        with self._lock:
+            p = self.success()
             for req in requests:
-                delay = self.latency_s * self.rng.lognormvariate(0.0, self.jitter) if self.latency_s else 0.0
-                self._queue.append((now + delay, req, self._version))
-            self._cond.notify_all()
+                lengths = [self.length() for _ in range(req.n)]
+                rewards = [1.0 if self.rng.random() < p else 0.0 for _ in range(req.n)]
+                seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
+                self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards)
+            self._schedule()
+
+    def _schedule(self) -> None:
+        """Start and finish times of every group not started yet: first in first out onto ``concurrency`` slots,
+        none before ``now`` or before a weight load ends. Started groups keep theirs."""
+        now = self.clock.now
+        started = [f for f in self._flights.values() if f.start is not None and f.start <= now]
+        waiting = [f for f in self._flights.values() if f.start is None or f.start > now]
+        slots = self.model.concurrency
+        free = [f.finish for f in started] + [now] * max(0, (slots or len(waiting)) - len(started))
+        heapq.heapify(free)
+        for f in waiting:
+            f.start = max(heapq.heappop(free), now, self._paused_until)
+            f.finish = f.start + f.seconds
+            heapq.heappush(free, f.finish)
+
+    def next_event_time(self) -> float | None:
+        """When the next group finishes (virtual seconds), or None with nothing in flight."""
+        with self._lock:
+            return min((f.finish for f in self._flights.values()), default=None)
+
+    def pause(self, seconds: float) -> None:
+        """A weight load: groups decoding now finish ``seconds`` later; none starts before it ends."""
+        with self._lock:
+            now = self.clock.now
+            self._paused_until = max(self._paused_until, now) + seconds
+            self.busy.append((now, now + seconds))
+            for f in self._flights.values():
+                if f.start <= now < f.finish:
+                    f.finish += seconds
+            self._schedule()
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
-        deadline = None if timeout is None else time.perf_counter() + timeout
-        with self._cond:
-            while True:
-                now = time.perf_counter()
-                done = [item for item in self._queue if item[0] <= now]
-                if done or not self._queue or (deadline is not None and now >= deadline):
-                    break
-                wake = min(item[0] for item in self._queue)
-                self._cond.wait(max(0.0, min(wake, deadline or wake) - now))
-            self._queue = [item for item in self._queue if item[0] > now]
-            return [self._rollouts(req, start) for _, req, start in done]
+        """Groups finished by ``clock.now``, in finishing order. Never waits: time is virtual (when stepping, this
+        poll is one rollout tick and moves the clock by ``rollout_tick_s``)."""
+        with self._lock:
+            if self.clock.stepping and self._flights:
+                self.clock.now += self.model.rollout_tick_s
+            now = self.clock.now
+            done = sorted((f for f in self._flights.values() if f.finish <= now),
+                          key=lambda f: (f.finish, f.request.group_id))
+            for f in done:
+                del self._flights[f.request.group_id]
+                self.busy.append((f.start, f.finish))
+            if done:
+                self._schedule()
+            return [self._rollouts(f) for f in done]
 
-    def _rollouts(self, req: GenerationRequest, start_version: int) -> GroupRollouts:
-        p = min(self.reward_max, self.reward_base + self.reward_gain * start_version)
-        completions, logprobs, rewards = [], [], []
-        for _ in range(req.n):  # content is irrelevant here, only lengths and rewards are modelled
-            length = self.rng.randint(1, self.max_new_tokens)
-            completions.append([ord("x")] * (length - 1) + [self.eos_id])
-            logprobs.append([LOG_HALF] * length)
-            rewards.append(1.0 if self.rng.random() < p else 0.0)
-        return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start_version, self._version,
-                             ["stop"] * req.n, rewards=rewards)
+    def _rollouts(self, f: _Flight) -> GroupRollouts:
+        req, logprob = f.request, LOG_HALF - DRIFT * f.version
+        completions = [[ord("x")] * (n - 1) + [self.eos_id] for n in f.lengths]  # content is not modelled
+        logprobs = [[logprob] * n for n in f.lengths]
+        reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
+        return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, f.version, self._version,
+                             reasons, rewards=list(f.rewards))
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
-        wanted = set(group_ids)
-        with self._cond:
-            hit = [req.group_id for _, req, _ in self._queue if req.group_id in wanted]
-            self._queue = [item for item in self._queue if item[1].group_id not in wanted]
-        return hit
+        with self._lock:
+            now = self.clock.now
+            hit = [g for g in group_ids if g in self._flights and self._flights[g].finish > now]
+            for g in hit:
+                f = self._flights.pop(g)
+                if f.start < now:
+                    self.busy.append((f.start, now))
+            if hit:
+                self._schedule()
+            return hit
 
     def num_inflight(self) -> int:
-        return len(self._queue)
+        return len(self._flights)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        with self._cond:
+        with self._lock:
             self._version = version
+            self.progress = float(weights["progress"])
 
     def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
-        p = min(self.reward_max, self.reward_base + self.reward_gain * self._version)
-        return [[self.eos_id] if self.rng.random() < p else [0, self.eos_id] for _ in prompts]
+        p = self.success()  # its own stream: evaluation must not shift the rollouts' draws
+        rng = random.Random(self._version)
+        return [[self.eos_id] if rng.random() < p else [0, self.eos_id] for _ in prompts]
 
     def close(self) -> None:
-        with self._cond:
-            self._queue.clear()
+        with self._lock:
+            self._flights.clear()
 
 
 class SimulatedPolicy:
     def __init__(self, model_cfg, trainer_cfg, loss_cfg, seed: int, tokenizer) -> None:
-        opts = dict(trainer_cfg.options)
-        self.train_s_per_token = float(opts.pop("train_s_per_token", 0.0))
-        if opts:
-            raise ValueError(f"unknown simulated trainer options {sorted(opts)}; allowed: train_s_per_token")
+        self.model = knobs(SimulatedTraining, trainer_cfg.options, "trainer.options")
         self.steps = 0
+        self.progress = 0.0
+        self.version = 0  # = steps
         self._tokens = 0.0
+        self._kept = 0.0  # this step's progress weights: tokens x stale_progress ** lag
+
+    def train_seconds(self, tokens: float, finishes_step: bool) -> float:
+        """Virtual seconds to train a chunk of ``tokens`` completion tokens (and the optimizer step, if it ends
+        one). The weight sync after a step is ``model.sync_s`` on top."""
+        m = self.model
+        return m.train_s_per_token * tokens + (m.train_s_per_step if finishes_step else 0.0)
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return batch.gen_logprobs.clone()
+        """This version's logprobs: ``LOG_HALF - DRIFT * version`` on completion tokens, so a token generated
+        ``L`` versions ago gets ``prev - gen = -DRIFT * L`` (an importance weight below 1, as stale data has)."""
+        return torch.where(batch.loss_mask.bool(), LOG_HALF - DRIFT * self.version, batch.gen_logprobs)
+
+    def _lags(self, batch: TrainBatch) -> list[int]:
+        """Each completion's lag, read off its generator logprob ``LOG_HALF - DRIFT * v`` (one per row: a
+        completion's tokens share one version). Plain Python: a few dozen numbers per chunk."""
+        mask = batch.loss_mask
+        means = ((batch.gen_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
+        return [max(0, self.version - round((LOG_HALF - lp) / DRIFT)) for lp in means]
 
     def begin_train_step(self) -> None:
-        self._tokens = 0.0
+        self._tokens = self._kept = 0.0
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
-        tokens = float(batch.loss_mask.sum())
-        if self.train_s_per_token:
-            time.sleep(self.train_s_per_token * tokens)
-        self._tokens += tokens
-        return {"tokens": tokens}
+        per_row = batch.loss_mask.sum(1).tolist()
+        keep = self.model.stale_progress
+        self._tokens += sum(per_row)
+        self._kept += sum(n * keep ** lag for n, lag in zip(per_row, self._lags(batch)))
+        return {"tokens": float(sum(per_row))}
 
     def finish_train_step(self) -> dict[str, float]:
+        share = self._kept / self._tokens if self._tokens else 1.0
+        self.progress += self.model.reward_gain * share
         self.steps += 1
-        return {"loss": 0.0, "tokens": self._tokens}
+        self.version = self.steps
+        return {"loss": 0.0, "tokens": self._tokens, "progress": self.progress, "progress_share": share}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        return {"steps": torch.tensor(self.steps)}
+        return {"steps": torch.tensor(self.steps), "progress": torch.tensor(self.progress, dtype=torch.float64)}
 
     def state_dict(self) -> dict:
-        return {"steps": self.steps}
+        return {"steps": self.steps, "progress": self.progress}
 
     def load_state_dict(self, state: dict) -> None:
-        self.steps = state["steps"]
+        self.steps = self.version = state["steps"]
+        self.progress = state.get("progress", 0.0)

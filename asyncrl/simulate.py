@@ -1,0 +1,308 @@
+"""What-if studies in seconds: the real controller, buffer and sampler on the simulated backends' virtual clock.
+
+    sim = asyncrl.simulate.simulate("what_if", steps=1000, sampler={"name": "weight_fifo"})
+    sim.summary()["sim_steps_per_hour"]; sim.metrics; sim.trace; sim.write("out/")
+
+``Simulation.run`` is a single-threaded discrete-event loop around ``Controller.rollout_tick``/``train_tick``
+(nothing sleeps, nothing runs in a thread): virtual time jumps to the next event, which is a group finishing
+(the generator's schedule) or the trainer finishing a chunk (the policy's latency model).
+
+Invariants (kept in ``Simulation``):
+- A train tick's effects (``T += 1``, the weight sync, aborts) become visible when its chunk has trained, not when
+  it started: the loop asks the sampler (``Controller.explain``) what the next train tick would select, reserves the
+  trainer for that chunk's time, and runs the real ``train_tick`` at the end of it. So the rollout side sees the
+  old ``T`` while the trainer works, as it would in a real run. (The chunk actually trained can differ from the one
+  planned only if rollouts committed meanwhile change a sampler's choice; the time booked is the planned one.)
+- After a step the sync takes ``sync_s``: the trainer waits and the generator pauses for it.
+- Virtual time never goes back; busy + idle = elapsed for each side, by construction of the two timelines.
+- Everything written to files is a function of the config and seed: no wall-clock value goes in them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from asyncrl.backends.simulated import SimulatedGenerator, SimulatedPolicy
+from asyncrl.config import Config, load_config
+from asyncrl.controller import Controller
+from asyncrl.samplers import SamplerBase
+
+WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s")  # the controller measures these in wall time
+SYNC = {"name": "in_order", "max_lookahead_versions": 0}
+ASYNC = {"name": "weight_fifo", "max_staleness_versions": 1}
+
+
+class Simulation:
+    """Drives a ``Controller`` built on local ``simulated`` backends through virtual time."""
+
+    def __init__(self, ctrl: Controller) -> None:
+        if not (isinstance(ctrl.generator, SimulatedGenerator) and isinstance(ctrl.policy, SimulatedPolicy)):
+            raise ValueError(
+                "a simulation needs both backends 'simulated' and in-process (placement 'local'); got generator "
+                f"{type(ctrl.generator).__name__} and policy {type(ctrl.policy).__name__} (the 'what_if' preset is one)"
+            )
+        self.ctrl, self.gen, self.policy = ctrl, ctrl.generator, ctrl.policy
+        self.clock = self.gen.clock
+        self.start = self.clock.now
+        self.trainer_free = self.start  # the trainer works (or waits for a sync) until then
+        self.train_busy = 0.0
+        self.step_groups = ctrl.state()["step_groups_trained"]
+        self.first_step = ctrl.trainer_version
+        self.steps: list[dict] = []  # per finished step: when it ended (sync done), its train and sync seconds
+        self._step_train = 0.0
+        self._times: dict[str, list[float]] = defaultdict(list)  # per trace event kind, times in trace order
+        self._seen = ctrl.trace.event.value_counts().to_dict()  # events before the simulation: no time
+        self.wall_s = 0.0
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def run(self, steps: int) -> pd.DataFrame:
+        """``steps`` more optimizer steps in virtual time. Returns the metrics of the steps it ran (simulated
+        time columns). Stops early when the prompt stream runs out; a deadlock is an error naming the verdicts."""
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        ctrl, gen, clock = self.ctrl, self.gen, self.clock
+        target, rows = ctrl.trainer_version + steps, len(self.steps)
+        wall, tick_at, tick_start = time.perf_counter(), None, None
+        clock.stepping = False
+        try:
+            while ctrl.trainer_version < target:
+                now = clock.now
+                if tick_at is not None and now >= tick_at:
+                    self._train(tick_start, now)
+                    tick_at = None
+                self._rollout(now)
+                if tick_at is None and now >= self.trainer_free:
+                    tick_at, tick_start = self._plan(now), now
+                events = [t for t in (gen.next_event_time(), tick_at) if t is not None]
+                if tick_at is None and self.trainer_free > now:
+                    events.append(self.trainer_free)
+                if not events:
+                    if ctrl.exhausted and not ctrl.inflight:
+                        break
+                    raise RuntimeError(
+                        f"simulation stalled at T={ctrl.trainer_version}, t={now:.3f}s: nothing in flight, "
+                        f"{ctrl.last_report}; verdicts:\n{ctrl.explain().to_string(max_rows=20)}"
+                    )
+                clock.now = max(now, min(events))
+        finally:
+            clock.stepping = True
+            self.wall_s += time.perf_counter() - wall
+        return self.metrics.iloc[rows:]
+
+    def _rollout(self, now: float) -> None:
+        """Rollout ticks at ``now`` until one neither dispatches nor commits."""
+        while True:
+            report = self.ctrl.rollout_tick()
+            if report.dispatched:
+                self._times["admit"].append(now)
+            self._times["dispatch"].extend([now] * len(report.dispatched))
+            self._times["commit"].extend([now] * len(report.committed))
+            if not (report.dispatched or report.committed):
+                return
+
+    def _plan(self, now: float) -> float | None:
+        """When the next train tick ends, from the chunk the sampler would select now; None when it would wait.
+        A tick that would only evict runs at once (eviction takes no time)."""
+        ctrl = self.ctrl
+        chosen, evicts = [], False
+        for verdict in self._verdicts():
+            chosen += [verdict.group_id] if verdict.action == "select" else []
+            evicts = evicts or verdict.action == "evict"
+        if not chosen:
+            if evicts:
+                self._record_train(ctrl.train_tick(), now, now)
+                return self._plan(now)
+            return None
+        tokens = sum(ctrl.buffer[g].rollouts.num_tokens for g in chosen)
+        finishes = self.step_groups + len(chosen) >= ctrl.cfg.groups_per_step
+        return now + self.policy.train_seconds(tokens, finishes)
+
+    def _verdicts(self) -> list:
+        """``Controller.explain`` without the DataFrame (this runs before every train tick): the sampler's
+        verdicts with this step's chunk bounds."""
+        ctrl, sampler = self.ctrl, self.ctrl.sampler
+        if not isinstance(sampler, SamplerBase):  # a custom sampler's explain takes only T
+            return sampler.explain(ctrl.trainer_version)
+        remaining = ctrl.cfg.groups_per_step - self.step_groups
+        lo, hi = ctrl.cfg.chunk_bounds
+        return sampler.explain(ctrl.trainer_version, min(lo, remaining), min(hi, remaining))
+
+    def _train(self, start: float, now: float) -> None:
+        report = self.ctrl.train_tick()
+        self._record_train(report, start, now)
+        self.train_busy += now - start
+        self._step_train += now - start
+        self.trainer_free = now
+        self.step_groups += len(report.selected)
+        if report.step_finished:
+            sync = self.policy.model.sync_s
+            if sync:
+                self.gen.pause(sync)
+            self.trainer_free = now + sync
+            self.train_busy += sync
+            self.steps.append({"sim_time_s": now + sync, "train_time_s": self._step_train, "sync_time_s": sync})
+            self.step_groups, self._step_train = 0, 0.0
+
+    def _record_train(self, report, start: float, end: float) -> None:
+        times = self._times
+        times["evict"].extend([start] * len(report.evicted))
+        times["select"].extend([start] * len(report.selected))
+        times["abort"].extend([end] * len(report.aborted))
+        if report.selected:
+            times["train"].append(end)
+        if report.step_finished:
+            times["sync"].append(end)
+            times["step"].append(end)
+
+    # ----------------------------------------------------------------------------------------------- reading
+    @property
+    def end(self) -> float:
+        return max(self.clock.now, self.trainer_free)
+
+    @property
+    def metrics(self) -> pd.DataFrame:
+        """The controller's metrics for the simulated steps, with virtual times in place of wall-clock ones:
+        ``step_time_s``, ``train_time_s``, ``sync_time_s``, ``tokens_per_s`` and ``sim_time_s`` (step end)."""
+        m = self.ctrl.metrics
+        m = m[m.step >= self.first_step].head(len(self.steps)).reset_index(drop=True).copy()
+        sim = pd.DataFrame(self.steps[:len(m)])
+        if m.empty:
+            return m
+        ends = sim.sim_time_s.to_numpy()
+        m["step_time_s"] = ends - pd.Series(ends).shift(1, fill_value=self.start).to_numpy()
+        m["train_time_s"] = sim.train_time_s.to_numpy()
+        m["sync_time_s"] = sim.sync_time_s.to_numpy()
+        m["tokens_per_s"] = m.tokens / m.step_time_s if "tokens" in m else math.nan
+        m["sim_time_s"] = ends
+        return m
+
+    @property
+    def trace(self) -> pd.DataFrame:
+        """The controller's trace with ``sim_time_s``: when each event happened in virtual time (NaN for events
+        before the simulation started, or of a kind the loop does not time)."""
+        trace = self.ctrl.trace.copy()
+        order = trace.groupby("event").cumcount() - trace.event.map(self._seen).fillna(0).astype(int)
+        when = []
+        for event, k in zip(trace.event, order):
+            times = self._times.get(event, ())
+            when.append(times[k] if 0 <= k < len(times) else math.nan)
+        trace["sim_time_s"] = when
+        return trace
+
+    def busy(self) -> tuple[float, float]:
+        """Seconds the generator (at least one group decoding, or loading weights) and the trainer (training or
+        waiting for a sync) were busy since the simulation started."""
+        start, end = self.start, self.end
+        spans = list(self.gen.busy) + [(f.start, f.finish) for f in self.gen._flights.values()]
+        spans = sorted((max(a, start), min(b, end)) for a, b in spans if b > start and a < end)
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b in spans:
+            if cur_b is None or a > cur_b:
+                total += 0.0 if cur_b is None else cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        total += 0.0 if cur_b is None else cur_b - cur_a
+        return total, min(self.train_busy, end - start)
+
+    def summary(self) -> dict[str, Any]:
+        """Throughput in simulated time, each side's busy/idle fraction, the lag distribution, groups dropped."""
+        m, trace = self.metrics, self.ctrl.trace
+        trace = trace.iloc[sum(self._seen.values()):]
+        steps, elapsed = len(m), self.end - self.start
+        gen_busy, train_busy = self.busy()
+        lags = trace.lag[trace.event == "select"].astype(int)
+        counts = trace.event.value_counts()
+        dispatched, evicted, aborted = (int(counts.get(k, 0)) for k in ("dispatch", "evict", "abort"))
+        tail = m.tail(max(1, steps // 10))
+        frac = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: math.nan)
+        return {
+            "sampler": self.ctrl.cfg.sampler.model_dump(),
+            "seed": self.ctrl.cfg.seed,
+            "steps": steps,
+            "sim_time_s": elapsed,
+            "sim_steps_per_hour": 3600 * steps / elapsed if elapsed > 0 else math.nan,
+            "gen_busy_frac": frac(gen_busy),
+            "gen_idle_frac": frac(elapsed - gen_busy),
+            "train_busy_frac": frac(train_busy),
+            "train_idle_frac": frac(elapsed - train_busy),
+            "gen_busy_s_per_step": gen_busy / steps if steps else math.nan,
+            "train_busy_s_per_step": train_busy / steps if steps else math.nan,
+            "lag_mean": float(lags.mean()) if len(lags) else math.nan,
+            "lag_max": int(lags.max()) if len(lags) else 0,
+            "lag_p90": float(lags.quantile(0.9)) if len(lags) else math.nan,
+            "lag_counts": {str(k): int(v) for k, v in sorted(lags.value_counts().items())},
+            "groups_dispatched": dispatched,
+            "groups_trained": len(lags),
+            "groups_evicted": evicted,
+            "groups_aborted": aborted,
+            "groups_dropped": evicted + aborted,
+            "drop_frac": (evicted + aborted) / dispatched if dispatched else 0.0,
+            "reward_last": float(tail.reward_mean.mean()) if steps else math.nan,
+        }
+
+    def write(self, out: str | Path, plots: bool = True) -> Path:
+        """``metrics.csv``, ``trace.csv``, ``summary.json``, ``config.yaml`` and ``simulation.png`` in ``out``."""
+        import yaml
+
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.yaml").write_text(yaml.safe_dump(self.ctrl.cfg.model_dump(mode="json"), sort_keys=False))
+        self.metrics.to_csv(out / "metrics.csv", index=False)
+        self.trace.to_csv(out / "trace.csv", index=False)
+        (out / "summary.json").write_text(json.dumps(self.summary(), indent=2) + "\n")
+        if plots:
+            from asyncrl.simulate_plots import plot_simulation
+
+            plot_simulation(self).savefig(out / "simulation.png", dpi=110)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------- entry points
+def run(ctrl: Controller, steps: int) -> Simulation:
+    """Run ``ctrl`` (simulated backends) ``steps`` steps on the virtual clock; the ``Simulation`` has the results."""
+    sim = Simulation(ctrl)
+    sim.run(steps)
+    return sim
+
+
+def simulate(preset: str | Path | Config = "what_if", steps: int = 200, **overrides: Any) -> Simulation:
+    """Build a controller from a preset (or a ``Config``) with overrides and run it ``steps`` simulated steps."""
+    cfg = preset if isinstance(preset, Config) else load_config(preset, **overrides)
+    return run(Controller.from_config(cfg), steps)
+
+
+def window_knob(sampler: str) -> str:
+    return "max_lookahead_versions" if sampler == "in_order" else "max_staleness_versions"
+
+
+def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "ready_first"),
+          windows: Iterable[int] = (0, 1, 2), latencies: Mapping[str, Mapping] | None = None,
+          preset: str = "what_if", steps: int = 200, seeds: Iterable[int] = (0,), **overrides: Any) -> pd.DataFrame:
+    """One simulation per sampler x window x latency setting x seed: a DataFrame with one row each (the
+    summary's numbers). ``latencies`` maps a label to config overrides, e.g.
+    ``{"long tail": {"generation": {"options": {"lengths": "pareto", "pareto_alpha": 1.5}}}}``."""
+    from asyncrl.config import _merge
+
+    latencies = dict(latencies or {"preset": {}})
+    rows = []
+    for label, latency in latencies.items():
+        for name in samplers:
+            for window in windows:
+                for seed in seeds:
+                    sampler = {"name": name, window_knob(name): window}
+                    cfg = load_config(preset, **_merge(_merge(dict(overrides), dict(latency)),
+                                                       {"sampler": sampler, "seed": seed}))
+                    sim = simulate(cfg, steps)
+                    s = sim.summary()
+                    rows.append({"latency": label, "sampler": name, "window": window, "seed": seed,
+                                 **{k: v for k, v in s.items() if k not in ("sampler", "seed", "lag_counts")}})
+    return pd.DataFrame(rows)

@@ -1,0 +1,75 @@
+"""Figures of simulated runs (``asyncrl.simulate``): one run at a glance, and a sweep's throughput against staleness.
+
+Both return a ``matplotlib.figure.Figure`` (no pyplot state), so they work headless and in notebooks alike.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.figure import Figure
+
+COLORS = {"in_order": "#4C72B0", "weight_fifo": "#55A868", "windowed": "#C44E52", "ready_first": "#8172B2"}
+
+
+def sampler_label(sampler: dict) -> str:
+    letters = {"max_staleness_versions": "W", "max_lookahead_versions": "L"}
+    knobs = ", ".join(f"{letters[k]}={v}" for k, v in sampler.items() if k in letters)
+    return f"{sampler['name']} {knobs}".strip()
+
+
+def plot_simulation(sim) -> Figure:
+    """Reward over simulated time, the lag of the trained groups, and each side's busy/idle share."""
+    s, m = sim.summary(), sim.metrics
+    fig = Figure(figsize=(12, 3.4), layout="constrained")
+    ax_reward, ax_lag, ax_busy = fig.subplots(1, 3, width_ratios=[2, 1, 1])
+    ax_reward.plot(m.sim_time_s / 3600, m.reward_mean, color="#4C72B0", lw=1)
+    ax_reward.set_xlabel("simulated time (hours)")
+    ax_reward.set_ylabel("train reward (mean per step)")
+    ax_reward.set_ylim(-0.02, 1.02)
+    ax_reward.grid(alpha=0.3)
+    ax_reward.set_title(f"{s['sim_steps_per_hour']:.0f} steps per simulated hour", fontsize=10)
+    lags = {int(k): v for k, v in s["lag_counts"].items()}
+    ax_lag.bar(list(lags), list(lags.values()), color="#55A868")
+    ax_lag.set_xticks(list(lags) or [0])
+    ax_lag.set_xlabel("lag when trained (versions)")
+    ax_lag.set_ylabel("groups trained")
+    ax_lag.set_title(f"dropped {s['groups_dropped']} of {s['groups_dispatched']} groups", fontsize=10)
+    sides = ["generator", "trainer"]
+    busy = [s["gen_busy_frac"], s["train_busy_frac"]]
+    ax_busy.barh(sides, busy, color="#4C72B0", label="busy")
+    ax_busy.barh(sides, [1 - b for b in busy], left=busy, color="#DDDDDD", label="idle")
+    for y, b in enumerate(busy):
+        ax_busy.text(min(b, 0.97) / 2, y, f"{b:.0%}", ha="center", va="center", color="white", fontsize=9)
+    ax_busy.set_xlim(0, 1)
+    ax_busy.set_xlabel("share of simulated time")
+    ax_busy.set_title("busy / idle", fontsize=10)
+    ax_busy.legend(loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(f"{sampler_label(s['sampler'])}: {s['steps']} simulated steps, seed {s['seed']}", fontsize=11)
+    return fig
+
+
+def plot_sweep(df: pd.DataFrame, limit: float | None = None, ax=None):
+    """Steps per simulated hour (y) against mean lag (x), one colour per sampler, windows annotated. ``limit``
+    (steps per hour) draws the two-stage limit: no overlap can beat the slower stage alone. Returns the figure."""
+    if ax is None:
+        fig = Figure(figsize=(7, 4.2), layout="constrained")
+        ax = fig.subplots()
+    else:
+        fig = ax.figure
+    for name, rows in df.groupby("sampler", sort=False):
+        rows = rows.groupby("window", as_index=False)[["lag_mean", "sim_steps_per_hour", "drop_frac"]].mean()
+        ax.plot(rows.lag_mean, rows.sim_steps_per_hour, "o-", color=COLORS.get(name), label=name, ms=5)
+        for _, r in rows.iterrows():
+            note = f"W={r.window}" + (f", {r.drop_frac:.0%} dropped" if r.drop_frac > 0.005 else "")
+            ax.annotate(note, (r.lag_mean, r.sim_steps_per_hour), textcoords="offset points", xytext=(5, -11),
+                        fontsize=7, color=COLORS.get(name, "#333333"))
+    if limit is not None:
+        ax.axhline(limit, color="#333333", ls="--", lw=1, label="two-stage limit (slower stage alone)")
+    ax.set_xlabel("mean lag of trained groups (versions)")
+    ax.set_ylabel("steps per simulated hour")
+    top = max(df.sim_steps_per_hour.max(), limit or 0)
+    ax.set_ylim(0, top * 1.15)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.set_title("throughput against staleness", fontsize=10)
+    return fig
