@@ -1,0 +1,178 @@
+"""The virtual clock: simulated backends under the real controller (asyncrl.simulate, asyncrl simulate)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl import Controller, load_config
+from asyncrl.simulate import ASYNC, SYNC, Simulation, run, simulate, sweep
+
+SIM = {"generation": {"backend": "simulated"}, "trainer": {"backend": "simulated"}, "eval_every": None}
+
+
+def stepped(options: dict, sampler=SYNC, **overrides) -> Controller:
+    cfg = load_config("quickstart", sampler=sampler, **SIM | {"generation": {"backend": "simulated",
+                                                                              "options": options}}, **overrides)
+    return Controller.from_config(cfg)
+
+
+def test_two_runs_with_one_seed_write_identical_files(tmp_path):
+    for name in ("a", "b"):
+        simulate("what_if", 40, sampler={"name": "windowed", "max_staleness_versions": 1}, seed=3).write(
+            tmp_path / name, plots=False)
+    for file in ("metrics.csv", "trace.csv", "summary.json", "config.yaml"):
+        assert (tmp_path / "a" / file).read_bytes() == (tmp_path / "b" / file).read_bytes(), file
+    other = simulate("what_if", 40, sampler={"name": "windowed", "max_staleness_versions": 1}, seed=4)
+    assert (tmp_path / "a" / "metrics.csv").read_text() != other.metrics.to_csv(index=False)  # the seed matters
+
+
+def test_virtual_time_accounting_and_the_two_stage_limit():
+    sync, asyn = (simulate("what_if", 150, sampler=s) for s in (SYNC, ASYNC))
+    a, s = asyn.summary(), sync.summary()
+    for summary in (a, s):
+        assert summary["gen_busy_frac"] + summary["gen_idle_frac"] == pytest.approx(1)
+        assert summary["train_busy_frac"] + summary["train_idle_frac"] == pytest.approx(1)
+        assert 0 < summary["gen_busy_frac"] <= 1 and 0 < summary["train_busy_frac"] <= 1
+    # the preset's stages are equal on average
+    assert s["gen_busy_s_per_step"] == pytest.approx(s["train_busy_s_per_step"], rel=0.05)
+    # synchronous: the two sides take turns, overlapping only during weight syncs (the generator pauses for them)
+    syncs = sync.metrics.sync_time_s.sum()
+    gen_busy, train_busy = sync.busy()
+    assert gen_busy + train_busy - syncs == pytest.approx(s["sim_time_s"], rel=0.01)
+    assert s["lag_max"] == 0 and a["lag_max"] == 1
+    # asynchronous overlaps the two: close to the limit of 2 at equal stage times, both sides nearly always busy
+    ratio = a["sim_steps_per_hour"] / s["sim_steps_per_hour"]
+    assert 1.85 <= ratio < 2.0
+    assert a["gen_idle_frac"] < 0.1 and a["train_idle_frac"] < 0.1
+    # simulated step times in the metrics add up to the simulated time
+    assert asyn.metrics.step_time_s.sum() == pytest.approx(a["sim_time_s"])
+    assert (asyn.metrics.train_time_s > 0).all()
+
+
+def test_trace_times_are_ordered_and_steps_wait_for_their_chunk():
+    sim = simulate("what_if", 10, sampler=ASYNC)
+    trace = sim.trace
+    assert trace.sim_time_s.notna().all()
+    # events are logged in the order they happen, except selections, which are booked when their chunk started
+    later = trace[trace.event != "select"].sim_time_s
+    assert later.is_monotonic_increasing
+    steps = trace[trace.event == "step"].sim_time_s.to_numpy()
+    assert (steps[1:] - steps[:-1] > 1.0).all()  # a step takes seconds of simulated time, not zero
+
+
+def test_stepping_waits_a_drawn_number_of_rollout_ticks_the_same_every_time():
+    def play():
+        # one group decodes at a time, 1.5 s each, a rollout tick is 1 s: group k of a batch is done at tick
+        # ceil(1.5 (k + 1)), so the trainer waits while groups are pending
+        ctrl = stepped({"prefill_s": 1.5, "concurrency": 1, "rollout_tick_s": 1.0}, groups_per_step=4)
+        log = []
+        for _ in range(16):
+            r = ctrl.rollout_tick()
+            t = ctrl.train_tick()
+            log.append((len(r.committed), ctrl.buffer.num_pending, bool(t.selected), t.note.split(":")[0]))
+        return ctrl, log
+
+    ctrl, log = play()
+    assert [c for c, *_ in log[:6]] == [0, 1, 1, 0, 1, 1]  # finishes at ticks 2, 3, 5, 6 (1.5 s apart)
+    assert log[0][1] == 4 and log[0][3] == "select waits"  # pending groups, and the sampler waiting for them
+    assert log[5][2]  # the step trains once the fourth group is in
+    assert ctrl.trainer_version >= 2
+    _, again = play()
+    assert again == log
+    assert ctrl.trace.equals(play()[0].trace)
+
+
+def test_stale_data_slows_the_reward_model_and_shows_in_importance_weights():
+    sync = simulate("what_if", 60, sampler=SYNC)
+    stale = simulate("what_if", 60, sampler={"name": "weight_fifo", "max_staleness_versions": 3},
+                     generation={"options": {"concurrency": 32}})
+    assert stale.summary()["lag_mean"] > 1.5
+    assert stale.metrics.progress.iloc[-1] < sync.metrics.progress.iloc[-1]
+    assert (sync.metrics.progress_share == 1).all() and (stale.metrics.progress_share < 1).any()
+    from asyncrl.backends.simulated import DRIFT, LOG_HALF
+
+    group = next(s.rollouts for s in stale.ctrl.buffer.ready_slots())
+    assert group.logprobs[0][0] == pytest.approx(LOG_HALF - DRIFT * group.weight_version)
+
+
+def test_long_tailed_lengths_are_clipped_and_keep_their_mean():
+    for lengths in ("lognormal", "pareto"):
+        cfg = load_config("what_if", generation={"max_new_tokens": 4096, "options": {
+            "lengths": lengths, "length_mean": 20.0, "length_sigma": 1.0, "pareto_alpha": 2.5}})
+        ctrl = Controller.from_config(cfg)
+        draws = [ctrl.generator.length() for _ in range(20000)]
+        assert min(draws) >= 1 and max(draws) <= 4096
+        assert sum(draws) / len(draws) == pytest.approx(20.5, rel=0.1)  # ceil adds about half a token
+        cfg = load_config("what_if", generation={"max_new_tokens": 16, "options": {"lengths": lengths}})
+        generator = Controller.from_config(cfg).generator
+        assert max(generator.length() for _ in range(5000)) == 16
+
+
+@pytest.mark.parametrize("options, words", [
+    ({"concurrency": 0}, ["concurrency", "greater than or equal to 1"]),
+    ({"lengths": "zipf"}, ["lengths", "zipf"]),
+    ({"latency_s": 0.1}, ["latency_s", "allowed knobs", "prefill_s"]),
+    ({"reward_base": 0.5, "reward_max": 0.4}, ["reward_max 0.4", "reward_base 0.5"]),
+    ({"decode_s_per_token": -1}, ["decode_s_per_token"]),
+])
+def test_bad_knobs_are_rejected_with_the_value_and_what_is_allowed(options, words):
+    with pytest.raises(ValueError) as info:
+        stepped(options)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_bad_training_knob_and_a_non_simulated_controller_are_rejected():
+    with pytest.raises(ValueError, match="stale_progress"):
+        Controller.from_config(load_config("what_if", trainer={"options": {"stale_progress": 1.5}}))
+    with pytest.raises(ValueError, match="both backends 'simulated'"):
+        Simulation(Controller.from_config(load_config("quickstart", eval_every=None)))
+    ctrl = Controller.from_config(load_config("what_if"))
+    with pytest.raises(ValueError, match="steps must be an int >= 1, got 0"):
+        run(ctrl, 0)
+
+
+def test_simulation_continues_a_stepped_controller():
+    ctrl = Controller.from_config(load_config("what_if", sampler=ASYNC))
+    for _ in range(3):
+        ctrl.tick()
+    before = len(ctrl.trace)
+    sim = run(ctrl, 5)
+    assert len(sim.metrics) == 5 and sim.metrics.step.iloc[0] == ctrl.trainer_version - 5
+    assert sim.trace.sim_time_s.iloc[:before].isna().all() and sim.trace.sim_time_s.iloc[before:].notna().all()
+    ctrl.tick()  # still steppable by hand afterwards
+
+
+def test_sweep_returns_one_row_per_setting():
+    df = sweep(samplers=("in_order", "weight_fifo"), windows=(0, 1), steps=20,
+               latencies={"preset": {}, "long tail": {"generation": {"options": {"lengths": "pareto"}}}})
+    assert len(df) == 8
+    assert {"latency", "sampler", "window", "sim_steps_per_hour", "lag_mean", "drop_frac"} <= set(df.columns)
+    sync = df[(df.sampler == "in_order") & (df.window == 0)]
+    assert (sync.lag_max == 0).all()
+
+
+def test_cli_simulate_writes_its_files(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]), MPLBACKEND="Agg")
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "simulate", "what_if", "--steps", "30", "--out", str(out),
+         "--set", "sampler.name=weight_fifo", "--set", "generation.options.lengths=lognormal"],
+        capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    for file in ("metrics.csv", "trace.csv", "summary.json", "simulation.png", "config.yaml"):
+        assert (out / file).stat().st_size > 0, file
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 30 and summary["sampler"]["name"] == "weight_fifo"
+    for key in ("sim_steps_per_hour", "gen_idle_frac", "train_idle_frac", "lag_mean", "lag_counts", "groups_dropped"):
+        assert key in summary
+    assert json.loads(done.stdout.splitlines()[-1])["steps"] == 30
+    bad = subprocess.run([sys.executable, "-m", "asyncrl.cli", "simulate", "quickstart", "--steps", "3", "--out",
+                          str(tmp_path / "bad")], capture_output=True, text=True, env=env, timeout=300)
+    assert bad.returncode == 2 and "both backends 'simulated'" in bad.stderr
