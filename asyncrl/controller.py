@@ -347,6 +347,7 @@ class Controller(FaultContainment):
         return report
 
     def _train_chunk(self, chunk: list[Slot], T: int) -> None:
+        train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
         batch.prev_logprobs = self.policy.logprobs(batch)
@@ -355,6 +356,7 @@ class Controller(FaultContainment):
             self._step["started"] = True
         self.policy.train_microbatches(batch)
         step = self._step
+        step["train_s"] += time.perf_counter() - train_start
         step["groups"] += len(chunk)
         step["rewards"].extend(r for g in groups for r in g.rewards)
         step["lags"].extend(T - slot.weight_version for slot in chunk)
@@ -365,7 +367,9 @@ class Controller(FaultContainment):
 
     def _finish_step(self, report: TickReport) -> None:
         """One optimizer step, ``T += 1``, weight sync, then abort what the sampler no longer wants."""
+        train_start = time.perf_counter()
         out = self.policy.finish_train_step()
+        self._step["train_s"] += time.perf_counter() - train_start  # train_time_s: what a simulation calibrates on
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
         self._sync_generator(T)
@@ -402,6 +406,7 @@ class Controller(FaultContainment):
             "step_time_s": elapsed,
             "tokens_per_s": step["tokens"] / elapsed if elapsed > 0 else math.nan,
             "sync_time_s": sync_s,
+            "train_time_s": step["train_s"],
             "buffered": len(self.buffer),
             "inflight": len(self.inflight),
         }
@@ -418,7 +423,7 @@ class Controller(FaultContainment):
 
     def _new_step(self) -> None:
         self._step = {"groups": 0, "chunks": 0, "started": False, "rewards": [], "lags": [], "tokens": 0,
-                      "evicted": 0, "aborted": 0, "start": self._clock.now()}
+                      "evicted": 0, "aborted": 0, "start": self._clock.now(), "train_s": 0.0}
 
     def tick(self) -> TickReport:
         """One rollout tick, then one train tick."""

@@ -22,15 +22,20 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
-from asyncrl.backends.simulated import SimulatedGenerator, SimulatedPolicy
+from asyncrl.backends.simulated import (
+    SimulatedGeneration, SimulatedGenerator, SimulatedPolicy, SimulatedTraining, draw_length,
+)
 from asyncrl.config import Config, load_config
 from asyncrl.controller import Controller
 from asyncrl.samplers import SamplerBase
@@ -306,3 +311,95 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
                     rows.append({"latency": label, "sampler": name, "window": window, "seed": seed,
                                  **{k: v for k, v in s.items() if k not in ("sampler", "seed", "lag_counts")}})
     return pd.DataFrame(rows)
+
+
+# ------------------------------------------------------------------------------------------------ calibration
+@dataclass
+class Calibration:
+    """A latency model fitted to a real synchronous run, and how to simulate that workload under another sampler.
+
+    ``measured``: the real run's per-step means (seconds: ``gen_s``, ``train_s``, ``sync_s``, ``step_s``; ``tokens``
+    per step; ``steps`` used)."""
+
+    config: Config
+    generation: SimulatedGeneration
+    training: SimulatedTraining
+    measured: dict[str, float]
+
+    def config_for(self, sampler: Mapping, **overrides: Any) -> Config:
+        """The real run's config on the simulated backends with the fitted knobs and ``sampler``."""
+        from asyncrl.config import _merge
+
+        sim = {
+            "generation": {"backend": "simulated", "placement": "local", "weight_sync": "driver",
+                           "options": self.generation.model_dump()},
+            "trainer": {"backend": "simulated", "placement": "local", "options": self.training.model_dump()},
+            "eval_every": None, "sampler": dict(sampler),
+        }
+        return Config.model_validate(_merge(_merge(self.config.model_dump(mode="json"), sim), overrides))
+
+    def predict(self, sampler: Mapping, steps: int = 300, **overrides: Any) -> dict[str, Any]:
+        """The summary of a simulation of ``steps`` steps under ``sampler``."""
+        return simulate(self.config_for(sampler, **overrides), steps).summary()
+
+
+def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip: int = 3) -> Calibration:
+    """Fit the simulated backends' latency model to a real **synchronous** run (``in_order`` with
+    ``max_lookahead_versions`` 0): its directory (``metrics.csv`` + ``config.yaml``, as ``asyncrl run`` writes
+    them), or its metrics DataFrame and config. The first ``skip`` steps (warm-up) are left out.
+
+    In a synchronous run the two sides take turns, so per step: generation = ``step_time_s - train_time_s -
+    sync_time_s`` (scoring and the controller's own time included). Training is fitted as ``train_s_per_step +
+    train_s_per_token x tokens`` (least squares; proportional when the token counts hardly vary), the sync as its
+    mean, the completion lengths as a lognormal with the measured mean, and the decode time per token so that a
+    batch (all its groups decoding at once, as the torch and vLLM generators do) takes the measured time."""
+    if isinstance(run, (str, Path)):
+        config = config or load_config(Path(run) / "config.yaml")
+        run = pd.read_csv(Path(run) / "metrics.csv")
+    if config is None:
+        raise ValueError("calibrate(metrics_dataframe) needs the run's config too: calibrate(metrics, config)")
+    sampler = config.sampler.model_dump()
+    if sampler != SYNC:
+        raise ValueError(f"calibration needs a synchronous run ({SYNC}), where generation and training take turns "
+                         f"and generation time = step time - train time - sync time; got sampler {sampler}")
+    missing = [c for c in ("step_time_s", "train_time_s", "sync_time_s", "tokens") if c not in run.columns]
+    if missing:
+        raise ValueError(f"the run's metrics lack {missing}; needed: step_time_s, train_time_s, sync_time_s, tokens")
+    m = run.iloc[skip:]
+    if len(m) < 3:
+        raise ValueError(f"calibration needs at least 3 steps after the {skip} skipped, got {len(m)}")
+    gen = m.step_time_s - m.train_time_s - m.sync_time_s
+    N, G, cap = config.groups_per_step, config.group_size, config.generation.max_new_tokens
+    lengths = _fit_lengths(float(m.tokens.mean()) / (N * G), cap)
+    longest = _mean_longest(lengths, cap, N * G)
+    generation = SimulatedGeneration(decode_s_per_token=max(0.0, float(gen.mean())) / longest,
+                                     **lengths.model_dump(include={"lengths", "length_mean", "length_sigma"}))
+    tokens, train = m.tokens.to_numpy(float), m.train_time_s.to_numpy(float)
+    per_step, per_token = 0.0, train.mean() / tokens.mean()
+    if tokens.std() > 0.02 * tokens.mean():
+        slope, intercept = np.polyfit(tokens, train, 1)
+        if slope >= 0 and intercept >= 0:
+            per_step, per_token = float(intercept), float(slope)
+    training = SimulatedTraining(train_s_per_token=per_token, train_s_per_step=per_step,
+                                 sync_s=float(m.sync_time_s.mean()))
+    measured = {"steps": len(m), "step_s": float(m.step_time_s.mean()), "gen_s": float(gen.mean()),
+                "train_s": float(train.mean()), "sync_s": float(m.sync_time_s.mean()), "tokens": float(tokens.mean())}
+    return Calibration(config, generation, training, measured)
+
+
+def _fit_lengths(mean: float, cap: int, sigma: float = 0.5) -> SimulatedGeneration:
+    """A lognormal length model whose clipped mean is ``mean`` (bisection on a fixed sample)."""
+    def clipped_mean(mu: float) -> float:
+        model, rng = SimulatedGeneration(lengths="lognormal", length_mean=mu, length_sigma=sigma), random.Random(0)
+        return sum(draw_length(model, cap, rng) for _ in range(2000)) / 2000
+
+    lo, hi = 0.01, 100.0 * cap
+    for _ in range(30):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if clipped_mean(mid) < mean else (lo, mid)
+    return SimulatedGeneration(lengths="lognormal", length_mean=math.sqrt(lo * hi), length_sigma=sigma)
+
+
+def _mean_longest(model: SimulatedGeneration, cap: int, n: int, batches: int = 200) -> float:
+    rng = random.Random(0)
+    return sum(max(draw_length(model, cap, rng) for _ in range(n)) for _ in range(batches)) / batches

@@ -98,6 +98,18 @@ def knobs(model: type[_Knobs], options: Mapping | _Knobs, where: str) -> _Knobs:
         raise ValueError(f"bad simulated {where}: {exc}\nallowed knobs: {allowed}") from None
 
 
+def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Random) -> int:
+    """One completion length from ``model.lengths``, clipped to ``[1, max_new_tokens]``."""
+    if model.lengths == "uniform":
+        return rng.randint(1, max_new_tokens)
+    mean = model.length_mean or max_new_tokens / 4
+    if model.lengths == "lognormal":
+        x = rng.lognormvariate(math.log(mean) - model.length_sigma ** 2 / 2, model.length_sigma)
+    else:  # pareto with this mean: scale x_m = mean (alpha - 1) / alpha
+        x = mean * (model.pareto_alpha - 1) / model.pareto_alpha * rng.paretovariate(model.pareto_alpha)
+    return min(max_new_tokens, max(1, math.ceil(x)))
+
+
 class SimClock:
     """Virtual seconds shared by a simulation's parts. ``stepping``: each generator poll advances ``now``."""
 
@@ -136,15 +148,7 @@ class SimulatedGenerator:
         return self._version
 
     def length(self) -> int:
-        m, cap = self.model, self.max_new_tokens
-        if m.lengths == "uniform":
-            return self.rng.randint(1, cap)
-        mean = m.length_mean or cap / 4
-        if m.lengths == "lognormal":
-            x = self.rng.lognormvariate(math.log(mean) - m.length_sigma ** 2 / 2, m.length_sigma)
-        else:  # pareto with this mean: scale x_m = mean (alpha - 1) / alpha
-            x = mean * (m.pareto_alpha - 1) / m.pareto_alpha * self.rng.paretovariate(m.pareto_alpha)
-        return min(cap, max(1, math.ceil(x)))
+        return draw_length(self.model, self.max_new_tokens, self.rng)
 
     def success(self) -> float:
         return min(self.model.reward_max, self.model.reward_base + self.progress)
