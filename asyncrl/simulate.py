@@ -12,7 +12,8 @@ Invariants (kept in ``Simulation``):
   it started: the loop asks the sampler (``Controller.explain``) what the next train tick would select, reserves the
   trainer for that chunk's time, and runs the real ``train_tick`` at the end of it. So the rollout side sees the
   old ``T`` while the trainer works, as it would in a real run. (The chunk actually trained can differ from the one
-  planned only if rollouts committed meanwhile change a sampler's choice; the time booked is the planned one.)
+  planned if rollouts committed meanwhile change a sampler's choice; the trainer's time then follows the chunk it
+  trained, and ``summary()["train_ticks_replanned"]`` counts such ticks.)
 - After a step the sync takes ``sync_s``: the trainer waits and the generator pauses for it.
 - Virtual time never goes back; busy + idle = elapsed for each side, by construction of the two timelines.
 - Everything written to files is a function of the config and seed: no wall-clock value goes in them.
@@ -65,6 +66,8 @@ class Simulation:
         self._step_train = 0.0
         self._times: dict[str, list[float]] = defaultdict(list)  # per trace event kind, times in trace order
         self._seen = ctrl.trace.event.value_counts().to_dict()  # events before the simulation: no time
+        self._drawn = list(self.gen.drawn)
+        self.replanned = 0  # train ticks whose chunk differed in length from the one planned
         self.wall_s = 0.0
 
     # ------------------------------------------------------------------------------------------------- loop
@@ -141,19 +144,24 @@ class Simulation:
         return sampler.explain(ctrl.trainer_version, min(lo, remaining), min(hi, remaining))
 
     def _train(self, start: float, now: float) -> None:
+        """The planned tick's end: run it. If the sampler took another chunk than planned (rollouts committed
+        meanwhile changed its choice), the trainer's time follows the chunk it trained: a longer one keeps it busy
+        for the difference after ``T`` moved."""
         report = self.ctrl.train_tick()
         self._record_train(report, start, now)
-        self.train_busy += now - start
-        self._step_train += now - start
-        self.trainer_free = now
+        took = self.policy.train_seconds(self.policy.last_tokens, report.step_finished) if report.selected else 0.0
+        self.replanned += not math.isclose(took, now - start)
+        self.train_busy += took
+        self._step_train += took
+        self.trainer_free = max(now, start + took)
         self.step_groups += len(report.selected)
         if report.step_finished:
             sync = self.policy.model.sync_s
             if sync:
                 self.gen.pause(sync)
-            self.trainer_free = now + sync
+            self.trainer_free += sync
             self.train_busy += sync
-            self.steps.append({"sim_time_s": now + sync, "train_time_s": self._step_train, "sync_time_s": sync})
+            self.steps.append({"sim_time_s": self.trainer_free, "train_time_s": self._step_train, "sync_time_s": sync})
             self.step_groups, self._step_train = 0, 0.0
 
     def _record_train(self, report, start: float, end: float) -> None:
@@ -229,6 +237,14 @@ class Simulation:
         dispatched, evicted, aborted = (int(counts.get(k, 0)) for k in ("dispatch", "evict", "abort"))
         tail = m.tail(max(1, steps // 10))
         frac = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: math.nan)
+        groups, seconds = (now - before for now, before in zip(self.gen.drawn, self._drawn))
+        group_s = seconds / groups if groups else math.nan
+        slots = self.gen.model.concurrency
+        # Overlap cannot beat the slower stage alone: the trainer's seconds per step, or the generator's when its
+        # slots are kept full (N groups x their mean seconds / slots; with no slot limit, generation never binds).
+        gen_capacity_s = self.ctrl.cfg.groups_per_step * group_s / slots if slots else 0.0
+        train_s = train_busy / steps if steps else math.nan
+        bound = max(gen_capacity_s, train_s)
         return {
             "sampler": self.ctrl.cfg.sampler.model_dump(),
             "seed": self.ctrl.cfg.seed,
@@ -240,7 +256,10 @@ class Simulation:
             "train_busy_frac": frac(train_busy),
             "train_idle_frac": frac(elapsed - train_busy),
             "gen_busy_s_per_step": gen_busy / steps if steps else math.nan,
-            "train_busy_s_per_step": train_busy / steps if steps else math.nan,
+            "train_busy_s_per_step": train_s,
+            "group_s_mean": group_s,
+            "two_stage_limit_steps_per_hour": 3600 / bound if bound > 0 else math.nan,
+            "tokens_per_step": float(m.tokens.mean()) if steps and "tokens" in m else math.nan,
             "lag_mean": float(lags.mean()) if len(lags) else math.nan,
             "lag_max": int(lags.max()) if len(lags) else 0,
             "lag_p90": float(lags.quantile(0.9)) if len(lags) else math.nan,
@@ -250,6 +269,7 @@ class Simulation:
             "groups_evicted": evicted,
             "groups_aborted": aborted,
             "groups_dropped": evicted + aborted,
+            "train_ticks_replanned": self.replanned,
             "drop_frac": (evicted + aborted) / dispatched if dispatched else 0.0,
             "reward_last": float(tail.reward_mean.mean()) if steps else math.nan,
         }

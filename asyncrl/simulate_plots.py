@@ -9,6 +9,7 @@ import pandas as pd
 from matplotlib.figure import Figure
 
 COLORS = {"in_order": "#4C72B0", "weight_fifo": "#55A868", "windowed": "#C44E52", "ready_first": "#8172B2"}
+STYLES = {"in_order": ("o", "-"), "weight_fifo": ("s", "--"), "windowed": ("^", ":"), "ready_first": ("D", "-.")}
 
 
 def sampler_label(sampler: dict) -> str:
@@ -56,11 +57,18 @@ def plot_sweep(df: pd.DataFrame, limit: float | None = None, ax=None):
         ax = fig.subplots()
     else:
         fig = ax.figure
+    noted = set()  # samplers that agree land on one point: label it once
     for name, rows in df.groupby("sampler", sort=False):
         rows = rows.groupby("window", as_index=False)[["lag_mean", "sim_steps_per_hour", "drop_frac"]].mean()
-        ax.plot(rows.lag_mean, rows.sim_steps_per_hour, "o-", color=COLORS.get(name), label=name, ms=5)
+        marker, line = STYLES.get(name, ("o", "-"))
+        ax.plot(rows.lag_mean, rows.sim_steps_per_hour, marker=marker, ls=line, color=COLORS.get(name), label=name,
+                ms=5, mfc="none" if line != "-" else None)
         for _, r in rows.iterrows():
-            note = f"W={r.window}" + (f", {r.drop_frac:.0%} dropped" if r.drop_frac > 0.005 else "")
+            key = (round(r.lag_mean, 2), round(r.sim_steps_per_hour, -1))
+            if key in noted:
+                continue
+            noted.add(key)
+            note = f"W={int(r.window)}" + (f", {r.drop_frac:.0%} dropped" if r.drop_frac > 0.005 else "")
             ax.annotate(note, (r.lag_mean, r.sim_steps_per_hour), textcoords="offset points", xytext=(5, -11),
                         fontsize=7, color=COLORS.get(name, "#333333"))
     if limit is not None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import Controller, load_config
-from asyncrl.simulate import ASYNC, SYNC, Simulation, run, simulate, sweep
+from asyncrl.simulate import ASYNC, SYNC, Simulation, calibrate, run, simulate, sweep
 
 SIM = {"generation": {"backend": "simulated"}, "trainer": {"backend": "simulated"}, "eval_every": None}
 
@@ -176,3 +176,31 @@ def test_cli_simulate_writes_its_files(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "asyncrl.cli", "simulate", "quickstart", "--steps", "3", "--out",
                           str(tmp_path / "bad")], capture_output=True, text=True, env=env, timeout=300)
     assert bad.returncode == 2 and "both backends 'simulated'" in bad.stderr
+
+
+def test_calibration_recovers_the_latency_model_and_predicts_another_sampler(tmp_path):
+    simulate("what_if", 60, sampler=SYNC).write(tmp_path / "sync", plots=False)  # a "real" run with known knobs
+    cal = calibrate(tmp_path / "sync")
+    truth = load_config("what_if").trainer.options
+    assert cal.training.train_s_per_token == pytest.approx(truth["train_s_per_token"], rel=1e-6)
+    assert cal.training.train_s_per_step == pytest.approx(truth["train_s_per_step"], rel=1e-6)
+    assert cal.training.sync_s == pytest.approx(truth["sync_s"])
+    measured = simulate("what_if", 60, sampler=ASYNC).summary()["sim_steps_per_hour"]
+    assert cal.predict(ASYNC, 60)["sim_steps_per_hour"] == pytest.approx(measured, rel=0.05)
+
+
+def test_calibration_from_a_real_synchronous_run():
+    cfg = load_config("quickstart", sampler=SYNC, eval_every=None)
+    ctrl = Controller.from_config(cfg)
+    for _ in range(8):
+        ctrl.tick()
+    metrics = ctrl.metrics
+    assert (metrics.train_time_s > 0).all() and (metrics.train_time_s < metrics.step_time_s).all()
+    cal = calibrate(metrics, cfg)
+    assert cal.generation.decode_s_per_token > 0 and cal.training.train_s_per_token > 0
+    predicted = cal.predict(SYNC, 20)["sim_steps_per_hour"]  # the fit reproduces the run it was fitted on
+    assert predicted == pytest.approx(3600 / metrics.step_time_s.iloc[3:].mean(), rel=0.05)
+    with pytest.raises(ValueError, match="needs a synchronous run"):
+        calibrate(metrics, load_config("quickstart", sampler=ASYNC))
+    with pytest.raises(ValueError, match=r"lack \['train_time_s'\]"):
+        calibrate(metrics.drop(columns="train_time_s"), cfg)

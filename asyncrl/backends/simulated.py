@@ -141,6 +141,7 @@ class SimulatedGenerator:
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engine starts them
         self._paused_until = 0.0
         self.busy: list[tuple[float, float]] = []  # (start, end) of every decoded group and every weight load
+        self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
         self._lock = threading.Lock()  # Controller.run calls in from two pumps
 
     @property
@@ -160,6 +161,8 @@ class SimulatedGenerator:
                 lengths = [self.length() for _ in range(req.n)]
                 rewards = [1.0 if self.rng.random() < p else 0.0 for _ in range(req.n)]
                 seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
+                self.drawn[0] += 1
+                self.drawn[1] += seconds
                 self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards)
             self._schedule()
 
@@ -253,7 +256,7 @@ class SimulatedPolicy:
         self.steps = 0
         self.progress = 0.0
         self.version = 0  # = steps
-        self._tokens = 0.0
+        self._tokens = self.last_tokens = 0.0
         self._kept = 0.0  # this step's progress weights: tokens x stale_progress ** lag
 
     def train_seconds(self, tokens: float, finishes_step: bool) -> float:
@@ -280,7 +283,8 @@ class SimulatedPolicy:
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         per_row = batch.loss_mask.sum(1).tolist()
         keep = self.model.stale_progress
-        self._tokens += sum(per_row)
+        self.last_tokens = sum(per_row)  # what asyncrl.simulate books the chunk's time by
+        self._tokens += self.last_tokens
         self._kept += sum(n * keep ** lag for n, lag in zip(per_row, self._lags(batch)))
         return {"tokens": float(sum(per_row))}
 
