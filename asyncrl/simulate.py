@@ -5,7 +5,9 @@
 
 ``Simulation.run`` is a single-threaded discrete-event loop around ``Controller.rollout_tick``/``train_tick``
 (nothing sleeps, nothing runs in a thread): virtual time jumps to the next event, which is a group finishing
-(the generator's schedule) or the trainer finishing a chunk (the policy's latency model).
+(the generator's schedule) or the trainer finishing a chunk (the policy's latency model). ``Controller.run`` on
+the same backends still runs the two real pump threads (each poll is a rollout tick of ``rollout_tick_s``): that
+exercises the run loop but says nothing about time; studies of time and throughput go through this module.
 
 Invariants (kept in ``Simulation``):
 - A train tick's effects (``T += 1``, the weight sync, aborts) become visible when its chunk has trained, not when
