@@ -41,7 +41,6 @@ from asyncrl.backends.simulated import (
 )
 from asyncrl.config import Config, load_config
 from asyncrl.controller import Controller
-from asyncrl.samplers import SamplerBase
 
 WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s")  # the controller measures these in wall time
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
@@ -62,7 +61,7 @@ class Simulation:
         self.start = self.clock.now
         self.trainer_free = self.start  # the trainer works (or waits for a sync) until then
         self.train_busy = 0.0
-        self.step_groups = ctrl.state()["step_groups_trained"]
+        self.step_groups = ctrl.state().step_groups_trained
         self.first_step = ctrl.trainer_version
         self.steps: list[dict] = []  # per finished step: when it ended (sync done), its train and sync seconds
         self._step_train = 0.0
@@ -138,12 +137,10 @@ class Simulation:
     def _verdicts(self) -> list:
         """``Controller.explain`` without the DataFrame (this runs before every train tick): the sampler's
         verdicts with this step's chunk bounds."""
-        ctrl, sampler = self.ctrl, self.ctrl.sampler
-        if not isinstance(sampler, SamplerBase):  # a custom sampler's explain takes only T
-            return sampler.explain(ctrl.trainer_version)
+        ctrl = self.ctrl
         remaining = ctrl.cfg.groups_per_step - self.step_groups
         lo, hi = ctrl.cfg.chunk_bounds
-        return sampler.explain(ctrl.trainer_version, min(lo, remaining), min(hi, remaining))
+        return ctrl.sampler.explain(ctrl.trainer_version, min(lo, remaining), min(hi, remaining))
 
     def _train(self, start: float, now: float) -> None:
         """The planned tick's end: run it. If the sampler took another chunk than planned (rollouts committed
