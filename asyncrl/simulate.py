@@ -56,6 +56,10 @@ class Simulation:
                 "a simulation needs both backends 'simulated' and in-process (placement 'local'); got generator "
                 f"{type(ctrl.generator).__name__} and policy {type(ctrl.policy).__name__} (the 'what_if' preset is one)"
             )
+        wall = [name for name, b in (("generation", ctrl.generator), ("trainer", ctrl.policy)) if b.model.clock == "wall"]
+        if wall:
+            raise ValueError(f"a simulation drives a virtual clock itself; {', '.join(wall)}.options.clock is 'wall' "
+                             "(allowed here: 'ticks')")
         self.ctrl, self.gen, self.policy = ctrl, ctrl.generator, ctrl.policy
         self.clock = self.gen.clock
         self.start = self.clock.now

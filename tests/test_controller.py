@@ -245,7 +245,7 @@ def test_a_refused_admission_says_why_in_the_samplers_words_and_is_traced_once()
 def test_a_running_pump_traces_each_refusal_once():
     ctrl = Controller.from_config(load_config(
         "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, max_buffered_groups=48,
-        generation={"backend": "simulated", "options": {"latency_s": 0.002}}, trainer={"backend": "simulated"},
+        generation={"backend": "simulated", "options": {"prefill_s": 2.5}}, trainer={"backend": "simulated"},
         eval_every=None,
     ))
     ctrl.run(8, progress=False)

@@ -204,3 +204,12 @@ def test_calibration_from_a_real_synchronous_run():
         calibrate(metrics, load_config("quickstart", sampler=ASYNC))
     with pytest.raises(ValueError, match=r"lack \['train_time_s'\]"):
         calibrate(metrics.drop(columns="train_time_s"), cfg)
+
+
+def test_the_wall_clock_makes_the_same_seconds_real_and_is_refused_by_a_simulation():
+    ctrl = stepped({"clock": "wall", "prefill_s": 1.0})
+    ctrl.rollout_tick()  # dispatches a batch; nothing is done at once
+    assert ctrl.buffer.num_pending == ctrl.cfg.groups_per_step
+    assert len(ctrl.generator.poll(timeout=None)) == ctrl.cfg.groups_per_step  # waits for them
+    with pytest.raises(ValueError, match="generation.options.clock is 'wall'"):
+        Simulation(ctrl)

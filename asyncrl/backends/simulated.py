@@ -14,10 +14,12 @@ modelled, with typed knobs (``SimulatedGeneration`` in ``generation.options``, `
 - **Importance weights.** Token logprobs drift by ``DRIFT`` per version, so stale rollouts carry importance weights
   ``exp(-DRIFT * lag)`` as real ones do; the policy reads each token's lag back from that difference.
 
-Time is virtual (``SimClock``): nothing sleeps. Stepped by hand (or under ``Controller.run``) each ``poll`` is one
-rollout tick and advances the clock by ``rollout_tick_s``, so a group finishes after a number of rollout ticks
-drawn from the model, the same every time for a seed. Under ``asyncrl.simulate`` a discrete-event loop owns the
-clock instead (``clock.stepping = False``) and asks ``next_event_time``/``train_seconds`` how long things take.
+Time is virtual by default (``clock: ticks``, a ``SimClock``): nothing sleeps. Stepped by hand (or under
+``Controller.run``) each ``poll`` is one rollout tick and advances the clock by ``rollout_tick_s``, so a group
+finishes after a number of rollout ticks drawn from the model, the same every time for a seed. Under
+``asyncrl.simulate`` a discrete-event loop owns the clock instead (``clock.stepping = False``) and asks
+``next_event_time``/``train_seconds`` how long things take. ``clock: wall`` (in both sections) makes the same
+seconds real: ``poll`` waits for them and training sleeps, for exercising ``Controller.run`` in real time.
 
 Invariants (kept here): random draws happen only in ``submit`` (lengths and rewards, in request order), so a
 seed and the order of submissions fix every outcome; a group's finish time depends only on the groups submitted
@@ -30,6 +32,7 @@ import heapq
 import math
 import random
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -63,9 +66,13 @@ class SimulatedGeneration(_Knobs):
     pareto_alpha: float = Field(2.0, gt=1, le=20, description="pareto: tail index (> 1; smaller is heavier)")
     concurrency: int | None = Field(
         None, ge=1, description="groups decoding at once; later ones wait in order. None: no limit")
+    clock: Literal["ticks", "wall"] = Field(
+        "ticks", description="ticks: each poll (rollout tick) advances virtual time by rollout_tick_s, so stepping "
+        "is deterministic; wall: the seconds are real and poll waits for them (to exercise Controller.run in real "
+        "time). asyncrl.simulate drives the clock itself and needs ticks")
     rollout_tick_s: float = Field(
-        1.0, gt=0, description="when stepped (or under Controller.run), the seconds one rollout tick stands for: a "
-        "group finishes ceil(its seconds / rollout_tick_s) ticks after dispatch (at the first tick if 0 s)")
+        1.0, gt=0, description="with clock ticks, the seconds one rollout tick stands for: a group finishes "
+        "ceil(its seconds / rollout_tick_s) ticks after dispatch, counting the tick that dispatched it")
     reward_base: float = Field(0.1, ge=0, le=1, description="success probability with no progress (version 0)")
     reward_max: float = Field(0.95, ge=0, le=1, description="success probability ceiling")
 
@@ -82,6 +89,9 @@ class SimulatedTraining(_Knobs):
     train_s_per_token: float = Field(0.0, ge=0, description="seconds of training per completion token")
     train_s_per_step: float = Field(0.0, ge=0, description="fixed seconds per optimizer step (optimizer, overhead)")
     sync_s: float = Field(0.0, ge=0, description="seconds per weight sync; the generator stops decoding meanwhile")
+    clock: Literal["ticks", "wall"] = Field(
+        "ticks", description="wall: training and the sync sleep their seconds (for real-time runs); ticks: they "
+        "take no wall time, and asyncrl.simulate books them in virtual time")
     reward_gain: float = Field(0.01, ge=0, le=1, description="success probability a step on fresh data adds")
     stale_progress: float = Field(
         0.5, ge=0, le=1, description="share of a step's progress kept per version of lag: gain x this ** lag")
@@ -118,6 +128,19 @@ class SimClock:
         self.stepping = True
 
 
+class WallClock:
+    """Real seconds since the generator was built (``clock: wall``)."""
+
+    stepping = False
+
+    def __init__(self) -> None:
+        self._origin = time.perf_counter()
+
+    @property
+    def now(self) -> float:
+        return time.perf_counter() - self._origin
+
+
 @dataclass
 class _Flight:
     request: GenerationRequest
@@ -135,14 +158,14 @@ class SimulatedGenerator:
         self.max_new_tokens = gen_cfg.max_new_tokens
         self.eos_id = tokenizer.eos_token_id
         self.rng = random.Random(seed)
-        self.clock = SimClock()
+        self.clock = SimClock() if self.model.clock == "ticks" else WallClock()
         self.progress = 0.0  # what the weights have learned (see the module docstring), set by load_weights
         self._version = 0
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engine starts them
         self._paused_until = 0.0
         self.busy: list[tuple[float, float]] = []  # (start, end) of every decoded group and every weight load
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
-        self._lock = threading.Lock()  # Controller.run calls in from two pumps
+        self._lock = threading.Condition()  # Controller.run calls in from two pumps; a wall-clock poll waits on it
 
     @property
     def version(self) -> int:
@@ -165,6 +188,7 @@ class SimulatedGenerator:
                 self.drawn[1] += seconds
                 self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards)
             self._schedule()
+            self._lock.notify_all()
 
     def _schedule(self) -> None:
         """Start and finish times of every group not started yet: first in first out onto ``concurrency`` slots,
@@ -197,14 +221,25 @@ class SimulatedGenerator:
             self._schedule()
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
-        """Groups finished by ``clock.now``, in finishing order. Never waits: time is virtual (when stepping, this
-        poll is one rollout tick and moves the clock by ``rollout_tick_s``)."""
+        """Groups finished by ``clock.now``, in finishing order. With virtual time it never waits (when stepping,
+        this poll is one rollout tick and moves the clock by ``rollout_tick_s``); on the wall clock it waits up to
+        ``timeout`` (None: until one finishes) for the next group."""
+        deadline = None if timeout is None else time.perf_counter() + timeout
         with self._lock:
             if self.clock.stepping and self._flights:
                 self.clock.now += self.model.rollout_tick_s
-            now = self.clock.now
-            done = sorted((f for f in self._flights.values() if f.finish <= now),
-                          key=lambda f: (f.finish, f.request.group_id))
+            while True:
+                now = self.clock.now
+                done = sorted((f for f in self._flights.values() if f.finish <= now),
+                              key=lambda f: (f.finish, f.request.group_id))
+                if done or not self._flights or not isinstance(self.clock, WallClock):
+                    break
+                wait = min(f.finish for f in self._flights.values()) - now
+                if deadline is not None:
+                    wait = min(wait, deadline - time.perf_counter())
+                if wait <= 0:
+                    break
+                self._lock.wait(wait)
             for f in done:
                 del self._flights[f.request.group_id]
                 self.busy.append((f.start, f.finish))
@@ -285,10 +320,16 @@ class SimulatedPolicy:
         keep = self.model.stale_progress
         self.last_tokens = sum(per_row)  # what asyncrl.simulate books the chunk's time by
         self._tokens += self.last_tokens
+        self._sleep(self.train_seconds(self.last_tokens, finishes_step=False))
         self._kept += sum(n * keep ** lag for n, lag in zip(per_row, self._lags(batch)))
         return {"tokens": float(sum(per_row))}
 
+    def _sleep(self, seconds: float) -> None:
+        if self.model.clock == "wall" and seconds > 0:
+            time.sleep(seconds)
+
     def finish_train_step(self) -> dict[str, float]:
+        self._sleep(self.model.train_s_per_step)
         share = self._kept / self._tokens if self._tokens else 1.0
         self.progress += self.model.reward_gain * share
         self.steps += 1
@@ -296,6 +337,7 @@ class SimulatedPolicy:
         return {"loss": 0.0, "tokens": self._tokens, "progress": self.progress, "progress_share": share}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
+        self._sleep(self.model.sync_s)
         return {"steps": torch.tensor(self.steps), "progress": torch.tensor(self.progress, dtype=torch.float64)}
 
     def state_dict(self) -> dict:
