@@ -117,7 +117,7 @@ def test_long_tailed_lengths_are_clipped_and_keep_their_mean():
 @pytest.mark.parametrize("options, words", [
     ({"concurrency": 0}, ["concurrency", "greater than or equal to 1"]),
     ({"lengths": "zipf"}, ["lengths", "zipf"]),
-    ({"latency_s": 0.1}, ["latency_s", "allowed knobs", "prefill_s"]),
+    ({"latency_s": 0.1}, ["generation.options.latency_s = 0.1", "allowed knobs", "prefill_s"]),
     ({"reward_base": 0.5, "reward_max": 0.4}, ["reward_max 0.4", "reward_base 0.5"]),
     ({"decode_s_per_token": -1}, ["decode_s_per_token"]),
 ])

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
 
@@ -98,14 +98,16 @@ class SimulatedTraining(_Knobs):
 
 
 def knobs(model: type[_Knobs], options: Mapping | _Knobs, where: str) -> _Knobs:
-    """``options`` validated as ``model``; errors name the section and the allowed knobs."""
+    """``options`` validated as ``model``; an error says, per bad knob, its value and what is allowed."""
     if isinstance(options, model):
         return options
     try:
         return model.model_validate(dict(options))
-    except Exception as exc:
-        allowed = ", ".join(model.model_fields)
-        raise ValueError(f"bad simulated {where}: {exc}\nallowed knobs: {allowed}") from None
+    except ValidationError as exc:
+        lines = [f"{where}.{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" if e["loc"]
+                 else f"{where}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
+        raise ValueError("bad simulated backend knobs:\n  " + "\n  ".join(lines)
+                         + f"\nallowed knobs in {where}: {', '.join(model.model_fields)}") from None
 
 
 def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Random) -> int:
