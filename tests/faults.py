@@ -280,7 +280,8 @@ def run_scenario(name: str, mode: str = "stepped", seed: int = 0) -> dict[str, A
     trace = ctrl.trace
     injected = Counter()
     for part in (ctrl.generator, ctrl.task):
-        injected.update(getattr(part, "injected", {}))
+        if isinstance(part, (FlakyGenerator, FlakyTask)):
+            injected.update(part.injected)
     return {
         "ctrl": ctrl,
         "steps": ctrl.trainer_version,
