@@ -1,13 +1,19 @@
-"""Fault budgets (the ``faults:`` config section) and the errors that stop a run when a budget is spent.
+"""Fault containment: the ``faults:`` config section, the errors that stop a run when a budget is spent, and
+``FaultContainment``, the part of ``Controller`` that records faults, retries and gives groups up.
 
-How the controller contains faults (the mechanism lives in ``Controller``; this module holds its knobs):
+Invariants it keeps:
 - Every error the pumps catch becomes a ``fault`` trace event: the group id when there is one, the error in
   ``detail``, and a ``reason`` that starts with ``retried:`` or ``not retried:``.
 - A group the controller gives up on ends with a ``skip`` event and its reason (one of the four ends: trained by
   ``select``, ``evict``, ``abort``, ``skip``); its buffer slot and in-flight permit are released, and a replacement
-  group is dispatched from the next prompt with the same stamps (``target_step``), so an admitted batch still
-  delivers ``groups_per_step`` groups. With no prompt left, a stamped step that lost groups fails at its train tick
-  with the step and the shortfall named.
+  group is dispatched from the next prompt with the same stamps (``target_step``; not for a step already done), so
+  an admitted batch still delivers ``groups_per_step`` groups. With no prompt left, a stamped step that lost groups
+  fails at its train tick with the step and the shortfall named. The replacement is stamped with the current
+  weight version, so ``weight_fifo`` (one version at a time, never skipping ahead) can stall on an older version
+  that lost a group once newer versions are buffered; the run loop's stall watchdog then names it (a known limit).
+- Lost groups are detected by the backend's ``num_inflight()`` dropping to 0 after a poll that failed or returned
+  nothing while the controller still has groups out with it; a backend that loses some groups but keeps others is
+  noticed only once the others are back (the run loop's stall watchdog covers a backend that never comes back).
 - Scoring: a reward that raises or returns a non-finite number is re-scored up to ``reward_retries`` times, then
   the group is skipped. A reward that returns a non-number is a programming error: the run stops with a TypeError
   naming the value (the group is skipped first, so the accounting still holds).
@@ -234,6 +240,8 @@ class FaultContainment:
         self._unsent = [r for r in self._unsent if r.group_id != gid]
         slot = self.buffer.remove([gid])[0]
         self._skipped.append(gid)
+        if slot.target_step is not None and slot.target_step < self.trainer_version:
+            replace = False  # its step is done: a replacement could only be evicted
         if not replace:
             self._event("skip", gid, slot.weight_version, slot.target_step, None, "not replaced", reason)
             return
