@@ -368,13 +368,14 @@ class RunHandle:
         if self._inside():
             return
         with self._cv:
-            busy = [name for name, t in self._threads.items() if t.is_alive() and name not in self._parked]
-        if busy and self._finished.is_set():
-            raise RuntimeError(f"the last run gave up on its {' and '.join(self.stuck)}; the controller cannot tick "
-                               "until that backend call returns")
-        if busy:
-            raise RuntimeError(f"a run is going ({self!r}): pause it (handle.pause()) or stop it before ticking "
-                               "by hand")
+            if self._finished.is_set():
+                if any(t.is_alive() for t in self._threads.values()):
+                    raise RuntimeError(f"the last run gave up on its {' and '.join(self.stuck)}; the controller "
+                                       "cannot tick until that backend call returns")
+                return
+            if self._pause and self._parked | self._exited >= set(PUMPS):
+                return  # paused: both pumps parked (or done)
+        raise RuntimeError(f"a run is going ({self!r}): pause it (handle.pause()) or stop it before ticking by hand")
 
     @property
     def alive(self) -> bool:
