@@ -380,7 +380,7 @@ class RunHandle:
     @property
     def alive(self) -> bool:
         """Some thread of this run is still going (a new run or a hand tick would race it)."""
-        return self._supervisor.is_alive() or any(t.is_alive() for t in self._threads.values())
+        return not self._finished.is_set() or any(t.is_alive() for t in self._threads.values())
 
     def __repr__(self) -> str:
         where = f", breakpoint at trace row {self.breakpoint.seq}" if self.breakpoint is not None else ""

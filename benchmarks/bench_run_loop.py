@@ -6,8 +6,11 @@ steps, then measures from the request to the moment it took effect:
   ``run`` raised ``KeyboardInterrupt`` with both pumps stopped;
 - ``stop``: ``handle.stop()`` until it returned (the run ended);
 - ``pause``: ``handle.pause()`` until it returned (both pumps parked);
-- ``fail-fast``: the generator's ``poll`` raising until ``run`` re-raised that error in the caller.
-The contract is "within 1 s"; a safe point comes after at most one tick, so these follow the tick time.
+- errors: the policy's ``train_microbatches`` or the generator's ``poll`` raising until ``run`` re-raised it in the
+  caller. A generation error is first retried (``faults.generation_retries``, with backoff: asyncrl/faults.py), so
+  with the default budget it surfaces after the backoff schedule (~7 s); with no retries it is the loop's own time.
+The contract for interrupt and stop is "within 1 s"; a safe point comes after at most one tick, so these follow
+the tick time.
 
     python benchmarks/bench_run_loop.py [--reps 5] [--sampler weight_fifo]
 """
@@ -23,9 +26,10 @@ import time
 from asyncrl import Controller, load_config
 
 
-def controller(sampler: str) -> Controller:
+def controller(sampler: str, **overrides) -> Controller:
     sampler_cfg = {"name": sampler} if sampler != "in_order" else {"name": "in_order", "max_lookahead_versions": 1}
-    ctrl = Controller.from_config(load_config("quickstart", eval_every=None, torch_threads=1, sampler=sampler_cfg))
+    ctrl = Controller.from_config(load_config("quickstart", eval_every=None, torch_threads=1, sampler=sampler_cfg,
+                                              **overrides))
     ctrl.run(3, progress=False)  # warm-up: first forward passes, allocator
     return ctrl
 
@@ -71,23 +75,24 @@ def pause(ctrl: Controller) -> float:
     return took
 
 
-def fail_fast(ctrl: Controller) -> float:
-    poll, raised = ctrl.generator.poll, []
-    armed = threading.Event()
+def fail_fast(ctrl: Controller, backend: str, method: str) -> float:
+    """From the backend call raising (armed after 3 steps) until ``run`` re-raised in the caller."""
+    obj = getattr(ctrl, backend)
+    original, raised, armed = getattr(obj, method), [], threading.Event()
 
     def failing(*args, **kwargs):
         if armed.is_set():
             raised.append(time.perf_counter())
-            raise RuntimeError("generator went away")
-        return poll(*args, **kwargs)
+            raise RuntimeError(f"{method} went away")
+        return original(*args, **kwargs)
 
-    ctrl.generator.poll = failing
+    setattr(obj, method, failing)
     threading.Thread(target=lambda: (after_steps(ctrl, 3), armed.set()), daemon=True).start()
     try:
         ctrl.run(100_000, progress=False)
-    except RuntimeError:
+    except RuntimeError:  # the error itself, or GenerationFailed carrying it once the retries are spent
         done = time.perf_counter()
-    ctrl.generator.poll = poll
+    setattr(obj, method, original)
     return done - raised[0]
 
 
@@ -99,10 +104,20 @@ def main() -> None:
     ctrl = controller(args.sampler)
     step_ms = 1000 * ctrl.metrics.step_time_s.tail(3).median()
     print(f"quickstart, sampler {args.sampler}, torch_threads 1, {args.reps} reps; a step takes ~{step_ms:.0f} ms here")
-    print(f"{'request':<10} {'median ms':>10} {'max ms':>8}")
-    for name, measure in [("interrupt", interrupt), ("stop", stop), ("pause", pause), ("fail-fast", fail_fast)]:
-        times = [1000 * measure(ctrl) for _ in range(args.reps)]
-        print(f"{name:<10} {statistics.median(times):>10.1f} {max(times):>8.1f}")
+    print(f"{'request':<34} {'median ms':>10} {'max ms':>8}")
+    no_retries = controller(args.sampler, faults={"generation_retries": 0})
+    rows = [
+        ("interrupt", lambda: interrupt(ctrl)),
+        ("stop", lambda: stop(ctrl)),
+        ("pause", lambda: pause(ctrl)),
+        # a trainer failure leaves its step half-trained (TrainerFailed afterwards): a fresh controller each time
+        ("policy error", lambda: fail_fast(controller(args.sampler), "policy", "train_microbatches")),
+        ("generator error, no retries", lambda: fail_fast(no_retries, "generator", "poll")),
+        ("generator error, default retries", lambda: fail_fast(ctrl, "generator", "poll")),
+    ]
+    for name, measure in rows:
+        times = [1000 * measure() for _ in range(args.reps)]
+        print(f"{name:<34} {statistics.median(times):>10.1f} {max(times):>8.1f}")
 
 
 if __name__ == "__main__":
