@@ -16,30 +16,37 @@ differently — is corrected by ``w = exp(prev - gen)`` per token (or per sequen
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal
+from typing import Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from asyncrl.backends.base import GroupRollouts, TrainBatch
+from asyncrl.data import GroupRollouts, TrainBatch
+from asyncrl.metrics import Metric
 
 
 class LossConfig(BaseModel):
+    """The GRPO loss (``loss:`` in a config)."""
+
     model_config = ConfigDict(extra="forbid")
 
-    advantage: Literal["group_mean", "leave_one_out"] = "group_mean"
-    scale_by_std: bool = False
-    clip_eps_low: float = Field(0.2, ge=0)
-    clip_eps_high: float = Field(0.2, ge=0)
-    importance_correction: Literal["none", "token", "sequence"] = "token"
-    truncation: Literal["none", "tis", "icepop", "seq-mask-tis"] = "tis"
-    is_cap: float = Field(2.0, gt=0)
-    is_low: float = Field(0.5, ge=0)
-    is_high: float = Field(2.0, gt=0)
-    kl: Literal["none", "k1", "k2", "k3"] = "none"
-    kl_coef: float = Field(0.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    normalisation: Literal["token", "sequence"] = "token"
+    advantage: Literal["group_mean", "leave_one_out"] = Field(
+        "group_mean", description="baseline per group: the group's mean reward, or the mean of the other completions")
+    scale_by_std: bool = Field(False, description="divide advantages by the group's reward std")
+    clip_eps_low: float = Field(0.2, ge=0, description="surrogate ratio clipped below at 1 - clip_eps_low")
+    clip_eps_high: float = Field(0.2, ge=0, description="surrogate ratio clipped above at 1 + clip_eps_high")
+    importance_correction: Literal["none", "token", "sequence"] = Field(
+        "token", description="importance weight exp(prev - gen) per token or per sequence; 'none' only on-policy")
+    truncation: Literal["none", "tis", "icepop", "seq-mask-tis"] = Field(
+        "tis", description="how large importance weights are truncated (see the module docstring)")
+    is_cap: float = Field(2.0, gt=0, description="tis / seq-mask-tis: weights clamped at this value")
+    is_low: float = Field(0.5, ge=0, description="icepop / seq-mask-tis: weights below are masked")
+    is_high: float = Field(2.0, gt=0, description="icepop / seq-mask-tis: weights above are masked")
+    kl: Literal["none", "k1", "k2", "k3"] = Field("none", description="KL estimator to the initial weights")
+    kl_coef: float = Field(0.0, ge=0, description="KL penalty coefficient (set together with kl)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+    normalisation: Literal["token", "sequence"] = Field(
+        "token", description="loss normalised over the step's tokens, or per sequence then over its sequences")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
@@ -50,6 +57,62 @@ class LossConfig(BaseModel):
         if self.importance_correction == "none" and self.truncation != "none":
             raise ValueError(f"truncation {self.truncation!r} needs an importance_correction ('token' or 'sequence')")
         return self
+
+
+@runtime_checkable
+class Loss(Protocol):
+    """What a policy backend trains with: the engine runs the forward pass and calls the loss on each
+    micro-batch; the loss says which inputs it needs and how its metrics reduce over a step.
+
+    A new loss is one class satisfying this (and a new metric one ``Metric`` line in its ``metrics``)."""
+
+    metrics: tuple[Metric, ...]
+    """The metrics the loss contributes to on every call, with how each reduces over the step."""
+
+    needs_reference: bool
+    """Whether the engine must supply ``batch.ref_logprobs`` (a frozen copy of the initial weights)."""
+
+    entropy_grad: bool
+    """Whether the loss differentiates through the entropy (otherwise the engine may pass it detached)."""
+
+    def __call__(
+        self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, float, dict[str, float]]:
+        """Called once per micro-batch with the [B, S] token logprobs (with grad) under the current weights:
+        ``(loss_sum, normaliser, contributions)``. The engine back-propagates ``loss_sum``, divides the step's
+        gradients by the step's summed ``normaliser`` in ``finish_train_step``, and adds ``contributions`` (keys
+        from ``metrics``) to the step's accumulator."""
+        ...
+
+
+GRPO_METRICS: tuple[Metric, ...] = (
+    Metric("tokens", "sum", "completion tokens under the loss mask"),
+    Metric("is_weight_mean", "mean", "mean importance weight after truncation", over="tokens"),
+    Metric("is_weight_max", "max", "largest importance weight after truncation"),
+    Metric("is_weight_min", "min", "smallest importance weight after truncation"),
+    Metric("is_truncated_frac", "mean", "fraction of tokens whose importance weight truncation changed",
+           over="tokens"),
+    Metric("clip_frac", "mean", "fraction of tokens whose surrogate ratio was clipped", over="tokens"),
+    Metric("kl", "mean", "KL estimate to the reference per token (0 without kl)", over="tokens"),
+    Metric("entropy", "mean", "entropy of the next-token distribution per token", over="tokens"),
+)
+
+
+class GRPOLoss:
+    """The :class:`Loss` of GRPO: ``grpo_loss`` under a ``LossConfig``."""
+
+    metrics = GRPO_METRICS
+
+    def __init__(self, cfg: LossConfig | None = None) -> None:
+        self.cfg = cfg if cfg is not None else LossConfig()
+        self.needs_reference = self.cfg.kl != "none"
+        self.entropy_grad = self.cfg.entropy_coef > 0
+
+    def __call__(self, logprobs, batch, entropy=None):
+        return grpo_loss(logprobs, batch, self.cfg, entropy)
+
+    def __repr__(self) -> str:
+        return f"GRPOLoss({self.cfg!r})"
 
 
 def group_advantages(
@@ -126,10 +189,11 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 def grpo_loss(
     logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig, entropy: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, float, dict[str, float]]:
-    """The step's loss contribution of ``batch``: ``(loss_sum, normaliser, metric_sums)``.
+    """The step's loss contribution of ``batch``: ``(loss_sum, normaliser, contributions)``.
 
-    ``loss_sum / normaliser`` summed over a step's micro-batches is the step's loss. ``metric_sums`` are sums over
-    tokens (``*_sum``) and counts, for the caller to aggregate over the whole step.
+    ``loss_sum / normaliser`` summed over a step's micro-batches is the step's loss. ``contributions`` are this
+    micro-batch's share of each of ``GRPO_METRICS`` (sums over tokens for the means; max/min only when the batch
+    has tokens), for an ``Accumulator`` to reduce over the whole step.
     """
     mask = batch.loss_mask
     on = mask > 0
@@ -172,14 +236,14 @@ def grpo_loss(
     w_on = weight.detach()[on]
     metrics = {
         "tokens": float(mask.sum()),
-        "is_weight_sum": float(w_on.sum()),
-        "is_weight_max": float(w_on.max()) if w_on.numel() else 0.0,
-        "is_weight_min": float(w_on.min()) if w_on.numel() else 0.0,
-        "is_truncated_sum": float((truncated & on).sum()),
-        "clipped_sum": float((((ratio - clipped).abs() > 0) & on).sum()),
-        "kl_sum": kl_sum,
-        "entropy_sum": entropy_sum,
+        "is_weight_mean": float(w_on.sum()),
+        "is_truncated_frac": float((truncated & on).sum()),
+        "clip_frac": float((((ratio - clipped).abs() > 0) & on).sum()),
+        "kl": kl_sum,
+        "entropy": entropy_sum,
     }
+    if w_on.numel():
+        metrics["is_weight_max"], metrics["is_weight_min"] = float(w_on.max()), float(w_on.min())
     return loss_sum, normaliser, metrics
 
 

@@ -201,16 +201,13 @@ def save(ctrl: Any, path: str | Path) -> Path:
     import asyncrl
 
     with ctrl._lock:
-        if ctrl._step["started"]:
+        if ctrl._step.started:
             raise RuntimeError(
-                f"cannot save in the middle of step {ctrl.trainer_version}: {ctrl._step['groups']} of "
+                f"cannot save in the middle of step {ctrl.trainer_version}: {ctrl._step.groups} of "
                 f"{ctrl.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
             )
         policy = ctrl.policy.state_dict()
-        try:
-            generator = ctrl.generator.state_dict()
-        except AttributeError:  # a generator without state (simulated) starts fresh on restore
-            generator = None
+        generator = ctrl.generator.state_dict()
         buffer = ctrl.buffer.state_dict()
         for row in buffer["slots"]:  # dataclasses (Prompt, GroupRollouts) become plain JSON objects
             row["prompt"] = _jsonable(row["prompt"]) if row["prompt"] is not None else None
@@ -234,7 +231,7 @@ def restore(cls: Any, path: str | Path, sampler: Any, config: Any, on_sampler_ch
     """``Controller.restore`` (its docstring says what a sampler change does). Every check that can fail runs
     before anything is loaded."""
     import asyncrl
-    from asyncrl.backends.base import GenerationRequest, GroupRollouts
+    from asyncrl.data import GenerationRequest, GroupRollouts
     from asyncrl.buffer import ReplayBuffer
     from asyncrl.config import Config, check_sampler_fits
     from asyncrl.samplers import build_sampler

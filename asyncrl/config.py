@@ -197,9 +197,12 @@ def _check_collective_weight_sync(cfg: Config) -> None:
             f"both need placement 'ray'; got trainer.placement {placements[0]!r} and generation.placement "
             f"{placements[1]!r} (use weight_sync 'driver' otherwise)"
         )
-    from asyncrl.backends.weight_sync import collective_backend
-
-    collective_backend(cfg)  # both on CUDA or both on CPU
+    devices = (str(cfg.trainer.device), str(cfg.generation.device))
+    if not (all(d.startswith("cuda") for d in devices) or all(d == "cpu" for d in devices)):
+        raise ValueError(
+            f"generation.weight_sync 'collective' needs both backends on CUDA (NCCL) or both on CPU (gloo); got "
+            f"trainer.device {devices[0]!r} and generation.device {devices[1]!r}"
+        )
 
 
 def _merge(base: dict, overrides: dict) -> dict:

@@ -25,7 +25,7 @@ import functools
 import math
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +33,11 @@ import pandas as pd
 import torch
 
 from asyncrl.algorithms import make_train_batch
-from asyncrl.backends.base import GenerationRequest, GroupRollouts
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
+from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import _FAILED, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
+from asyncrl.metrics import StepAccumulator
 from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
 from asyncrl.tracking import Tracker
@@ -164,7 +165,7 @@ class Controller(FaultContainment):
         self._prompt_ids: dict[str, list[int]] = {}
         self._run: RunHandle | None = None  # the latest run (start/run); at most one goes at a time
         self._clock = ActiveClock()  # time inside ticks or while a run goes: what the step timer counts
-        self._new_step()
+        self._step = StepAccumulator(self._clock.now)  # the step in progress (STEP_METRICS); reset when it finishes
         from asyncrl.backends.weight_sync import build_weight_sync
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
@@ -284,11 +285,11 @@ class Controller(FaultContainment):
                 self._attempts.pop(group.group_id, None)
                 if self._unsent:  # an attempt thought lost came back after all: no need to send it again
                     self._unsent = [r for r in self._unsent if r.group_id != group.group_id]
-                slot = self.buffer.commit(group.group_id, group, end_weight_version=group.end_weight_version)
+                slot = self.buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version)
                 report.committed.append(group.group_id)
                 self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
                             f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
-                            f"generated with weights {group.weight_version}..{group.end_weight_version}")
+                            f"generated with weights {group.gen_start_version}..{group.gen_end_version}")
             report.skipped.extend(self._take_skipped())
             if finished:
                 self._changed.notify_all()
@@ -307,10 +308,10 @@ class Controller(FaultContainment):
             report = TickReport("train", T)
             for slot in self.sampler.evict(T):
                 report.evicted.append(slot.group_id)
-                self._step["evicted"] += 1
+                self._step.add({"groups_evicted": 1})
                 self._event("evict", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
                             "", f"{self.sampler.__class__.__name__}.evict({T}) dropped it")
-            remaining = N - self._step["groups"]
+            remaining = N - self._step.groups
             lo, hi = self.cfg.chunk_bounds
             chunk = self.sampler.select(T, min(lo, remaining), min(hi, remaining))
             if chunk is None:
@@ -328,7 +329,7 @@ class Controller(FaultContainment):
         try:
             self._train_chunk(chunk, T)
             with self._changed:
-                if self._step["groups"] == N:
+                if self._step.groups == N:
                     self._finish_step(report)
                     every = self.cfg.checkpoint_every
                     if every and self.trainer_version % every == 0:
@@ -350,26 +351,27 @@ class Controller(FaultContainment):
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        batch.prev_logprobs = self.policy.logprobs(batch)
-        if not self._step["started"]:
+        batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
+        if not self._step.started:
             self.policy.begin_train_step()
-            self._step["started"] = True
+            self._step.started = True
         self.policy.train_microbatches(batch)
-        step = self._step
-        step["train_s"] += time.perf_counter() - train_start
-        step["groups"] += len(chunk)
-        step["rewards"].extend(r for g in groups for r in g.rewards)
-        step["lags"].extend(T - slot.weight_version for slot in chunk)
-        step["tokens"] += sum(g.num_tokens for g in groups)
+        rewards = [r for g in groups for r in g.rewards]
+        lags = [T - slot.weight_version for slot in chunk]
+        chunk_index = int(self._step.total("chunks"))
+        self._step.add({
+            "reward_mean": sum(rewards), "completions": len(rewards), "lag_mean": sum(lags), "lag_max": max(lags),
+            "groups": len(chunk), "chunks": 1, "completion_tokens": sum(g.num_tokens for g in groups),
+            "train_time_s": time.perf_counter() - train_start,
+        })
         self._event("train", None, None, None, None, f"{len(chunk)} groups, {batch.num_tokens} tokens",
-                    f"chunk {step['chunks']} of step {T}")
-        step["chunks"] += 1
+                    f"chunk {chunk_index} of step {T}")
 
     def _finish_step(self, report: TickReport) -> None:
         """One optimizer step, ``T += 1``, weight sync, then abort what the sampler no longer wants."""
         train_start = time.perf_counter()
         out = self.policy.finish_train_step()
-        self._step["train_s"] += time.perf_counter() - train_start  # train_time_s: what a simulation calibrates on
+        self._step.add({"train_time_s": time.perf_counter() - train_start})  # what a simulation calibrates on
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
         self._sync_generator(T)
@@ -387,30 +389,21 @@ class Controller(FaultContainment):
             self._attempts.pop(gid, None)
             slot = self.buffer.remove([gid])[0]
             report.aborted.append(gid)
-            self._step["aborted"] += 1
+            self._step.add({"groups_aborted": 1})
             self._event("abort", gid, w, slot.target_step, T - w, "",
                         f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
-        step = self._step
-        elapsed = self._clock.now() - step["start"]  # active time only: not a person's pause between hand ticks
-        lags = step["lags"]
+        elapsed = self._clock.now() - self._step.start  # active time only: not a person's pause between hand ticks
         row = {
             "step": T - 1,
             "trainer_version": T,
-            "reward_mean": sum(step["rewards"]) / len(step["rewards"]),
-            "loss": out.get("loss", math.nan),
-            "lag_mean": sum(lags) / len(lags),
-            "lag_max": max(lags),
-            "groups_evicted": step["evicted"],
-            "groups_aborted": step["aborted"],
-            "chunks": step["chunks"],
+            **self._step.result(),  # asyncrl.metrics.STEP_METRICS
             "step_time_s": elapsed,
-            "tokens_per_s": step["tokens"] / elapsed if elapsed > 0 else math.nan,
+            "tokens_per_s": self._step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
             "sync_time_s": sync_s,
-            "train_time_s": step["train_s"],
             "buffered": len(self.buffer),
             "inflight": len(self.inflight),
         }
-        row.update({k: v for k, v in out.items() if k not in row})
+        row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()
             row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]
@@ -419,11 +412,7 @@ class Controller(FaultContainment):
         self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row['reward_mean']:.3f}",
                     f"optimizer step {T - 1} done")
         report.step_finished = True
-        self._new_step()
-
-    def _new_step(self) -> None:
-        self._step = {"groups": 0, "chunks": 0, "started": False, "rewards": [], "lags": [], "tokens": 0,
-                      "evicted": 0, "aborted": 0, "start": self._clock.now(), "train_s": 0.0}
+        self._step.reset()
 
     def tick(self) -> TickReport:
         """One rollout tick, then one train tick."""
@@ -507,7 +496,7 @@ class Controller(FaultContainment):
         """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
         chunk bounds), as a table. Changes nothing."""
         with self._lock:
-            remaining = self.cfg.groups_per_step - self._step["groups"]
+            remaining = self.cfg.groups_per_step - self._step.groups
             lo, hi = self.cfg.chunk_bounds
             return explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
 
@@ -527,7 +516,7 @@ class Controller(FaultContainment):
                 buffer=self.buffer.summary(),
                 capacity=self.capacity,
                 inflight=len(self.inflight),
-                step_groups_trained=self._step["groups"],
+                step_groups_trained=self._step.groups,
                 groups_per_step=self.cfg.groups_per_step,
                 data_position=self.data_position,
                 exhausted=self.exhausted,
@@ -580,8 +569,7 @@ class Controller(FaultContainment):
     def close(self) -> None:
         """Release the backends (and their Ray actors). The controller's history stays readable."""
         for backend in (self.generator, self.policy):
-            if hasattr(backend, "close"):
-                backend.close()
+            backend.close()
         self.tracker.close()
 
     def __enter__(self) -> Controller:

@@ -40,7 +40,7 @@ import time
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from asyncrl.backends.base import GenerationRequest, GroupRollouts
+from asyncrl.data import GenerationRequest, GroupRollouts
 
 _FAILED = object()  # what _generation_call returns when the call failed and the fault was contained
 
@@ -304,7 +304,7 @@ class FaultContainment:
         """A stamped step that lost groups no prompt could replace fails here, naming the step and the shortfall,
         instead of waiting forever."""
         lost = self._shortfall.get(T)
-        have = self._step["groups"] + self.buffer.count(target_step=T)
+        have = self._step.groups + self.buffer.count(target_step=T)
         if lost and have < self.cfg.groups_per_step:
             raise StepShortfall(
                 f"step {T} cannot complete: it lost group(s) {lost} (see their skip events) and the prompt stream "

@@ -37,13 +37,14 @@ Its numbers mean nothing.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 import json
 import os
+from pathlib import Path
 import statistics
 import sys
 import time
 import traceback
-from pathlib import Path
 from types import SimpleNamespace
 
 import pandas as pd
@@ -52,8 +53,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl import Controller, load_config  # noqa: E402
-from asyncrl.algorithms import make_train_batch  # noqa: E402
-from asyncrl.backends.base import GenerationRequest  # noqa: E402
+from asyncrl.algorithms import GRPOLoss, make_train_batch  # noqa: E402
+from asyncrl.data import GenerationRequest  # noqa: E402
 
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
 ASYNC = {"name": "weight_fifo", "max_staleness_versions": 1}
@@ -92,7 +93,7 @@ class _CpuLLM:
     """The part of ``vllm.LLM`` that ``VLLMGenerator`` and this bench use, on a transformers model on the CPU."""
 
     def __init__(self, model_cfg, tokenizer, seed):
-        from asyncrl.backends.torch import build_model
+        from asyncrl.backends.hf import build_model
 
         self.model = build_model(model_cfg, len(tokenizer), seed).eval()
         self.pad = tokenizer.pad_token_id
@@ -154,7 +155,7 @@ def build_first_controller(cfg, dry: bool) -> Controller:
     torch.manual_seed(cfg.seed)
     tok = build_tokenizer()
     task = build_task(cfg.task)
-    policy = MegatronPolicy(cfg.model, cfg.trainer, cfg.loss, cfg.seed, tok)
+    policy = MegatronPolicy(cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok)
     gen = VLLMGenerator(cfg.model, cfg.generation, cfg.seed, tok, llm=_CpuLLM(cfg.model, tok, cfg.seed),
                         sampling_params_cls=_SamplingParams)
     return Controller(cfg, task, policy, gen, tok)
@@ -318,7 +319,7 @@ def section_train(base: Controller, cfg, reps: int) -> list[dict]:
         sync_device()
         t0 = time.perf_counter()
         batch = make_train_batch(groups, cfg.loss, base.tokenizer.pad_token_id)
-        batch.prev_logprobs = raw_policy.logprobs(batch)
+        batch = replace(batch, prev_logprobs=raw_policy.logprobs(batch))
         sync_device()
         t1 = time.perf_counter()
         raw_policy.begin_train_step()

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import time
+from dataclasses import replace
 
 import torch
 
-from asyncrl.algorithms import make_train_batch
-from asyncrl.backends.base import GenerationRequest
+from asyncrl.algorithms import GRPOLoss, make_train_batch
 from asyncrl.backends.torch import TorchGenerator, TorchPolicy
 from asyncrl.config import Config, load_config
+from asyncrl.data import GenerationRequest
 from asyncrl.tasks import PromptStream, build_task, evaluate
 from asyncrl.tokenizer import build_tokenizer
 
@@ -30,7 +31,7 @@ def plain_grpo(cfg: Config, steps: int, eval_every: int | None = None):
     tokenizer = build_tokenizer()
     task = build_task(cfg.task)
     stream = PromptStream(task.train_prompts, seed=cfg.seed, max_epochs=cfg.max_epochs)
-    policy = TorchPolicy(cfg.model, cfg.trainer, cfg.loss, cfg.seed, tokenizer)  # trains
+    policy = TorchPolicy(cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tokenizer)  # trains
     generator = TorchGenerator(cfg.model, cfg.generation, cfg.seed, tokenizer)  # samples; same init (version 0)
     N, G = cfg.groups_per_step, cfg.group_size
     history = []
@@ -50,14 +51,14 @@ def plain_grpo(cfg: Config, steps: int, eval_every: int | None = None):
         # 3. Advantages, group relative: each reward minus the mean of its group (so no value model is needed).
         batch = make_train_batch(groups, cfg.loss, tokenizer.pad_token_id)
         # 4. One optimizer step on the clipped surrogate loss, relative to the logprobs before the step.
-        batch.prev_logprobs = policy.logprobs(batch)
+        batch = replace(batch, prev_logprobs=policy.logprobs(batch))
         policy.begin_train_step()
         policy.train_microbatches(batch)
         metrics = policy.finish_train_step()
         # 5. Weight sync: the next batch is generated with the new weights, version step + 1.
         generator.load_weights(policy.export_weights(), step + 1)
         row = {"step": step, "reward_mean": sum(sum(g.rewards) for g in groups) / (N * G),
-               "weight_version": groups[0].weight_version, **metrics, "step_time_s": time.perf_counter() - start}
+               "weight_version": groups[0].gen_start_version, **metrics, "step_time_s": time.perf_counter() - start}
         if (eval_every and (step + 1) % eval_every == 0) or step + 1 == steps:
             ev = evaluate(policy, task, tokenizer, cfg.generation.max_new_tokens)  # greedy, held-out prompts
             row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]

@@ -4,11 +4,13 @@ and whole-step normalisation — a step's update must not depend on how it was c
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from asyncrl.algorithms import (
+    GRPOLoss,
     LossConfig,
     group_advantages,
     grpo_loss,
@@ -16,8 +18,8 @@ from asyncrl.algorithms import (
     token_entropy,
     token_logprobs,
 )
-from asyncrl.backends.base import GroupRollouts, TrainBatch
 from asyncrl.config import ModelConfig, TrainerConfig
+from asyncrl.data import GroupRollouts, TrainBatch
 
 NO_IS = dict(importance_correction="none", truncation="none")
 
@@ -116,7 +118,7 @@ def test_ratio_clipping_stops_the_gradient_outside_the_trust_region():
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(**NO_IS))
     loss_sum.backward()
     assert curr.grad[0, 0] == 0 and curr.grad[1, 0] != 0
-    assert m["clipped_sum"] == 2
+    assert m["clip_frac"] == 2
     assert loss_sum.item() == pytest.approx(-1.2 + math.exp(0.5))
 
 
@@ -125,14 +127,14 @@ def test_tis_clamps_the_importance_weight():
     curr, b = _batch([[-1.0, -1.0]], prev=[[-1.0, -1.0]], gen=[[-3.0, -1.1]])
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(importance_correction="token", truncation="tis", is_cap=2.0))
     assert loss_sum.item() == pytest.approx(-(2.0 + math.exp(0.1)), rel=1e-6)
-    assert m["is_truncated_sum"] == 1 and m["is_weight_max"] == pytest.approx(2.0)
+    assert m["is_truncated_frac"] == 1 and m["is_weight_max"] == pytest.approx(2.0)
     assert m["is_weight_min"] == pytest.approx(math.exp(0.1), rel=1e-6)
 
 
 def test_no_truncation_keeps_the_raw_weight():
     curr, b = _batch([[-1.0]], prev=[[-1.0]], gen=[[-3.0]])
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(importance_correction="token", truncation="none"))
-    assert loss_sum.item() == pytest.approx(-math.exp(2.0), rel=1e-6) and m["is_truncated_sum"] == 0
+    assert loss_sum.item() == pytest.approx(-math.exp(2.0), rel=1e-6) and m["is_truncated_frac"] == 0
 
 
 def test_icepop_masks_tokens_outside_the_band():
@@ -140,7 +142,7 @@ def test_icepop_masks_tokens_outside_the_band():
     curr, b = _batch([[-1.0, -1.0, -1.0]], prev=[[-1.0, -1.0, -1.0]], gen=[[-3.0, -1.0, 0.0]])
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(truncation="icepop", is_low=0.5, is_high=2.0))
     assert loss_sum.item() == pytest.approx(-1.0)
-    assert m["is_truncated_sum"] == 2 and m["is_weight_min"] == 0.0
+    assert m["is_truncated_frac"] == 2 and m["is_weight_min"] == 0.0
 
 
 def test_seq_mask_tis_drops_whole_sequences_by_their_geometric_mean_weight():
@@ -150,7 +152,7 @@ def test_seq_mask_tis_drops_whole_sequences_by_their_geometric_mean_weight():
                      gen=[[-2.2, -2.2], [-2.0, -0.2]], adv=(1.0, 1.0))
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(truncation="seq-mask-tis", is_low=0.5, is_high=2.0, is_cap=2.0))
     assert loss_sum.item() == pytest.approx(-(2.0 + math.exp(-0.8)), rel=1e-6)
-    assert m["is_truncated_sum"] == 3  # two dropped tokens, one capped
+    assert m["is_truncated_frac"] == 3  # two dropped tokens, one capped
 
 
 def test_sequence_level_importance_weight_is_the_product_over_tokens():
@@ -166,11 +168,11 @@ def test_kl_estimators(kind):
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(**NO_IS, kl=kind, kl_coef=0.5))
     delta = torch.tensor(ref_v) - torch.tensor(curr_v)
     kl = {"k1": -delta, "k2": 0.5 * delta**2, "k3": delta.exp() - delta - 1}[kind]
-    assert m["kl_sum"] == pytest.approx(float(kl.sum()), rel=1e-6)
+    assert m["kl"] == pytest.approx(float(kl.sum()), rel=1e-6)
     assert loss_sum.item() == pytest.approx(0.5 * float(kl.sum()), rel=1e-6)
     # zero at the reference
     curr, b = _batch(curr_v, prev=curr_v, adv=(0.0,), ref=curr_v)
-    assert grpo_loss(curr, b, LossConfig(**NO_IS, kl=kind, kl_coef=0.5))[2]["kl_sum"] == pytest.approx(0.0, abs=1e-7)
+    assert grpo_loss(curr, b, LossConfig(**NO_IS, kl=kind, kl_coef=0.5))[2]["kl"] == pytest.approx(0.0, abs=1e-7)
 
 
 def test_kl_needs_reference_logprobs():
@@ -200,7 +202,7 @@ def test_entropy_bonus_lowers_the_loss():
     curr, b = _batch([[-1.0, -1.0]], adv=(0.0,))
     entropy = torch.tensor([[2.0, 1.0]])
     loss_sum, _, m = grpo_loss(curr, b, LossConfig(**NO_IS, entropy_coef=0.1), entropy=entropy)
-    assert loss_sum.item() == pytest.approx(-0.3) and m["entropy_sum"] == pytest.approx(3.0)
+    assert loss_sum.item() == pytest.approx(-0.3) and m["entropy"] == pytest.approx(3.0)
 
 
 def test_loss_config_rejects_inconsistent_settings():
@@ -234,18 +236,18 @@ def _random_groups(seed, n_groups=6, G=4):
 def _train_step(loss_cfg, chunks, micro_batch_size=None, steps=2):
     from asyncrl.backends.torch import TorchPolicy
 
-    policy = TorchPolicy(TINY, TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size), loss_cfg, seed=0)
+    policy = TorchPolicy(TINY, TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size), GRPOLoss(loss_cfg), seed=0)
     out = []
     for step in range(steps):
         groups = _random_groups(step)
         policy.begin_train_step()
         for lo, hi in chunks:
             batch = make_train_batch(groups[lo:hi], loss_cfg, pad_id=256)
-            batch.prev_logprobs = policy.logprobs(batch)
+            batch = replace(batch, prev_logprobs=policy.logprobs(batch))
             # generator logprobs off by a deterministic per-token amount in [-1, 1]: some importance weights
             # inside the truncation band, some outside, independent of how the step is cut into chunks
             pos = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids)
-            batch.gen_logprobs = (batch.prev_logprobs + torch.sin(batch.input_ids * 0.37 + pos)) * batch.loss_mask
+            batch = replace(batch, gen_logprobs=(batch.prev_logprobs + torch.sin(batch.input_ids * 0.37 + pos)) * batch.loss_mask)
             policy.train_microbatches(batch)
         out.append(policy.finish_train_step())
     return policy.export_weights(), out

@@ -9,25 +9,26 @@ from __future__ import annotations
 
 import os
 import socket
+from dataclasses import replace
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip install 'asyncrl[megatron]')")
 
-from asyncrl.algorithms import LossConfig  # noqa: E402
-from asyncrl.backends.base import PolicyBackend, TrainBatch  # noqa: E402
-from asyncrl.backends.megatron import (  # noqa: E402
+from asyncrl.algorithms import GRPOLoss, LossConfig  # noqa: E402
+from asyncrl.backends.base import PolicyBackend  # noqa: E402
+from asyncrl.backends.hf import build_hf_config, init_hf_model  # noqa: E402
+from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
+from asyncrl.backends.megatron_weights import (  # noqa: E402
     ArchSpec,
-    MegatronPolicy,
-    build_hf_config,
     hf_to_megatron,
-    init_hf_model,
     megatron_to_hf,
     shard_for_tp,
     unshard_from_tp,
 )
 from asyncrl.config import ModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.data import TrainBatch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -89,7 +90,7 @@ def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss
     model_cfg = ModelConfig(**model_kw)
     trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=lr, grad_clip=grad_clip,
                                 micro_batch_size=micro_batch_size, options={"optimizer": "torch"})
-    return MegatronPolicy(model_cfg, trainer_cfg, loss or LossConfig(), seed, tok)
+    return MegatronPolicy(model_cfg, trainer_cfg, GRPOLoss(loss), seed, tok)
 
 
 def make_batch(B=8, prompt=4, completion=6, vocab=259, seed=0, ragged=True) -> TrainBatch:
@@ -110,8 +111,8 @@ def make_batch(B=8, prompt=4, completion=6, vocab=259, seed=0, ragged=True) -> T
 
 
 def with_logprobs(batch: TrainBatch, lp: torch.Tensor) -> TrainBatch:
-    batch.prev_logprobs = lp.clone()
-    batch.gen_logprobs = lp.clone()
+    batch = replace(batch, prev_logprobs=lp.clone())
+    batch = replace(batch, gen_logprobs=lp.clone())
     return batch
 
 
@@ -255,7 +256,7 @@ def test_random_init_is_deterministic_in_seed(megatron_cpu, tok):
 def test_starts_from_the_same_weights_as_the_torch_backend(megatron_cpu, tok):
     """Same config and seed: Megatron, torch and (through the same HF init) vLLM start at identical weights."""
     torch_backend = pytest.importorskip("asyncrl.backends.torch")
-    ref = torch_backend.TorchPolicy(ModelConfig(), TrainerConfig(), LossConfig(), 4, tok).export_weights()
+    ref = torch_backend.TorchPolicy(ModelConfig(), TrainerConfig(), GRPOLoss(), 4, tok).export_weights()
     ours = make_policy(tok, seed=4).export_weights()
     assert list(ours) == list(ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
@@ -293,7 +294,7 @@ def test_whole_step_normalisation_is_independent_of_chunking(megatron_cpu, tok, 
         p.optimizer = torch.optim.SGD(p.model.parameters(), lr=1.0)
     w0 = weights(one)
     batch = with_logprobs(batch, one.logprobs(batch))
-    batch.gen_logprobs = batch.gen_logprobs - 0.1 * batch.loss_mask  # a non-trivial importance weight
+    batch = replace(batch, gen_logprobs=batch.gen_logprobs - 0.1 * batch.loss_mask)  # a non-trivial importance weight
 
     one.begin_train_step()
     one.train_microbatches(batch)
@@ -304,7 +305,7 @@ def test_whole_step_normalisation_is_independent_of_chunking(megatron_cpu, tok, 
     b = two.train_microbatches(batch.slice(3, 8))
     m2 = two.finish_train_step()
 
-    assert a["tokens"] != b["tokens"] * 3 / 5  # really uneven
+    assert batch.slice(0, 3).num_tokens != batch.slice(3, 8).num_tokens * 3 / 5  # really uneven
     assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
     assert m1["tokens"] == m2["tokens"] and m1["is_weight_mean"] == pytest.approx(m2["is_weight_mean"])
     assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-5)
@@ -369,7 +370,7 @@ def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_pat
     trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp,
                                 options={"optimizer": "torch"})
     policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-                            trainer_cfg, LossConfig(), 0, tok)
+                            trainer_cfg, GRPOLoss(), 0, tok)
     out = _one_step(policy)
     if rank == 0:
         torch.save(out, out_path)
@@ -380,7 +381,7 @@ def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_pat
 def _run_world_one(tok) -> dict:
     policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
                             TrainerConfig(backend="megatron", device="cpu", lr=1e-3, options={"optimizer": "torch"}),
-                            LossConfig(), 0, tok)
+                            GRPOLoss(), 0, tok)
     return _one_step(policy)
 
 
@@ -391,7 +392,7 @@ def _one_step(policy) -> dict:
     batch = make_batch(seed=8)
     lp = policy.logprobs(batch)
     batch = with_logprobs(batch, lp)
-    batch.gen_logprobs = batch.gen_logprobs - 0.1 * batch.loss_mask
+    batch = replace(batch, gen_logprobs=batch.gen_logprobs - 0.1 * batch.loss_mask)
     policy.begin_train_step()
     policy.train_microbatches(batch)
     metrics = policy.finish_train_step()

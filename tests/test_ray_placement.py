@@ -3,6 +3,7 @@ devices) gives the same weights as in-process, and a concurrent run through acto
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 import torch
 
@@ -27,7 +28,7 @@ def test_backends_in_ray_actors_match_in_process_bit_for_bit(ray_cluster):
         "quickstart", seed=4, sampler=sampler, eval_every=None,
         trainer={"placement": "ray"}, generation={"placement": "ray"},
     ))
-    assert type(remote.policy).__name__ == "RemoteBackend" and type(remote.generator).__name__ == "RemoteBackend"
+    assert type(remote.policy).__name__ == "RemoteTorchPolicy" and type(remote.generator).__name__ == "RemoteTorchGenerator"
     for ctrl in (local, remote):
         while ctrl.trainer_version < 4:
             ctrl.tick()
@@ -48,3 +49,46 @@ def test_async_run_through_ray_actors(ray_cluster):
     assert ctrl.trainer_version == 6
     assert ctrl.metrics.lag_max.max() <= 1
     assert ctrl.metrics.eval_accuracy.notna().sum() == 2
+
+
+def test_the_proxy_has_exactly_the_backends_methods(ray_cluster):
+    from asyncrl.backends.base import GenerationBackend, PolicyBackend
+
+    ctrl = Controller.from_config(load_config(
+        "quickstart", trainer={"placement": "ray"}, generation={"backend": "simulated", "placement": "ray"},
+    ))
+    with ctrl:
+        policy, generator = ctrl.policy, ctrl.generator
+        assert isinstance(policy, PolicyBackend) and isinstance(generator, GenerationBackend)
+        assert not isinstance(policy, GenerationBackend)  # a policy has no version, submit, poll, ...
+        assert not hasattr(policy, "version") and hasattr(generator, "version")
+        assert hasattr(policy, "export_weights") and not hasattr(generator, "export_weights")
+        with pytest.raises(AttributeError):
+            generator.no_such_method()
+        assert not hasattr(policy, "model")  # instance attributes are not part of the contract
+        assert generator.version == 0 and generator.num_inflight() == 0
+
+
+def test_save_and_restore_with_backends_in_ray_actors(ray_cluster, tmp_path):
+    """A torch policy and a simulated generator, each in its own actor: save between steps, restore into fresh
+    actors, and the restored run continues exactly as the uninterrupted one."""
+    cfg = dict(eval_every=None, trainer={"placement": "ray"},
+               generation={"backend": "simulated", "placement": "ray", "max_new_tokens": 3})
+    columns = ["step", "reward_mean", "loss", "lag_mean", "tokens", "grad_norm", "is_weight_mean"]
+    with Controller.from_config(load_config("quickstart", seed=3, **cfg)) as ctrl:
+        while ctrl.trainer_version < 2:
+            ctrl.tick()
+        ctrl.save(tmp_path / "ckpt")
+        while ctrl.trainer_version < 4:
+            ctrl.tick()
+        expected_weights, expected = ctrl.policy.export_weights(), ctrl.metrics[columns]
+        expected_trace = ctrl.trace
+    with Controller.restore(tmp_path / "ckpt") as restored:
+        assert type(restored.generator).__name__ == "RemoteSimulatedGenerator"
+        assert restored.trainer_version == 2 and restored.generation_version == 2
+        while restored.trainer_version < 4:
+            restored.tick()
+        weights = restored.policy.export_weights()
+        assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
+        pd.testing.assert_frame_equal(restored.metrics[columns], expected)
+        pd.testing.assert_frame_equal(restored.trace, expected_trace)

@@ -4,14 +4,17 @@ exact save/restore."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
 
-from asyncrl.algorithms import LossConfig, make_train_batch
-from asyncrl.backends.base import GenerationBackend, GenerationRequest, PolicyBackend
-from asyncrl.backends.torch import TorchGenerator, TorchPolicy, build_model
+from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch
+from asyncrl.backends.base import GenerationBackend, PolicyBackend
+from asyncrl.backends.hf import build_model
+from asyncrl.backends.torch import TorchGenerator, TorchPolicy
 from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig
+from asyncrl.data import GenerationRequest
 from asyncrl.tasks import build_task, evaluate
 from asyncrl.tokenizer import build_tokenizer
 
@@ -25,7 +28,7 @@ def tok():
 
 
 def make(tok, seed=0, gen=None, loss=None, trainer=None, model=SMALL):
-    policy = TorchPolicy(model, trainer or TrainerConfig(lr=1e-2), loss or LossConfig(), seed, tok)
+    policy = TorchPolicy(model, trainer or TrainerConfig(lr=1e-2), GRPOLoss(loss), seed, tok)
     generator = TorchGenerator(model, gen or GenerationConfig(max_new_tokens=4), seed, tok)
     return policy, generator
 
@@ -79,7 +82,7 @@ def test_poll_returns_groups_in_submission_order_with_shapes_and_logprobs(tok):
     assert [g.group_id for g in groups] == [10, 11]
     for g in groups:
         assert len(g.completion_ids) == len(g.logprobs) == len(g.finish_reasons) == 3
-        assert g.weight_version == g.end_weight_version == 0
+        assert g.gen_start_version == g.gen_end_version == 0
         for ids, lps, reason in zip(g.completion_ids, g.logprobs, g.finish_reasons):
             assert 1 <= len(ids) <= 4 and len(lps) == len(ids)
             assert all(lp <= 0 for lp in lps)
@@ -147,8 +150,8 @@ def test_abort_removes_queued_groups_only(tok):
 # --------------------------------------------------------------------------------------- weight sync
 def _train_one_step(policy, tok, gen):
     gen.submit(requests(tok, ["abc=", "cab="], n=4))
-    batch = make_train_batch(scored(gen.poll()), policy.loss_cfg, tok.pad_token_id)
-    batch.prev_logprobs = policy.logprobs(batch)
+    batch = make_train_batch(scored(gen.poll()), policy.loss.cfg, tok.pad_token_id)
+    batch = replace(batch, prev_logprobs=policy.logprobs(batch))
     policy.begin_train_step()
     policy.train_microbatches(batch)
     return policy.finish_train_step()
@@ -212,16 +215,16 @@ def test_weight_loads_never_interleave_a_generation(tok):
         stop.set()
         thread.join()
     assert not errors and len(results) == 50
-    check = {0: TorchPolicy(SMALL, TrainerConfig(), LossConfig(), 0, tok),
-             1: TorchPolicy(SMALL, TrainerConfig(), LossConfig(), 0, tok)}
+    check = {0: TorchPolicy(SMALL, TrainerConfig(), GRPOLoss(), 0, tok),
+             1: TorchPolicy(SMALL, TrainerConfig(), GRPOLoss(), 0, tok)}
     check[1].model.load_state_dict(w_odd)
     versions = set()
     for g in results:
-        assert g.weight_version == g.end_weight_version
-        versions.add(g.weight_version % 2)
+        assert g.gen_start_version == g.gen_end_version
+        versions.add(g.gen_start_version % 2)
         batch = make_train_batch(scored([g]), LossConfig(), tok.pad_token_id)
-        assert torch.allclose(check[g.weight_version % 2].logprobs(batch), batch.gen_logprobs, atol=1e-4)
-    assert len({g.weight_version for g in results}) > 1
+        assert torch.allclose(check[g.gen_start_version % 2].logprobs(batch), batch.gen_logprobs, atol=1e-4)
+    assert len({g.gen_start_version for g in results}) > 1
 
 
 # ------------------------------------------------------------------------------------- training state

@@ -13,9 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asyncrl.backends.base import GenerationBackend, GenerationRequest
+from asyncrl.backends.base import GenerationBackend
 from asyncrl.backends.vllm import VLLMGenerator, group_seed, write_model_dir
 from asyncrl.config import GenerationConfig, ModelConfig
+from asyncrl.data import GenerationRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 EOS = 258
@@ -157,7 +158,7 @@ def test_submit_only_queues_and_poll_generates_one_wave():
             assert ids[-1] == EOS and EOS not in ids[:-1]
         else:
             assert reason == "length" and len(ids) == 6 and EOS not in ids
-    assert (g.weight_version, g.end_weight_version) == (0, 0)
+    assert (g.gen_start_version, g.gen_end_version) == (0, 0)
     assert gen.poll() == [] and len(llm.calls) == 1  # nothing queued: no engine call
 
 
@@ -193,7 +194,7 @@ def test_load_weights_reloads_in_place_then_resets_the_prefix_cache_then_sets_th
     assert gen.version == 3 and gen.last_sync_seconds is not None
     gen.submit([req(1)])
     g = gen.poll()[0]
-    assert (g.weight_version, g.end_weight_version) == (3, 3)
+    assert (g.gen_start_version, g.gen_end_version) == (3, 3)
     assert all(lp == -2.5 for row in g.logprobs for lp in row)
 
 
@@ -228,7 +229,7 @@ def test_a_weight_load_waits_for_the_running_wave():
     poller.join(5)
     loader.join(5)
     (g,) = box["out"]
-    assert (g.weight_version, g.end_weight_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
+    assert (g.gen_start_version, g.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
     assert gen.version == 1 and llm.log == ["generate", "reload_weights", "reset_prefix_cache"]
 
 
@@ -354,7 +355,7 @@ def test_model_dir_holds_config_tokenizer_and_the_policies_initial_weights(tmp_p
     from transformers import AutoConfig, AutoTokenizer
 
     from asyncrl.backends.torch import TorchPolicy
-    from asyncrl.algorithms import LossConfig
+    from asyncrl.algorithms import GRPOLoss
     from asyncrl.config import TrainerConfig
 
     tok = make_tokenizer()
@@ -364,7 +365,7 @@ def test_model_dir_holds_config_tokenizer_and_the_policies_initial_weights(tmp_p
     assert (cfg.model_type, cfg.vocab_size, cfg.eos_token_id, cfg.hidden_size) == ("llama", 259, EOS, 128)
     assert AutoTokenizer.from_pretrained(tmp_path).encode("7=") == tok.encode("7=")
     saved = load_file(str(tmp_path / "model.safetensors"))
-    ref = TorchPolicy(ModelConfig(), TrainerConfig(), LossConfig(), 5, tok).export_weights()
+    ref = TorchPolicy(ModelConfig(), TrainerConfig(), GRPOLoss(), 5, tok).export_weights()
     want = getattr(torch, dtype)
     for k, v in saved.items():
         assert v.dtype == want and torch.equal(v, ref[k].to(want)), k
@@ -379,7 +380,7 @@ def real():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     pytest.importorskip("vllm")
-    from asyncrl.backends.megatron import build_hf_config, init_hf_model
+    from asyncrl.backends.hf import build_hf_config, init_hf_model
 
     tok = make_tokenizer()
     model_cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -435,7 +436,7 @@ def test_real_vllm_weight_update_in_place(real):
     assert gen.version == 1 and gen.last_sync_seconds < 5
     gen.submit([GenerationRequest(10, tok.encode("7="), 8)])
     (g,) = gen.poll()
-    assert (g.weight_version, g.end_weight_version) == (1, 1)
+    assert (g.gen_start_version, g.gen_end_version) == (1, 1)
     flat = torch.tensor([lp for row in g.logprobs for lp in row])
     torch.testing.assert_close(flat, torch.full_like(flat, -math.log(259)), atol=1e-4, rtol=0)
     gen.load_weights(original, version=2)

@@ -25,12 +25,16 @@ def ray_cluster():
 
 
 def test_collective_sync_matches_in_process_and_bypasses_the_driver(ray_cluster, monkeypatch):
-    from asyncrl.backends.ray import RemoteBackend
+    import asyncrl.backends.ray as placement
 
     driver_calls: list[str] = []  # every backend method the controller calls through a proxy
-    proxied = RemoteBackend.__getattr__
-    monkeypatch.setattr(RemoteBackend, "__getattr__",
-                        lambda self, name: driver_calls.append(name) or proxied(self, name))
+    make_method = placement._remote_method
+
+    def recording(name, doc):
+        call = make_method(name, doc)
+        return lambda self, *args, **kwargs: driver_calls.append(name) or call(self, *args, **kwargs)
+
+    monkeypatch.setattr(placement, "_remote_method", recording)
 
     local = Controller.from_config(load_config("quickstart", seed=4, sampler=SYNC, eval_every=None))
     with Controller.from_config(load_config("quickstart", seed=4, sampler=SYNC, eval_every=None, **ACTORS)) as remote:

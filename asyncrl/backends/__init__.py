@@ -3,13 +3,17 @@
 ``build_backends(cfg)`` picks the implementations named in the config and places them in-process, as Ray
 actors (``placement: ray``) or, the generator, in a child process (``placement: process``): placement is
 configuration, not code.
+Layout: ``base`` (the Protocols), ``hf`` (Hugging Face helpers every engine shares), one module per engine
+(``torch``, ``megatron`` with ``megatron_weights`` and ``megatron_parallel``, ``vllm``, ``simulated``), the
+placements (``ray``, ``process``) and ``weight_sync`` (how weights reach the generator). Engines never import each
+other.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 
-from asyncrl.backends.base import GenerationBackend, GenerationRequest, GroupRollouts, PolicyBackend, TrainBatch
+from asyncrl.backends.base import GenerationBackend, PolicyBackend
 
 POLICIES = {
     "torch": "asyncrl.backends.torch:TorchPolicy",
@@ -29,13 +33,14 @@ def _load(target: str) -> type:
 
 
 def build_backends(cfg):
-    """``(policy, generator, tokenizer)`` for a ``Config``."""
-    from asyncrl.tokenizer import build_tokenizer
+    """``(policy, generator, tokenizer)`` for a ``Config``; the policy trains with ``GRPOLoss(cfg.loss)``."""
+    from asyncrl.algorithms import GRPOLoss
+    from asyncrl.backends.hf import load_tokenizer
 
-    tokenizer = build_tokenizer() if cfg.model.hf_path is None else _hf_tokenizer(cfg.model.hf_path)
+    tokenizer = load_tokenizer(cfg.model)
     policy_cls = _load(POLICIES[cfg.trainer.backend])
     generator_cls = _load(GENERATORS[cfg.generation.backend])
-    policy_args = (cfg.model, cfg.trainer, cfg.loss, cfg.seed, tokenizer)
+    policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
     if cfg.trainer.placement == "ray" or cfg.generation.placement == "ray":
         from asyncrl.backends.ray import remote
@@ -54,12 +59,4 @@ def build_backends(cfg):
     return policy_cls(*policy_args), generator_cls(*generator_args), tokenizer
 
 
-def _hf_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-__all__ = [
-    "GenerationBackend", "GenerationRequest", "GroupRollouts", "PolicyBackend", "TrainBatch", "build_backends",
-]
+__all__ = ["GenerationBackend", "PolicyBackend", "build_backends"]

@@ -1,131 +1,112 @@
-"""The two backend protocols and the data that crosses them.
+"""The two backend Protocols: everything the controller (and its weight sync, evaluation and checkpoints) calls.
 
 A generation backend turns prompt token ids into ``G`` sampled completions with per-token logprobs, under the
-weights of its current ``version``. A policy backend computes logprobs and trains. Both are small Protocols so
-the controller can be tested with any implementation (torch on CPU, Megatron-core + vLLM on GPUs, a simulator).
+weights of its current ``version``. A policy backend computes logprobs and trains, one optimizer step per RL step.
+Both are small ``typing.Protocol``s, so the controller runs any implementation (torch on CPU, Megatron-core +
+vLLM on GPUs, a simulator), in-process or behind a Ray proxy that exposes exactly the same methods.
 
-Token tensors in a ``TrainBatch`` are aligned with ``input_ids``: the value at position ``t`` belongs to token
-``input_ids[:, t]`` predicted from ``input_ids[:, :t]``. ``loss_mask`` is 1 exactly at completion tokens, so
-position 0, prompt tokens and right padding never count.
+The data crossing them (``GenerationRequest``, ``GroupRollouts``, ``TrainBatch``) lives in ``asyncrl.data``.
+Each method says when the controller calls it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 
 if TYPE_CHECKING:
     import torch
-
-
-@dataclass
-class GenerationRequest:
-    group_id: int
-    prompt_ids: list[int]
-    n: int  # completions per prompt (G)
-
-
-@dataclass
-class GroupRollouts:
-    """One prompt group's completions, as the generation backend returns them and the buffer stores them."""
-
-    group_id: int
-    prompt_ids: list[int]
-    completion_ids: list[list[int]]
-    logprobs: list[list[float]]  # generator's logprob of each completion token
-    weight_version: int  # generator version when the group started
-    end_weight_version: int  # generator version when it finished
-    finish_reasons: list[str] = field(default_factory=list)
-    rewards: list[float] | None = None  # set by the controller when it scores the group
-    texts: list[str] | None = None  # decoded completions, for people and for scoring
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c) for c in self.completion_ids)
 
 
 @runtime_checkable
 class GenerationBackend(Protocol):
     @property
     def version(self) -> int:
-        """The weight version the backend generates with; set by ``load_weights`` once the load completed."""
+        """The weight version the backend generates with; set by ``load_weights`` once the load completed. Read
+        at every dispatch (it stamps the reserved slots)."""
         ...
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        """Queue requests; never blocks on generation."""
+        """Queue one admitted batch (rollout tick); never blocks on generation."""
         ...
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
-        """Finished groups. ``timeout=0`` returns what is finished now (a synchronous backend generates what it
-        has queued); ``None`` waits until at least one group finished or nothing is in flight."""
+        """Finished groups (every rollout tick). ``timeout=0`` returns what is finished now (a synchronous
+        backend generates what it has queued); ``None`` waits until at least one group finished or nothing is in
+        flight."""
         ...
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
-        """Cancel unfinished groups; returns the ids actually cancelled (finished ones are not)."""
+        """Cancel unfinished groups after a weight sync, when the sampler allows; returns the ids actually
+        cancelled (finished ones are not)."""
         ...
 
-    def num_inflight(self) -> int: ...
+    def num_inflight(self) -> int:
+        """Groups submitted and not yet returned by ``poll`` or cancelled."""
+        ...
 
-    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None: ...
+    def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Take the policy's weights (Hugging Face names) as version ``version``: at construction (0), after every
+        optimizer step, and on restore. Never interleaves a generation."""
+        ...
 
-    def close(self) -> None: ...
+    def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list[list[int]]:
+        """Greedy completions under the current weights, for ``Controller.evaluate``; draws no sampling
+        randomness (the rollouts after an evaluation are those of a run without it)."""
+        ...
 
+    def state_dict(self) -> dict[str, Any]:
+        """What an exact resume needs beyond the policy's weights (``Controller.save``, between steps)."""
+        ...
 
-@dataclass
-class TrainBatch:
-    """Padded tensors for a list of groups (all completions of each group, groups in order)."""
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (``Controller.restore``, after the weights were loaded)."""
+        ...
 
-    input_ids: torch.Tensor  # [B, S] long, right padded
-    attention_mask: torch.Tensor  # [B, S]
-    loss_mask: torch.Tensor  # [B, S] float, 1 at completion tokens
-    gen_logprobs: torch.Tensor  # [B, S] float32, 0 off the mask
-    advantages: torch.Tensor  # [B] float32
-    group_sizes: list[int]
-    prev_logprobs: torch.Tensor | None = None  # [B, S], policy before this step's update
-    ref_logprobs: torch.Tensor | None = None  # [B, S], reference model (KL)
-
-    @property
-    def num_sequences(self) -> int:
-        return int(self.input_ids.shape[0])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.loss_mask.sum().item())
-
-    def slice(self, start: int, stop: int) -> TrainBatch:
-        """Rows ``start:stop`` (a micro-batch); ``group_sizes`` is not meaningful on a slice."""
-        cut = lambda t: None if t is None else t[start:stop]  # noqa: E731
-        return TrainBatch(
-            cut(self.input_ids), cut(self.attention_mask), cut(self.loss_mask), cut(self.gen_logprobs),
-            cut(self.advantages), [], cut(self.prev_logprobs), cut(self.ref_logprobs),
-        )
+    def close(self) -> None:
+        """Release the engine (``Controller.close``); queued work is dropped."""
+        ...
 
 
 @runtime_checkable
 class PolicyBackend(Protocol):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, S] logprobs of ``batch.input_ids`` under the current weights (0 off ``loss_mask``), no grad."""
+        """[B, S] logprobs of ``batch.input_ids`` under the current weights (0 off ``loss_mask``), no grad. Called
+        on every chunk before it is trained: these are the loss's ``prev_logprobs``."""
         ...
 
     def begin_train_step(self) -> None:
-        """Start an RL step: zero gradients and the step's loss accumulators."""
+        """Start an RL step (before its first chunk): zero gradients and the step's accumulators."""
         ...
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
-        """Forward/backward over ``batch`` in micro-batches, accumulating un-normalised gradients."""
+        """Forward/backward over one chunk in micro-batches with the backend's ``Loss``, accumulating
+        un-normalised gradients. Returns this chunk's ``loss_sum``, ``normaliser`` and ``sequences``."""
         ...
 
     def finish_train_step(self) -> dict[str, float]:
-        """Normalise over the whole step, clip, take exactly one optimizer step. Returns ``loss`` and friends."""
+        """When the step's groups are all trained: normalise over the whole step, clip, take exactly one optimizer
+        step. Returns the step's metrics: its loss's (``Loss.metrics``) and ``asyncrl.metrics.ENGINE_METRICS``."""
         ...
 
     def export_weights(self) -> dict[str, torch.Tensor]:
-        """Current weights under Hugging Face parameter names (what a generation backend loads)."""
+        """Current weights under Hugging Face parameter names (what a generation backend loads), after every
+        optimizer step and at construction."""
         ...
 
     def state_dict(self) -> dict[str, Any]:
-        """Weights and optimizer state, for ``Controller.save``."""
+        """Weights and optimizer state, for ``Controller.save`` (between steps)."""
         ...
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``state_dict()`` (``Controller.restore``)."""
+        ...
+
+    def close(self) -> None:
+        """Release the model and optimizer (``Controller.close``)."""
+        ...
+
+
+__all__ = ["GenerationBackend", "PolicyBackend", "GenerationRequest", "GroupRollouts", "TrainBatch"]

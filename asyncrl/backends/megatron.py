@@ -1,24 +1,20 @@
 """Policy backend on Megatron-core's ``GPTModel`` (Llama / Qwen2-style: RMSNorm, SwiGLU, rotary, GQA).
 
-``MegatronPolicy(model_cfg, trainer_cfg, loss_cfg, seed, tokenizer)`` mirrors ``TorchPolicy``:
-- The architecture comes from a Hugging Face config: ``model_cfg.hf_path``'s ``config.json`` when given (and its
-  safetensors are loaded), else a ``LlamaConfig`` built from ``ModelConfig`` and the tokenizer, initialised the
-  way ``transformers`` initialises ``LlamaForCausalLM`` under ``torch.manual_seed(seed)`` on the CPU (so a
-  generation backend built from the same config and seed starts from the same weights).
-- Weights cross the HF <-> Megatron boundary through one mapping (``hf_to_megatron`` / ``megatron_to_hf``): HF's
-  separate q/k/v projections become Megatron's fused ``linear_qkv`` with the per-group interleaving GQA needs
-  (for each KV group: its query heads, then its key head, then its value head), HF's gate/up projections become
-  the fused SwiGLU ``linear_fc1`` (``[gate; up]``, per tensor-parallel shard).
+``MegatronPolicy(model_cfg, trainer_cfg, loss, seed, tokenizer)`` mirrors ``TorchPolicy``:
+- The architecture comes from a Hugging Face config (``hf.build_hf_config``): ``model_cfg.hf_path``'s when given
+  (and its safetensors are loaded), else the ``LlamaConfig`` of ``ModelConfig`` with ``hf.init_hf_model``'s
+  seeded weights, so every engine built from the same config and seed starts from the same weights.
+- Weights cross the HF <-> Megatron boundary through one mapping, ``megatron_weights`` (fused qkv with GQA
+  interleaving, fused SwiGLU ``linear_fc1``, tensor-parallel shards).
 - Training: bf16 (or fp32) parameters; on CUDA the model is wrapped in Megatron's ``DistributedDataParallel`` and
   stepped by ``get_megatron_optimizer`` (fp32 master weights, TP-aware grad clipping); elsewhere (CPU) a torch
   AdamW steps the bare model. ``trainer_cfg.options["optimizer"]`` (``"megatron"`` / ``"torch"``) overrides.
-- The split step: ``begin_train_step`` zeroes gradients and the step's sums, ``train_microbatches`` accumulates
-  gradients of ``grpo_loss``'s *un-normalised* ``loss_sum``, ``finish_train_step`` divides the gradients once by
+- The split step: ``begin_train_step`` zeroes gradients and the step's accumulator, ``train_microbatches``
+  accumulates gradients of the ``Loss``'s *un-normalised* ``loss_sum``, ``finish_train_step`` divides the gradients once by
   the step's normaliser (all-reduced over data-parallel ranks), clips and steps. The result does not depend on
   how the step was split into chunks or micro-batches.
 - Parallelism through ``megatron.core.parallel_state``: ``trainer_cfg.tensor_parallel`` x ``data_parallel`` must
-  equal the world size. ``torch.distributed`` and the model-parallel groups are initialised only if nobody did
-  yet (a single process gets a world of one on a free local port). Data-parallel ranks train on their share of
+  equal the world size (setup in ``megatron_parallel``). Data-parallel ranks train on their share of
   each batch's rows; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
 
 Megatron-core is imported lazily (inside functions), so ``asyncrl`` imports without it. Megatron-core on a CPU
@@ -28,307 +24,20 @@ needs workarounds that live in the tests (see ``tests/test_megatron_backend.py``
 from __future__ import annotations
 
 import math
-import os
-import re
-import socket
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from asyncrl.algorithms import LossConfig, grpo_loss, token_entropy, token_logprobs
-from asyncrl.backends.base import TrainBatch
+from asyncrl.algorithms import Loss, token_entropy, token_logprobs
+from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
+from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
+from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
+from asyncrl.data import TrainBatch
+from asyncrl.metrics import ENGINE_METRICS, Accumulator
 
-__all__ = [
-    "MegatronPolicy",
-    "build_hf_config",
-    "init_hf_state_dict",
-    "load_hf_state_dict",
-    "hf_to_megatron",
-    "megatron_to_hf",
-    "ArchSpec",
-]
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Hugging Face side: config, initial weights, checkpoint loading (no Megatron needed; vllm.py uses these too)
-# --------------------------------------------------------------------------------------------------------------
-
-
-def build_hf_config(model_cfg: Any, tokenizer: Any = None) -> Any:
-    """The Hugging Face config of ``model_cfg``: read from ``hf_path`` when set, else a ``LlamaConfig`` built from
-    the ``ModelConfig`` fields and the tokenizer (vocabulary size and special token ids)."""
-    from transformers import AutoConfig
-
-    if getattr(model_cfg, "hf_path", None):
-        return AutoConfig.from_pretrained(model_cfg.hf_path)
-    if tokenizer is None:
-        raise ValueError("a model built from ModelConfig (no hf_path) needs the tokenizer for its vocabulary")
-    return model_cfg.llama_config(len(tokenizer), tokenizer.pad_token_id, tokenizer.bos_token_id,
-                                  tokenizer.eos_token_id)
-
-
-def _hf_model_class(hf_config: Any) -> Any:
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    if getattr(hf_config, "model_type", "llama") == "llama":
-        return LlamaForCausalLM
-    return lambda cfg: AutoModelForCausalLM.from_config(cfg)
-
-
-def init_hf_model(hf_config: Any, seed: int) -> Any:
-    """A freshly initialised fp32 HF causal LM on the CPU: ``torch.manual_seed(seed)`` then the model's own
-    initialisation, without touching the caller's RNG state. Deterministic in ``seed`` on any machine."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = _hf_model_class(hf_config)(hf_config)
-    return model.float().eval()
-
-
-def init_hf_state_dict(hf_config: Any, seed: int) -> dict[str, torch.Tensor]:
-    """``init_hf_model(hf_config, seed).state_dict()``: the HF-named initial weights."""
-    return dict(init_hf_model(hf_config, seed).state_dict())
-
-
-def load_hf_state_dict(path: str) -> dict[str, torch.Tensor]:
-    """All tensors of the safetensors files (or ``pytorch_model*.bin``) in a HF checkpoint directory."""
-    from pathlib import Path
-
-    root = Path(path)
-    files = sorted(root.glob("*.safetensors"))
-    out: dict[str, torch.Tensor] = {}
-    if files:
-        from safetensors.torch import load_file
-
-        for f in files:
-            out.update(load_file(str(f)))
-        return out
-    bins = sorted(root.glob("pytorch_model*.bin"))
-    if not bins:
-        raise FileNotFoundError(f"no *.safetensors or pytorch_model*.bin in {path}")
-    for f in bins:
-        out.update(torch.load(str(f), map_location="cpu", weights_only=True))
-    return out
-
-
-# --------------------------------------------------------------------------------------------------------------
-# The HF <-> Megatron mapping (pure tensor code, also used by the tests)
-# --------------------------------------------------------------------------------------------------------------
-
-
-class ArchSpec:
-    """The shape facts the weight mapping needs, read from a HF config."""
-
-    def __init__(self, hf_config: Any):
-        c = hf_config
-        model_type = getattr(c, "model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"MegatronPolicy supports Llama/Qwen2-style models, not model_type={model_type!r}")
-        self.model_type = model_type
-        self.vocab_size = int(c.vocab_size)
-        self.hidden_size = int(c.hidden_size)
-        self.intermediate_size = int(c.intermediate_size)
-        self.num_layers = int(c.num_hidden_layers)
-        self.num_heads = int(c.num_attention_heads)
-        self.num_kv_heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
-        self.head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
-        self.rms_norm_eps = float(getattr(c, "rms_norm_eps", 1e-6))
-        self.tie_word_embeddings = bool(getattr(c, "tie_word_embeddings", False))
-        self.max_position_embeddings = int(getattr(c, "max_position_embeddings", 2048))
-        self.initializer_range = float(getattr(c, "initializer_range", 0.02))
-        rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only plain rotary embeddings)")
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
-        self.rope_theta = float(theta if theta is not None else getattr(c, "rope_theta", 10000.0))
-        act = getattr(c, "hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
-        # Qwen2 has q/k/v biases; Llama has them (and an o_proj bias) only with attention_bias.
-        self.qkv_bias = model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
-        if model_type == "llama" and getattr(c, "attention_bias", False):
-            raise ValueError("Llama attention_bias=True (an o_proj bias) is not supported")
-        if getattr(c, "mlp_bias", False):
-            raise ValueError("mlp_bias=True is not supported")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of {self.num_kv_heads}")
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
-
-def _layer_names(i: int) -> dict[str, str]:
-    hf, mg = f"model.layers.{i}.", f"decoder.layers.{i}."
-    return {
-        hf + "input_layernorm.weight": mg + "input_layernorm.weight",
-        hf + "self_attn.o_proj.weight": mg + "self_attention.linear_proj.weight",
-        hf + "post_attention_layernorm.weight": mg + "pre_mlp_layernorm.weight",
-        hf + "mlp.down_proj.weight": mg + "mlp.linear_fc2.weight",
-    }
-
-
-def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:
-    """HF tensors -> *full* (unsharded) Megatron tensors. ``linear_fc1`` is ``[gate; up]`` over the whole
-    intermediate size (``shard_for_tp`` re-splits it per rank); the vocabulary is not padded here."""
-    out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"]}
-    ng, rep, d = spec.num_kv_heads, spec.heads_per_group, spec.head_dim
-    for i in range(spec.num_layers):
-        for h, m in _layer_names(i).items():
-            out[m] = hf[h]
-        p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
-            q = hf[p + f"self_attn.q_proj.{kind}"]
-            k = hf[p + f"self_attn.k_proj.{kind}"]
-            v = hf[p + f"self_attn.v_proj.{kind}"]
-            tail = q.shape[1:]
-            fused = torch.cat([q.reshape(ng, rep * d, *tail), k.reshape(ng, d, *tail), v.reshape(ng, d, *tail)], 1)
-            out[mp + f"self_attention.linear_qkv.{kind}"] = fused.reshape(ng * (rep + 2) * d, *tail)
-        out[mp + "mlp.linear_fc1.weight"] = torch.cat([hf[p + "mlp.gate_proj.weight"], hf[p + "mlp.up_proj.weight"]], 0)
-    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
-    if not spec.tie_word_embeddings:
-        out["output_layer.weight"] = hf["lm_head.weight"]
-    return out
-
-
-def megatron_to_hf(mg: Mapping[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:
-    """Full Megatron tensors (as ``hf_to_megatron`` makes them) -> HF tensors under exactly the names
-    ``LlamaForCausalLM.state_dict()`` has (``lm_head.weight`` included, tied or not)."""
-    emb = mg["embedding.word_embeddings.weight"][: spec.vocab_size]
-    out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": emb}
-    ng, rep, d = spec.num_kv_heads, spec.heads_per_group, spec.head_dim
-    for i in range(spec.num_layers):
-        p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
-        for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
-            fused = mg[mp + f"self_attention.linear_qkv.{kind}"]
-            tail = fused.shape[1:]
-            q, k, v = fused.reshape(ng, (rep + 2) * d, *tail).split([rep * d, d, d], dim=1)
-            out[p + f"self_attn.q_proj.{kind}"] = q.reshape(ng * rep * d, *tail)
-            out[p + f"self_attn.k_proj.{kind}"] = k.reshape(ng * d, *tail)
-            out[p + f"self_attn.v_proj.{kind}"] = v.reshape(ng * d, *tail)
-        names = _layer_names(i)
-        out[p + "self_attn.o_proj.weight"] = mg[names[p + "self_attn.o_proj.weight"]]
-        gate, up = mg[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
-        out[p + "mlp.gate_proj.weight"] = gate
-        out[p + "mlp.up_proj.weight"] = up
-        out[p + "mlp.down_proj.weight"] = mg[names[p + "mlp.down_proj.weight"]]
-        out[p + "input_layernorm.weight"] = mg[names[p + "input_layernorm.weight"]]
-        out[p + "post_attention_layernorm.weight"] = mg[names[p + "post_attention_layernorm.weight"]]
-    out["model.norm.weight"] = mg["decoder.final_layernorm.weight"]
-    out["lm_head.weight"] = emb if spec.tie_word_embeddings else mg["output_layer.weight"][: spec.vocab_size]
-    return _hf_order(out, spec)
-
-
-def _hf_order(sd: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:
-    """The order ``LlamaForCausalLM.state_dict()`` uses (keys are what matters; order helps people reading)."""
-    keys = ["model.embed_tokens.weight"]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        for proj in ("q", "k", "v"):
-            keys.append(p + f"self_attn.{proj}_proj.weight")
-            if spec.qkv_bias:
-                keys.append(p + f"self_attn.{proj}_proj.bias")
-        keys += [p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
-                 p + "mlp.down_proj.weight", p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-    keys += ["model.norm.weight", "lm_head.weight"]
-    return {k: sd[k] for k in keys}
-
-
-# Tensor-parallel layout of each Megatron parameter, by name: the dimension it is split along (None: replicated).
-_COLUMN = re.compile(r"(linear_qkv|linear_fc1)\.(weight|bias)$|^output_layer\.weight$|word_embeddings\.weight$")
-_ROW = re.compile(r"(linear_proj|linear_fc2)\.weight$")
-
-
-def partition_dim(name: str) -> int | None:
-    if _COLUMN.search(name):
-        return 0
-    if _ROW.search(name):
-        return 1
-    return None
-
-
-def _is_vocab(name: str) -> bool:
-    return name.endswith("word_embeddings.weight") or name == "output_layer.weight"
-
-
-def shard_for_tp(name: str, full: torch.Tensor, rank: int, size: int, padded_vocab: int) -> torch.Tensor:
-    """This TP rank's piece of a full Megatron tensor (vocab rows padded to ``padded_vocab`` with zeros)."""
-    if _is_vocab(name) and full.shape[0] < padded_vocab:
-        full = torch.cat([full, full.new_zeros(padded_vocab - full.shape[0], *full.shape[1:])], 0)
-    dim = partition_dim(name)
-    if dim is None or size == 1:
-        return full
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
-        gate, up = full.chunk(2, dim=0)
-        return torch.cat([gate.chunk(size, 0)[rank], up.chunk(size, 0)[rank]], 0)
-    return full.chunk(size, dim)[rank]
-
-
-def unshard_from_tp(name: str, pieces: list[torch.Tensor]) -> torch.Tensor:
-    """Inverse of ``shard_for_tp`` over all ranks' pieces (vocab padding is left for ``megatron_to_hf``)."""
-    dim = partition_dim(name)
-    if dim is None or len(pieces) == 1:
-        return pieces[0]
-    if name.endswith("linear_fc1.weight") or name.endswith("linear_fc1.bias"):
-        halves = [p.chunk(2, 0) for p in pieces]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], 0)
-    return torch.cat(pieces, dim)
-
-
-# --------------------------------------------------------------------------------------------------------------
-# Distributed setup
-# --------------------------------------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device, seed: int) -> None:
-    """Initialise ``torch.distributed`` (if nobody did) and Megatron's model-parallel groups (if nobody did).
-
-    Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the process group comes from ``env://``;
-    a lone process gets a world of one on a free local port. NCCL on CUDA, gloo otherwise."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    if not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-            dist.init_process_group(backend)
-        else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
-    world = dist.get_world_size()
-    if tensor_parallel * data_parallel != world:
-        raise ValueError(
-            f"tensor_parallel {tensor_parallel} x data_parallel {data_parallel} != world size {world}"
-            " (pipeline parallelism is not supported)"
-        )
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
-    have_tp = parallel_state.get_tensor_model_parallel_world_size()
-    have_dp = parallel_state.get_data_parallel_world_size()
-    if (have_tp, have_dp) != (tensor_parallel, data_parallel):
-        raise ValueError(
-            f"model parallelism is already initialised with TP={have_tp}, DP={have_dp}; "
-            f"the trainer config asks for TP={tensor_parallel}, DP={data_parallel}"
-        )
-    if device.type == "cuda":
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed)
-
-
-def _resolve_device(spec: str) -> torch.device:
-    device = torch.device(spec)
-    if device.type == "cuda":
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-        torch.cuda.set_device(device)
-    return device
+__all__ = ["MegatronPolicy"]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -339,19 +48,17 @@ def _resolve_device(spec: str) -> torch.device:
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
-    def __init__(self, model_cfg: Any, trainer_cfg: Any, loss_cfg: LossConfig | None = None, seed: int = 0,
-                 tokenizer: Any = None):
+    def __init__(self, model_cfg: Any, trainer_cfg: Any, loss: Loss, seed: int = 0, tokenizer: Any = None):
         from megatron.core import parallel_state
 
-        self.model_cfg, self.trainer_cfg = model_cfg, trainer_cfg
-        self.loss_cfg = loss_cfg if loss_cfg is not None else LossConfig()
+        self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
         self.seed = seed
         self.tokenizer = tokenizer
         self.options = dict(getattr(trainer_cfg, "options", {}) or {})
-        self.device = _resolve_device(getattr(trainer_cfg, "device", "cpu"))
+        self.device = resolve_device(trainer_cfg.device)
         self.dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else torch.float32
-        self.tp = int(getattr(trainer_cfg, "tensor_parallel", 1))
-        self.dp = int(getattr(trainer_cfg, "data_parallel", 1))
+        self.tp = trainer_cfg.tensor_parallel
+        self.dp = trainer_cfg.data_parallel
         init_parallel(self.tp, self.dp, self.device, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -374,7 +81,7 @@ class MegatronPolicy:
         self._build_optimizer()
         self.steps = 0
         self._masks: dict[int, torch.Tensor] = {}
-        self._reset_step_sums()
+        self._step = Accumulator(loss.metrics + ENGINE_METRICS)
         self._in_step = False
 
     # ---- construction ------------------------------------------------------------------------------------------
@@ -443,7 +150,7 @@ class MegatronPolicy:
         tc = self.trainer_cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in params)
-        b1, b2 = tuple(getattr(tc, "betas", (0.9, 0.999)))
+        b1, b2 = tc.betas
         if self.optimizer_kind == "megatron":
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
             from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -579,15 +286,12 @@ class MegatronPolicy:
         return logits[..., : self.spec.vocab_size]
 
     def _micro_batches(self, batch: TrainBatch):
-        mbs = getattr(self.trainer_cfg, "micro_batch_size", None) or batch.num_sequences
+        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
         for start in range(0, batch.num_sequences, mbs):
             yield batch.slice(start, min(start + mbs, batch.num_sequences))
 
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
-        mv = lambda t: None if t is None else t.to(self.device, non_blocking=True)  # noqa: E731
-        return TrainBatch(mv(batch.input_ids), mv(batch.attention_mask), mv(batch.loss_mask.float()),
-                          mv(batch.gen_logprobs.float()), mv(batch.advantages.float()), list(batch.group_sizes),
-                          mv(batch.prev_logprobs), mv(batch.ref_logprobs))
+        return batch.map(lambda t: t.to(self.device, non_blocking=True))
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -603,19 +307,11 @@ class MegatronPolicy:
 
     # ---- the split train step ------------------------------------------------------------------------------------
 
-    def _reset_step_sums(self) -> None:
-        self._loss_sum = 0.0
-        self._normaliser = 0.0
-        self._sequences = 0
-        self._sums: dict[str, float] = {}
-        self._max = -math.inf
-        self._min = math.inf
-
     def begin_train_step(self) -> None:
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._reset_step_sums()
+        self._step.reset()
         self._in_step = True
 
     def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
@@ -630,38 +326,30 @@ class MegatronPolicy:
         loss accumulate until ``finish_train_step``."""
         if not self._in_step:
             raise RuntimeError("train_microbatches before begin_train_step")
+        if self.loss.needs_reference and batch.ref_logprobs is None:
+            raise ValueError(f"{self.loss!r} needs ref_logprobs in the batch: MegatronPolicy has no reference model")
         self.model.train()
-        chunk_loss, chunk_norm, chunk_tokens = 0.0, 0.0, 0.0
+        chunk_loss, chunk_norm = 0.0, 0.0
         local = self._dp_rows(batch)
         if local.num_sequences == 0:
-            return {"loss_sum": 0.0, "normaliser": 0.0, "tokens": 0.0, "sequences": 0}
+            return {"loss_sum": 0.0, "normaliser": 0.0, "sequences": 0.0}
         for mb in self._micro_batches(local):
             mb = self._to_device(mb)
             logits = self._logits(mb.input_ids)
             lp = token_logprobs(logits, mb.input_ids)
             entropy = None
-            if self.loss_cfg.entropy_coef > 0:
+            if self.loss.entropy_grad:
                 entropy = token_entropy(logits)
             elif self.compute_entropy:
                 with torch.no_grad():
                     entropy = token_entropy(logits.detach())
-            loss_sum, normaliser, metrics = grpo_loss(lp, mb, self.loss_cfg, entropy)
+            loss_sum, normaliser, contributions = self.loss(lp, mb, entropy)
             loss_sum.backward()
             chunk_loss += float(loss_sum.detach())
             chunk_norm += normaliser
-            chunk_tokens += metrics["tokens"]
-            for k, v in metrics.items():
-                if k == "is_weight_max":
-                    self._max = max(self._max, v) if metrics["tokens"] else self._max
-                elif k == "is_weight_min":
-                    self._min = min(self._min, v) if metrics["tokens"] else self._min
-                else:
-                    self._sums[k] = self._sums.get(k, 0.0) + v
-            self._sequences += mb.num_sequences
-        self._loss_sum += chunk_loss
-        self._normaliser += chunk_norm
-        return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "tokens": chunk_tokens,
-                "sequences": local.num_sequences}
+            self._step.add(contributions)
+        self._step.add({"loss": chunk_loss, "normaliser": chunk_norm, "sequences": local.num_sequences})
+        return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(local.num_sequences)}
 
     def _dp_sum(self, values: list[float]) -> list[float]:
         if self.dp == 1:
@@ -677,10 +365,8 @@ class MegatronPolicy:
         """Divide the accumulated gradients by the step's normaliser, clip, take one optimizer step."""
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
-        keys = sorted(self._sums)
-        totals = self._dp_sum([self._loss_sum, self._normaliser, float(self._sequences)] + [self._sums[k] for k in keys])
-        loss_sum, normaliser, sequences = totals[:3]
-        sums = dict(zip(keys, totals[3:]))
+        self._step.sum_across(self._dp_sum)  # every DP rank normalises by the whole step's tokens
+        normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])
         if self.ddp is not None:
@@ -694,22 +380,10 @@ class MegatronPolicy:
             grad_norm = self._torch_step(scale)
         self.steps += 1
         self._in_step = False
-        tokens = sums.get("tokens", 0.0)
-        per_tok = lambda k: sums.get(k, 0.0) / tokens if tokens else 0.0  # noqa: E731
-        return {
-            "loss": loss_sum * scale,
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "tokens": tokens,
-            "sequences": sequences,
-            "is_weight_mean": per_tok("is_weight_sum"),
-            "is_weight_max": self._max if self._max > -math.inf else 0.0,
-            "is_weight_min": self._min if self._min < math.inf else 0.0,
-            "is_truncated_frac": per_tok("is_truncated_sum"),
-            "clip_frac": per_tok("clipped_sum"),
-            "kl": per_tok("kl_sum"),
-            "entropy": per_tok("entropy_sum"),
-        }
+        self._step.add({"grad_norm": grad_norm, "lr": lr})
+        metrics = self._step.result()
+        self._step.reset()
+        return metrics
 
     def _torch_step(self, scale: float) -> float:
         """DP all-reduce (sum), normalise, TP-aware clip, AdamW step. Returns the (pre-clip) gradient norm."""
@@ -734,7 +408,7 @@ class MegatronPolicy:
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
         norm = float((sharded + replicated).sqrt())
-        clip = getattr(self.trainer_cfg, "grad_clip", None)
+        clip = self.trainer_cfg.grad_clip
         if clip and norm > clip and math.isfinite(norm):
             for p in params:
                 p.grad.mul_(clip / (norm + 1e-6))

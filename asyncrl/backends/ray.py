@@ -1,24 +1,30 @@
 """Place any backend in a Ray actor: ``placement: ray`` in its config section.
 
 The actor hosts the backend object unchanged and the controller talks to a proxy with the same methods, so
-nothing in the controller or the backends knows where a backend runs. An actor serves one call at a time, which
+nothing in the controller or the backends knows where a backend runs. The proxy's class is made for the hosted
+class: it has exactly that class's public methods and properties (a name the backend does not have is an
+``AttributeError``), so ``hasattr`` and ``isinstance(proxy, GenerationBackend)`` tell the truth about the backend. An actor serves one call at a time, which
 gives the generator the same "a weight load never interleaves a generation" guarantee as its in-process lock.
 GPU placement: a backend whose ``device`` is CUDA asks Ray for one GPU (``ray_options`` may say otherwise), and Ray
 makes that GPU the actor's only visible device, ``cuda`` / ``cuda:0``. Two such actors land on two GPUs. To pin
 devices by index instead, give ``ray_options: {num_gpus: 0}`` and ``device: cuda:1`` (Ray then hides no GPU).
-Every CUDA actor gets NVLink multicast off in its runtime env (``weight_sync.NO_MULTICAST_ENV``).
+Every CUDA actor gets NVLink multicast off in its runtime env (``NO_MULTICAST_ENV``).
 Each actor also times its calls (``RemoteBackend.call_times()``: seconds and count per method), which is how a
 benchmark tells how long each device was busy.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import defaultdict
 from typing import Any
 
 PLACEMENT_TIMEOUT_S = 120.0
+# NVLink multicast stays off in every CUDA actor: nothing here uses it, and on shared hosts a program that uses it
+# can take the GPUs out of service. ``weight_sync`` sets it again before it makes an NCCL group.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class _Host:
@@ -56,8 +62,11 @@ class _Host:
 
 
 class RemoteBackend:
-    """Proxy: ``proxy.method(...)`` is ``ray.get(actor.call.remote("method", ...))``; ``proxy.version`` reads the
-    attribute remotely."""
+    """Base of the proxies ``proxy_class`` makes: ``proxy.method(...)`` is
+    ``ray.get(actor.call.remote("method", ...))`` and ``proxy.prop`` reads the property in the actor. Its own
+    members (``apply_remote``, ``call_times``, ``close``, ``restart``, ``actor_id``) are about the actor."""
+
+    hosted: type = object  # the backend class in the actor
 
     def __init__(self, actor: Any, start: Any = None) -> None:
         self._actor = actor
@@ -81,12 +90,6 @@ class RemoteBackend:
             pass
         self._actor = self._start()
 
-    @property
-    def version(self) -> int:
-        import ray
-
-        return ray.get(self._actor.get.remote("version"))
-
     def apply_remote(self, fn: Any, *args: Any) -> Any:
         """Start ``fn(host, *args)`` in the actor and return its ObjectRef without waiting (``ray.get`` it)."""
         return self._actor.apply.remote(fn, *args)
@@ -104,16 +107,41 @@ class RemoteBackend:
         ray.get(self._actor.close.remote())
         ray.kill(self._actor)
 
-    def __getattr__(self, name: str):
-        if name.startswith("_"):
-            raise AttributeError(name)
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._actor!r})"
+
+
+def _remote_method(name: str, doc: str | None):
+    def call(self: RemoteBackend, *args: Any, **kwargs: Any) -> Any:
         import ray
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return ray.get(self._actor.call.remote(name, *args, **kwargs))
+        return ray.get(self._actor.call.remote(name, *args, **kwargs))
 
-        call.__name__ = name
-        return call
+    call.__name__, call.__doc__ = name, doc
+    return call
+
+
+def _remote_property(name: str, doc: str | None) -> property:
+    def get(self: RemoteBackend) -> Any:
+        import ray
+
+        return ray.get(self._actor.get.remote(name))
+
+    return property(get, doc=doc)
+
+
+def proxy_class(cls: type) -> type[RemoteBackend]:
+    """A ``RemoteBackend`` subclass with one member per public method or property of ``cls`` (and nothing
+    else: public data attributes set in ``__init__`` are not part of a backend's contract)."""
+    namespace: dict[str, Any] = {"hosted": cls, "__doc__": f"Ray proxy of {cls.__qualname__}."}
+    for name, member in inspect.getmembers(cls):
+        if name.startswith("_") or name in vars(RemoteBackend):
+            continue  # the proxy's own (close closes the hosted backend, then the actor)
+        if isinstance(member, property):
+            namespace[name] = _remote_property(name, member.__doc__)
+        elif callable(member):
+            namespace[name] = _remote_method(name, getattr(member, "__doc__", None))
+    return type(f"Remote{cls.__name__}", (RemoteBackend,), namespace)
 
 
 def ensure_ray(num_cpus: int | None = None) -> None:
@@ -133,8 +161,6 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
     options = {"num_cpus": 1, "num_gpus": 1 if cuda else 0}
     options.update(section.ray_options)
     if cuda:
-        from asyncrl.backends.weight_sync import NO_MULTICAST_ENV
-
         index = str(section.device).partition(":")[2]
         if index not in ("", "0") and options["num_gpus"]:
             raise ValueError(
@@ -154,4 +180,4 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
             f"{options} and the cluster has {ray.available_resources()} free; free resources or set ray_options"
         )
     ray.get(ready[0])  # surfaces a constructor error here, not at the first call
-    return RemoteBackend(actor, start=lambda: remote(cls, args, section)._actor)
+    return proxy_class(cls)(actor, start=lambda: remote(cls, args, section)._actor)

@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
+from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 
 LOG_HALF = math.log(0.5)
 DRIFT = 0.01  # token logprobs at version v are LOG_HALF - DRIFT * v: stale tokens carry IS weights exp(-DRIFT * lag)
@@ -282,6 +282,22 @@ class SimulatedGenerator:
         rng = random.Random(self._version)
         return [[self.eos_id] if rng.random() < p else [0, self.eos_id] for _ in prompts]
 
+    def state_dict(self) -> dict:
+        """Version, learned progress, the draw RNG and (clock ticks) the virtual time: restored, the next rollouts
+        are those of an uninterrupted run. Groups in flight are not included (the controller re-submits them)."""
+        with self._lock:
+            state = {"version": self._version, "progress": self.progress, "rng": self.rng.getstate()}
+            if isinstance(self.clock, SimClock):
+                state["now"] = self.clock.now
+            return state
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self._version, self.progress = int(state["version"]), float(state["progress"])
+            self.rng.setstate(state["rng"])
+            if "now" in state and isinstance(self.clock, SimClock):
+                self.clock.now = float(state["now"])
+
     def close(self) -> None:
         with self._lock:
             self._flights.clear()
@@ -348,3 +364,6 @@ class SimulatedPolicy:
     def load_state_dict(self, state: dict) -> None:
         self.steps = self.version = state["steps"]
         self.progress = state.get("progress", 0.0)
+
+    def close(self) -> None:
+        """Nothing to release."""

@@ -1,7 +1,6 @@
 """The embedded backend: a small Hugging Face Llama trained and sampled with plain torch, on CPU or one GPU.
 
-- ``build_model(model_cfg, vocab_size, seed)``: a ``LlamaForCausalLM`` from a ``LlamaConfig`` (random init,
-  deterministic in ``seed``, no dropout), or a local checkpoint when ``model_cfg.hf_path`` is set.
+- The model comes from ``asyncrl.backends.hf.build_model`` (the seeded HF init every engine shares).
 - ``TorchPolicy``: the :class:`~asyncrl.backends.base.PolicyBackend` — logprobs, gradient accumulation over any
   number of chunks/micro-batches, one AdamW step per RL step with the loss normalised over the whole step.
 - ``TorchGenerator``: the :class:`~asyncrl.backends.base.GenerationBackend` — its *own* model copy (a weight sync
@@ -17,10 +16,8 @@ temperature 1 without top-p (``log_softmax(logits)``), whatever temperature/top-
 quantity ``TorchPolicy.logprobs`` computes, so ``exp(prev - gen)`` measures only weight staleness and numerical
 differences between the two forward paths (KV-cached vs full sequence), which are ~1e-6 on CPU float32.
 
-Threads: the backends leave torch's thread pool alone; ``Config.torch_threads`` sizes it. Measured on 2 quiet
-cores: torch's default (2) is fastest for a synchronous loop (~36 ms per step of 8 prompts x 8 completions x 4
-tokens, ~27 ms with 1 token; 1 thread: ~50 / ~33 ms), but when generation and training run in two threads at
-once, or other processes load the CPU, 1 thread avoids OpenMP oversubscription (which can cost ~10 ms per op).
+Threads: the backends leave torch's thread pool alone; ``Config.torch_threads`` sizes it (one thread per pump
+avoids OpenMP oversubscription when generation and training overlap; measurements in ``benchmarks/README.md``).
 
 Save/restore: ``TorchPolicy.state_dict()`` (weights, AdamW state, reference weights) and
 ``TorchGenerator.state_dict()`` (version, sampling RNG state, weights) restore a run exactly.
@@ -33,44 +30,17 @@ import inspect
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
-from asyncrl.algorithms import LossConfig, grpo_loss, token_logprobs
-from asyncrl.backends.base import GenerationRequest, GroupRollouts, TrainBatch
+from asyncrl.algorithms import Loss, token_logprobs
+from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig
-from asyncrl.tokenizer import BOS_ID, EOS_ID, PAD_ID
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def build_model(
-    model_cfg: ModelConfig,
-    vocab_size: int,
-    seed: int,
-    device: str | torch.device = "cpu",
-    pad_token_id: int = PAD_ID,
-    bos_token_id: int = BOS_ID,
-    eos_token_id: int = EOS_ID,
-):
-    """A ``transformers.LlamaForCausalLM`` built from ``model_cfg`` with a random init that depends only on
-    ``seed`` (the global torch RNG is left untouched), no dropout, in ``model_cfg.dtype`` on ``device``.
-    With ``model_cfg.hf_path`` the weights come from that local checkpoint instead (no downloads)."""
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
-
-    dtype = _DTYPES[model_cfg.dtype]
-    if model_cfg.hf_path is not None:
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.hf_path, local_files_only=True, dtype=dtype)
-        return model.to(device)
-    config = model_cfg.llama_config(vocab_size, pad_token_id, bos_token_id, eos_token_id)
-    config.use_cache = False
-    config._attn_implementation = "sdpa"
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    return model.to(device=device, dtype=dtype)
-
+from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
+from asyncrl.metrics import ENGINE_METRICS, Accumulator
+from asyncrl.tokenizer import EOS_ID, PAD_ID
 
 # --- forward helpers (work across transformers 4.x and 5.x keyword names) -----------------------------------------
 
@@ -225,39 +195,28 @@ def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy
     return pad(picked, (1, 0)), pad(entropy, (1, 0))
 
 
-def _special_ids(tokenizer) -> tuple[int, int, int, int]:
-    """(pad, bos, eos, vocab size) of ``tokenizer``, or the embedded tokenizer's when it is ``None``."""
-    if tokenizer is None:
-        return PAD_ID, BOS_ID, EOS_ID, 259
-    pick = lambda name, default: default if getattr(tokenizer, name, None) is None else getattr(tokenizer, name)  # noqa: E731
-    return pick("pad_token_id", PAD_ID), pick("bos_token_id", BOS_ID), pick("eos_token_id", EOS_ID), len(tokenizer)
-
-
 # --- policy --------------------------------------------------------------------------------------------------------
 
-_SUM_KEYS = ("tokens", "is_weight_sum", "is_truncated_sum", "clipped_sum", "kl_sum", "entropy_sum")
-
-
 class TorchPolicy:
-    """The PolicyBackend on plain torch: AdamW over a ``LlamaForCausalLM`` (see ``build_model``).
+    """The PolicyBackend on plain torch: AdamW over a ``LlamaForCausalLM`` (see ``hf.build_model``).
 
     A step is ``begin_train_step()``, any number of ``train_microbatches(batch)`` (each split into micro-batches of
     ``trainer_cfg.micro_batch_size`` sequences; gradients of the *un-normalised* loss sums accumulate), then
     ``finish_train_step()``: gradients divided by the whole step's normaliser (tokens or sequences), clipped at
     ``grad_clip``, one AdamW step. The result does not depend on how the step was chunked (up to float summation
-    order).
+    order). The loss is the ``Loss`` object given at construction; its metrics and ``ENGINE_METRICS`` are
+    reduced over the step by one ``Accumulator``.
 
-    KL: when ``loss_cfg.kl != "none"`` a frozen copy of the initial weights is the reference. If a batch comes
-    without ``ref_logprobs``, ``train_microbatches`` fills them from the reference model (``ref_logprobs(batch)``
+    Reference: when ``loss.needs_reference`` a frozen copy of the initial weights is the reference; a batch that
+    comes without ``ref_logprobs`` gets them from it (in this policy's copy of the batch; ``ref_logprobs(batch)``
     is public too).
     """
 
-    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, loss_cfg: LossConfig, seed: int,
-                 tokenizer=None):
-        self.model_cfg, self.trainer_cfg, self.loss_cfg = model_cfg, trainer_cfg, loss_cfg
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, loss: Loss, seed: int, tokenizer=None):
+        self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
         self.seed = seed
         self.tokenizer = tokenizer
-        self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
+        self.pad_id, bos_id, self.eos_id, vocab = special_ids(tokenizer)
         self.device = torch.device(trainer_cfg.device)
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
         self.model.train()
@@ -267,21 +226,17 @@ class TorchPolicy:
             foreach=True,
         )
         self.ref_model = None
-        if loss_cfg.kl != "none":
+        if loss.needs_reference:
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
         self.steps_done = 0
-        self._reset_step()
+        self._step = Accumulator(loss.metrics + ENGINE_METRICS)
+        self._in_step = False
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
-        if self.device.type == "cpu":
-            return batch
-        move = lambda t: None if t is None else t.to(self.device)  # noqa: E731
-        return TrainBatch(move(batch.input_ids), move(batch.attention_mask), move(batch.loss_mask),
-                          move(batch.gen_logprobs), move(batch.advantages), batch.group_sizes,
-                          move(batch.prev_logprobs), move(batch.ref_logprobs))
+        return batch if self.device.type == "cpu" else batch.map(lambda t: t.to(self.device))
 
     @torch.no_grad()
     def _logprobs_with(self, model, batch: TrainBatch) -> torch.Tensor:
@@ -299,58 +254,42 @@ class TorchPolicy:
         return self._logprobs_with(self.model, batch)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, S] logprobs under the frozen reference (initial) weights; only when ``loss.kl`` is set."""
+        """[B, S] logprobs under the frozen reference (initial) weights; only when the loss needs a reference."""
         if self.ref_model is None:
-            raise ValueError("no reference model: loss.kl is 'none'")
+            raise ValueError(f"no reference model: {self.loss!r} needs none")
         return self._logprobs_with(self.ref_model, batch)
 
     # -- training --------------------------------------------------------------------------------------------------
-    def _reset_step(self) -> None:
-        self._loss_sum = 0.0
-        self._normaliser = 0.0
-        self._sums = dict.fromkeys(_SUM_KEYS, 0.0)
-        self._is_max = -math.inf
-        self._is_min = math.inf
-        self._sequences = 0
-        self._in_step = False
-
     def begin_train_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
-        self._reset_step()
+        self._step.reset()
         self._in_step = True
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("train_microbatches before begin_train_step")
         if self.ref_model is not None and batch.ref_logprobs is None:
-            batch.ref_logprobs = self.ref_logprobs(batch)
+            batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
         batch = self._to_device(batch)
         mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
-        want_entropy_grad = self.loss_cfg.entropy_coef > 0
         chunk_loss, chunk_norm = 0.0, 0.0
         for start in range(0, batch.num_sequences, mbs):
             mb = batch.slice(start, start + mbs)
             logits = sequence_logits(self.model, mb.input_ids, mb.attention_mask)
-            logp, entropy = _logprobs_and_entropy(logits, mb.input_ids, want_entropy_grad)
-            loss_sum, normaliser, m = grpo_loss(logp, mb, self.loss_cfg, entropy)
+            logp, entropy = _logprobs_and_entropy(logits, mb.input_ids, self.loss.entropy_grad)
+            loss_sum, normaliser, contributions = self.loss(logp, mb, entropy)
             if loss_sum.requires_grad:
                 loss_sum.backward()
             chunk_loss += float(loss_sum.detach())
             chunk_norm += normaliser
-            for key in _SUM_KEYS:
-                self._sums[key] += m[key]
-            if m["tokens"] > 0:
-                self._is_max = max(self._is_max, m["is_weight_max"])
-                self._is_min = min(self._is_min, m["is_weight_min"])
-        self._loss_sum += chunk_loss
-        self._normaliser += chunk_norm
-        self._sequences += batch.num_sequences
+            self._step.add(contributions)
+        self._step.add({"loss": chunk_loss, "normaliser": chunk_norm, "sequences": batch.num_sequences})
         return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(batch.num_sequences)}
 
     def finish_train_step(self) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
-        norm = self._normaliser
+        norm = self._step.total("normaliser")
         grads = [p.grad for p in self.params if p.grad is not None]
         if norm > 0 and grads:
             torch._foreach_div_(grads, norm)
@@ -361,23 +300,10 @@ class TorchPolicy:
             grad_norm = 0.0
         self.optimizer.step()
         self.steps_done += 1
-        tokens = self._sums["tokens"]
-        per_token = (lambda x: x / tokens) if tokens > 0 else (lambda x: 0.0)
-        metrics = {
-            "loss": self._loss_sum / norm if norm > 0 else 0.0,
-            "grad_norm": grad_norm,
-            "tokens": tokens,
-            "sequences": float(self._sequences),
-            "is_weight_mean": per_token(self._sums["is_weight_sum"]),
-            "is_weight_max": self._is_max if tokens > 0 else 0.0,
-            "is_weight_min": self._is_min if tokens > 0 else 0.0,
-            "is_truncated_frac": per_token(self._sums["is_truncated_sum"]),
-            "clip_frac": per_token(self._sums["clipped_sum"]),
-            "kl": per_token(self._sums["kl_sum"]),
-            "entropy": per_token(self._sums["entropy_sum"]),
-            "lr": float(self.optimizer.param_groups[0]["lr"]),
-        }
-        self._reset_step()
+        self._step.add({"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])})
+        metrics = self._step.result()
+        self._step.reset()
+        self._in_step = False
         return metrics
 
     # -- weights and state -----------------------------------------------------------------------------------------
@@ -402,13 +328,17 @@ class TorchPolicy:
             state["ref_model"] = {k: v.detach().clone() for k, v in self.ref_model.state_dict().items()}
         return state
 
+    def close(self) -> None:
+        """Nothing to release: the model lives in this process and goes with the object."""
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ref_model is not None and "ref_model" in state:
             self.ref_model.load_state_dict(state["ref_model"])
         self.steps_done = int(state.get("steps_done", 0))
-        self._reset_step()
+        self._step.reset()
+        self._in_step = False
 
 
 # --- generator -----------------------------------------------------------------------------------------------------
@@ -424,7 +354,7 @@ class TorchGenerator:
     def __init__(self, model_cfg: ModelConfig, gen_cfg: GenerationConfig, seed: int, tokenizer=None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
         self.tokenizer = tokenizer
-        self.pad_id, bos_id, self.eos_id, vocab = _special_ids(tokenizer)
+        self.pad_id, bos_id, self.eos_id, vocab = special_ids(tokenizer)
         self.device = torch.device(gen_cfg.device)
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id).eval()
         for p in self.model.parameters():
@@ -485,7 +415,7 @@ class TorchGenerator:
             out.append(GroupRollouts(
                 group_id=r.group_id, prompt_ids=list(r.prompt_ids),
                 completion_ids=completions[row:row + r.n], logprobs=logprobs[row:row + r.n],
-                weight_version=version, end_weight_version=version, finish_reasons=reasons[row:row + r.n],
+                gen_start_version=version, gen_end_version=version, finish_reasons=reasons[row:row + r.n],
             ))
             row += r.n
         return out

@@ -7,7 +7,7 @@ updates in place.
   start from with that seed; ``write_model_dir``).
 - ``submit`` queues; ``poll`` runs what is queued as one *wave*: a single ``LLM.generate`` call over token-id
   prompts with one ``SamplingParams(n=G, logprobs=0, temperature, top_p, max_tokens, seed, stop_token_ids=[eos])``
-  per group. A wave runs under one weight version, so ``weight_version == end_weight_version`` for its groups.
+  per group. A wave runs under one weight version, so ``gen_start_version == gen_end_version`` for its groups.
 - ``poll`` may run in any thread (the controller's rollout pump does so while its train pump trains); with
   ``gen_cfg.options["background"] = True`` the generator runs waves in a thread of its own and ``poll(timeout)``
   only collects. One lock serialises engine use: ``load_weights`` waits for a running wave to end, then
@@ -42,7 +42,8 @@ from typing import Any
 
 import torch
 
-from asyncrl.backends.base import GenerationRequest, GroupRollouts
+from asyncrl.backends.hf import build_hf_config, init_hf_model
+from asyncrl.data import GenerationRequest, GroupRollouts
 
 __all__ = ["VLLMGenerator", "write_model_dir", "group_seed"]
 
@@ -51,8 +52,6 @@ def write_model_dir(model_cfg: Any, tokenizer: Any, seed: int, path: str | Path)
     """Write what ``vllm.LLM`` loads for a model built from ``ModelConfig``: ``config.json`` (+ generation
     config), the tokenizer, and the initial weights (safetensors, in ``model_cfg.dtype``) — the weights
     ``init_hf_model(build_hf_config(model_cfg, tokenizer), seed)`` gives, i.e. the policies' version 0."""
-    from asyncrl.backends.megatron import build_hf_config, init_hf_model
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     hf_config = build_hf_config(model_cfg, tokenizer)
@@ -342,7 +341,7 @@ class VLLMGenerator:
             lps = [[_sampled_logprob(c.logprobs[i], t) for i, t in enumerate(tok)] for c, tok in zip(completions, ids)]
             groups.append(GroupRollouts(
                 group_id=r.group_id, prompt_ids=list(r.prompt_ids), completion_ids=ids, logprobs=lps,
-                weight_version=version, end_weight_version=version,
+                gen_start_version=version, gen_end_version=version,
                 finish_reasons=[str(c.finish_reason) for c in completions],
             ))
         with self._changed:

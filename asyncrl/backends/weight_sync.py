@@ -30,8 +30,7 @@ and ``receive`` on the generator actor, both ``.remote()`` before either ``ray.g
 
 NVLink multicast stays off: with NCCL, ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` are in the actors' runtime env (``asyncrl.backends.ray.remote`` puts them there for every
-CUDA actor) and set again here before the NCCL group is made. A two-rank broadcast has no use for it, and on the
-shared H200 hosts a program that uses it can take the GPUs out of service.
+CUDA actor) and set again here before the NCCL group is made.
 
 Limits: one host; the policy in one process (Megatron TP/DP > 1 in a Ray actor is not supported by the placement
 itself); the sync holds both actors for its duration (the sender waits for the receiver to be free).
@@ -47,31 +46,21 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.ray import NO_MULTICAST_ENV, RemoteBackend
+
 GROUP_TIMEOUT_S = 300.0  # a broadcast waits at most this long for the other side
-NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SENDER, RECEIVER = 0, 1
 
 
 def collective_backend(cfg: Any) -> str:
-    """``nccl`` when both devices are CUDA, ``gloo`` when both are CPU; anything else is a config error."""
-    devices = (str(cfg.trainer.device), str(cfg.generation.device))
-    if all(d.startswith("cuda") for d in devices):
-        return "nccl"
-    if all(d == "cpu" for d in devices):
-        return "gloo"
-    raise ValueError(
-        f"generation.weight_sync 'collective' needs both backends on CUDA (NCCL) or both on CPU (gloo); got "
-        f"trainer.device {devices[0]!r} and generation.device {devices[1]!r}"
-    )
+    """``nccl`` when the devices are CUDA, ``gloo`` when they are CPU (``Config`` validated they agree)."""
+    return "nccl" if str(cfg.trainer.device).startswith("cuda") else "gloo"
 
 
 def build_weight_sync(cfg: Any, policy: Any, generator: Any):
     """The callable ``sync(version)`` the controller uses, as ``cfg.generation.weight_sync`` says."""
-    mode = getattr(cfg.generation, "weight_sync", "driver")
-    if mode == "driver":
+    if cfg.generation.weight_sync == "driver":
         return DriverWeightSync(policy, generator)
-    from asyncrl.backends.ray import RemoteBackend
-
     if not (isinstance(policy, RemoteBackend) and isinstance(generator, RemoteBackend)):
         raise ValueError(
             "generation.weight_sync 'collective' needs both backends in Ray actors (trainer.placement and "

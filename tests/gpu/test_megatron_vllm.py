@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -27,11 +28,12 @@ pytest.importorskip("vllm")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from asyncrl.algorithms import LossConfig, make_train_batch, token_logprobs  # noqa: E402
-from asyncrl.backends.base import GenerationRequest  # noqa: E402
-from asyncrl.backends.megatron import MegatronPolicy, init_hf_model  # noqa: E402
+from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch, token_logprobs  # noqa: E402
+from asyncrl.backends.hf import init_hf_model  # noqa: E402
+from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.backends.vllm import VLLMGenerator  # noqa: E402
 from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.data import GenerationRequest  # noqa: E402
 from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 
 RESULTS: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d")}
@@ -57,14 +59,14 @@ def gpu_policy(model_cfg, trainer_cfg, seed, tok):
     """The policy with Megatron's optimizer; if that cannot be built here, say why and fall back to torch AdamW
     (so the rest of the checks still run; the optimizer test below fails on its own)."""
     try:
-        return MegatronPolicy(model_cfg, trainer_cfg, LossConfig(), seed, tok)
+        return MegatronPolicy(model_cfg, trainer_cfg, GRPOLoss(), seed, tok)
     except Exception as exc:  # noqa: BLE001
         import traceback
 
         record("megatron_optimizer_error", traceback.format_exc()[-3000:])
         options = {**trainer_cfg.options, "optimizer": "torch"}
         print("falling back to the torch optimizer:", exc, flush=True)
-        return MegatronPolicy(model_cfg, trainer_cfg.model_copy(update={"options": options}), LossConfig(), seed, tok)
+        return MegatronPolicy(model_cfg, trainer_cfg.model_copy(update={"options": options}), GRPOLoss(), seed, tok)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +112,7 @@ def reference_logprobs(model, batch):
 
 
 def random_batch(B=16, S=48, seed=0, prompt=8):
-    from asyncrl.backends.base import TrainBatch
+    from asyncrl.data import TrainBatch
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 256, (B, S), generator=g)
@@ -125,7 +127,7 @@ def mean_err(a, b, mask):
 
 
 def test_megatron_fp32_matches_transformers(tok):
-    policy = MegatronPolicy(MODEL.model_copy(update={"dtype": "float32"}), trainer(), LossConfig(), 1, tok)
+    policy = MegatronPolicy(MODEL.model_copy(update={"dtype": "float32"}), trainer(), GRPOLoss(), 1, tok)
     batch = random_batch()
     ref = reference_logprobs(fp32_reference(policy.export_weights(), policy.hf_config), batch)
     old = torch.backends.cuda.matmul.allow_tf32
@@ -142,10 +144,10 @@ def test_megatron_fp32_matches_transformers(tok):
 
 def test_megatron_bf16_step_learns_and_normalises_over_the_whole_step(tok):
     batch = random_batch(seed=3)
-    a = MegatronPolicy(MODEL, trainer(lr=1e-4, grad_clip=None), LossConfig(), 2, tok)
-    b = MegatronPolicy(MODEL, trainer(lr=1e-4, grad_clip=None, micro_batch_size=4), LossConfig(), 2, tok)
+    a = MegatronPolicy(MODEL, trainer(lr=1e-4, grad_clip=None), GRPOLoss(), 2, tok)
+    b = MegatronPolicy(MODEL, trainer(lr=1e-4, grad_clip=None, micro_batch_size=4), GRPOLoss(), 2, tok)
     lp = a.logprobs(batch)
-    batch.prev_logprobs, batch.gen_logprobs = lp.clone(), lp.clone() - 0.05 * batch.loss_mask
+    batch = replace(batch, prev_logprobs=lp.clone(), gen_logprobs=lp.clone() - 0.05 * batch.loss_mask)
     a.begin_train_step()
     a.train_microbatches(batch)
     ma = a.finish_train_step()
@@ -168,7 +170,7 @@ def test_megatron_bf16_step_learns_and_normalises_over_the_whole_step(tok):
     record("megatron_step_ms_16x48", round((time.perf_counter() - t0) / 3 * 1e3, 2))
     assert losses[-1] < losses[0]
     # the torch-optimizer path runs on the GPU too
-    c = MegatronPolicy(MODEL, trainer(lr=1e-4, options={"optimizer": "torch"}), LossConfig(), 2, tok)
+    c = MegatronPolicy(MODEL, trainer(lr=1e-4, options={"optimizer": "torch"}), GRPOLoss(), 2, tok)
     c.begin_train_step()
     c.train_microbatches(batch)
     assert c.finish_train_step()["loss"] == pytest.approx(ma["loss"], abs=2e-3)
@@ -195,7 +197,7 @@ def agreement(policy, generator, tok, first_id, tag):
     vl, mask = batch.gen_logprobs, batch.loss_mask
     res = {
         "tokens": int(mask.sum()),
-        "version": groups[0].weight_version,
+        "version": groups[0].gen_start_version,
         "vllm_vs_ref_mean": mean_err(vl, ref, mask),
         "megatron_vs_ref_mean": mean_err(meg, ref, mask),
         "vllm_vs_megatron_mean": mean_err(vl, meg, mask),
@@ -216,7 +218,7 @@ def test_logprob_agreement_before_and_after_a_weight_update(policy, generator, t
     assert before["version"] == 0
     # train a few steps on what was sampled, push the weights, sample again
     for _ in range(3):
-        batch.prev_logprobs = policy.logprobs(batch)
+        batch = replace(batch, prev_logprobs=policy.logprobs(batch))
         policy.begin_train_step()
         policy.train_microbatches(batch)
         policy.finish_train_step()

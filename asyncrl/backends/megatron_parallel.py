@@ -1,0 +1,63 @@
+"""Megatron-core's distributed setup: ``torch.distributed`` and the model-parallel groups, created only if nobody
+did yet (a lone process gets a world of one on a free local port), and the training device."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+
+__all__ = ["init_parallel", "resolve_device"]
+
+
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device, seed: int) -> None:
+    """Initialise ``torch.distributed`` (if nobody did) and Megatron's model-parallel groups (if nobody did).
+
+    Under a launcher (``RANK``/``WORLD_SIZE`` in the environment) the process group comes from ``env://``;
+    a lone process gets a world of one on a free local port. NCCL on CUDA, gloo otherwise."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if tensor_parallel * data_parallel != world:
+        raise ValueError(
+            f"tensor_parallel {tensor_parallel} x data_parallel {data_parallel} != world size {world}"
+            " (pipeline parallelism is not supported)"
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+    have_tp = parallel_state.get_tensor_model_parallel_world_size()
+    have_dp = parallel_state.get_data_parallel_world_size()
+    if (have_tp, have_dp) != (tensor_parallel, data_parallel):
+        raise ValueError(
+            f"model parallelism is already initialised with TP={have_tp}, DP={have_dp}; "
+            f"the trainer config asks for TP={tensor_parallel}, DP={data_parallel}"
+        )
+    if device.type == "cuda":
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        model_parallel_cuda_manual_seed(seed)
+
+
+def resolve_device(spec: str) -> torch.device:
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+        torch.cuda.set_device(device)
+    return device

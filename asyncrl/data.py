@@ -1,0 +1,88 @@
+"""The data that crosses the backend Protocols: what the controller sends to a generation backend, what comes
+back, and the padded batch a policy backend trains on.
+
+This module is the bottom layer: the GRPO maths (``algorithms``), the backends and the controller all import it,
+and it imports nothing of asyncrl. Token tensors are only named in annotations, so it loads without torch.
+
+Token tensors in a ``TrainBatch`` are aligned with ``input_ids``: the value at position ``t`` belongs to token
+``input_ids[:, t]`` predicted from ``input_ids[:, :t]``. ``loss_mask`` is 1 exactly at completion tokens, so
+position 0, prompt tokens and right padding never count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class GenerationRequest:
+    group_id: int
+    prompt_ids: list[int]
+    n: int  # completions per prompt (G)
+
+
+@dataclass
+class GroupRollouts:
+    """One prompt group's completions, as the generation backend returns them and the buffer stores them.
+
+    ``gen_start_version`` / ``gen_end_version`` are the generator's weight versions when the group's generation
+    began and ended (weight syncs do not wait for rollouts). They are facts about generation; the buffer slot's
+    ``weight_version`` (the generation version at *reservation*) is what staleness is judged by."""
+
+    group_id: int
+    prompt_ids: list[int]
+    completion_ids: list[list[int]]
+    logprobs: list[list[float]]  # generator's logprob of each completion token
+    gen_start_version: int
+    gen_end_version: int
+    finish_reasons: list[str] = field(default_factory=list)
+    rewards: list[float] | None = None  # set by the controller when it scores the group
+    texts: list[str] | None = None  # decoded completions, for people and for scoring
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c) for c in self.completion_ids)
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Padded tensors for a list of groups (all completions of each group, groups in order).
+
+    Frozen: each side adds what it computed by making a new batch (``dataclasses.replace``), so a batch the
+    controller holds is never changed behind its back. ``make_train_batch`` builds one; the controller adds
+    ``prev_logprobs`` (the policy before this step's update); a policy whose loss needs a reference fills
+    ``ref_logprobs`` in its own copy."""
+
+    input_ids: torch.Tensor  # [B, S] long, right padded
+    attention_mask: torch.Tensor  # [B, S]
+    loss_mask: torch.Tensor  # [B, S] float, 1 at completion tokens
+    gen_logprobs: torch.Tensor  # [B, S] float32, 0 off the mask
+    advantages: torch.Tensor  # [B] float32
+    group_sizes: list[int]
+    prev_logprobs: torch.Tensor | None = None  # [B, S], policy before this step's update
+    ref_logprobs: torch.Tensor | None = None  # [B, S], reference model (KL)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+    def slice(self, start: int, stop: int) -> TrainBatch:
+        """Rows ``start:stop`` (a micro-batch); ``group_sizes`` is not meaningful on a slice."""
+        return self.map(lambda t: t[start:stop], group_sizes=[])
+
+    def map(self, fn, group_sizes: list[int] | None = None) -> TrainBatch:
+        """A batch with ``fn`` applied to every tensor (e.g. a move to a device); absent tensors stay ``None``."""
+        cut = lambda t: None if t is None else fn(t)  # noqa: E731
+        return TrainBatch(
+            cut(self.input_ids), cut(self.attention_mask), cut(self.loss_mask), cut(self.gen_logprobs),
+            cut(self.advantages), self.group_sizes if group_sizes is None else group_sizes,
+            cut(self.prev_logprobs), cut(self.ref_logprobs),
+        )

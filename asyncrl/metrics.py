@@ -1,0 +1,151 @@
+"""The metric vocabulary and the one accumulator every step's bookkeeping goes through.
+
+A metric is named once, with how its contributions reduce over a step (CleanRL style: the name is written in one
+place and read everywhere else through it):
+- ``sum``: contributions add up (counts, token totals);
+- ``mean``: contributions are *sums* and the result divides by the step's total of the ``over`` metric (a mean
+  over tokens, completions or groups, independent of how the step was chunked);
+- ``max`` / ``min``: the extreme contribution; a step with no contribution reports ``empty``.
+
+Who names what: ``STEP_METRICS`` below are the controller's (one row of ``Controller.metrics`` per optimizer step);
+a loss names its own metrics next to its maths (``GRPOLoss.metrics`` in ``algorithms``), and a policy backend
+adds ``ENGINE_METRICS`` from its optimizer step. A new metric is one ``Metric(...)`` line where its value is made.
+
+This module imports nothing of asyncrl (and no torch): it is the bottom layer with ``asyncrl.data``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+Reduce = Literal["sum", "mean", "max", "min"]
+
+
+@dataclass(frozen=True)
+class Metric:
+    name: str
+    reduce: Reduce
+    doc: str
+    over: str | None = None  # for ``mean``: the metric whose step total is the denominator
+    empty: float = 0.0  # the value of a ``mean``/``max``/``min`` when nothing was contributed
+
+    def __post_init__(self) -> None:
+        if (self.reduce == "mean") != (self.over is not None):
+            raise ValueError(f"metric {self.name!r}: 'over' is required for reduce 'mean' and only for it")
+
+
+class Accumulator:
+    """Adds up one step's contributions to a fixed set of metrics and reduces them once, at the end of the step.
+
+    ``add`` takes a mapping of contributions; a name outside the set is a ``KeyError`` naming the allowed ones (a
+    typo never goes silently missing). ``result()`` gives every metric, reduced; ``reset()`` starts a new step."""
+
+    def __init__(self, metrics: Iterable[Metric]) -> None:
+        self.metrics: dict[str, Metric] = {}
+        for m in metrics:
+            if m.name in self.metrics:
+                raise ValueError(f"metric {m.name!r} is named twice")
+            self.metrics[m.name] = m
+        for m in self.metrics.values():
+            if m.over is not None and m.over not in self.metrics:
+                raise ValueError(f"metric {m.name!r} is a mean over {m.over!r}, which is not in {sorted(self.metrics)}")
+        self.reset()
+
+    def reset(self) -> None:
+        self.totals: dict[str, float] = {}
+
+    def add(self, contributions: Mapping[str, float]) -> None:
+        for name, value in contributions.items():
+            metric = self.metrics.get(name)
+            if metric is None:
+                raise KeyError(f"unknown metric {name!r}; this accumulator takes {sorted(self.metrics)}")
+            value = float(value)
+            old = self.totals.get(name)
+            if old is None:
+                self.totals[name] = value
+            elif metric.reduce == "max":
+                self.totals[name] = max(old, value)
+            elif metric.reduce == "min":
+                self.totals[name] = min(old, value)
+            else:
+                self.totals[name] = old + value
+
+    def sum_across(self, reduce_sums: Callable[[list[float]], Sequence[float]]) -> None:
+        """Replace the additive totals by ``reduce_sums`` of them, e.g. an all-reduce over data-parallel ranks
+        (every rank must hold the same metric set). ``max``/``min`` stay this rank's."""
+        names = [m.name for m in self.metrics.values() if m.reduce in ("sum", "mean")]
+        summed = reduce_sums([self.totals.get(n, 0.0) for n in names])
+        self.totals.update(zip(names, (float(v) for v in summed)))
+
+    def total(self, name: str) -> float:
+        """The raw step total of a ``sum``/``mean`` metric (0 before any contribution)."""
+        if name not in self.metrics:
+            raise KeyError(f"unknown metric {name!r}; this accumulator takes {sorted(self.metrics)}")
+        return self.totals.get(name, 0.0)
+
+    def result(self) -> dict[str, float]:
+        out = {}
+        for m in self.metrics.values():
+            total = self.totals.get(m.name)
+            if m.reduce == "sum":
+                out[m.name] = total or 0.0
+            elif m.reduce == "mean":
+                denominator = self.totals.get(m.over, 0.0)
+                out[m.name] = (total or 0.0) / denominator if denominator else m.empty
+            else:
+                out[m.name] = m.empty if total is None else total
+        return out
+
+
+# --- the controller's step metrics (the first columns of Controller.metrics, in this order) ------------------------
+
+STEP_METRICS: tuple[Metric, ...] = (
+    Metric("reward_mean", "mean", "mean reward of the completions trained this step", over="completions",
+           empty=math.nan),
+    Metric("lag_mean", "mean", "mean staleness T - weight_version of the groups trained this step", over="groups",
+           empty=math.nan),
+    Metric("lag_max", "max", "largest staleness of a group trained this step", empty=math.nan),
+    Metric("groups_evicted", "sum", "groups the sampler evicted during this step"),
+    Metric("groups_aborted", "sum", "in-flight groups aborted after this step's weight sync"),
+    Metric("chunks", "sum", "chunks (select calls that returned groups) this step trained"),
+    Metric("groups", "sum", "prompt groups trained this step (groups_per_step once the step is finished)"),
+    Metric("completions", "sum", "completions trained this step"),
+    Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s counts these)"),
+    Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs and "
+           "forward/backward, and the optimizer step"),
+)
+"""Besides these, each row has ``step``, ``trainer_version``, ``step_time_s``, ``tokens_per_s``, ``sync_time_s``,
+``buffered`` and ``inflight`` (facts at the end of the step), the policy backend's metrics (its loss's and
+``ENGINE_METRICS``), and ``eval_reward``/``eval_accuracy`` every ``eval_every`` steps."""
+
+ENGINE_METRICS: tuple[Metric, ...] = (
+    Metric("loss", "mean", "the step's loss: loss sums over the step divided by its normaliser", over="normaliser"),
+    Metric("normaliser", "sum", "what the step's loss and gradients are divided by (tokens or sequences)"),
+    Metric("sequences", "sum", "sequences (completions) the policy trained on this step"),
+    Metric("grad_norm", "max", "gradient norm before clipping"),
+    Metric("lr", "max", "learning rate of the optimizer step"),
+)
+"""What a policy backend's ``finish_train_step`` reports besides its loss's metrics."""
+
+
+class StepAccumulator(Accumulator):
+    """The controller's accumulator for the step in progress: ``STEP_METRICS``, plus when the step started (on
+    ``clock``) and whether the policy has begun it (``begin_train_step`` comes with the step's first chunk)."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
+        super().__init__(STEP_METRICS)
+
+    def reset(self) -> None:
+        super().reset()
+        self.started = False
+        self.start = self.clock()
+
+    @property
+    def groups(self) -> int:
+        """Groups trained in this step so far."""
+        return int(self.totals.get("groups", 0))
