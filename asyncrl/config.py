@@ -8,11 +8,12 @@ Cross-field rules live here, where a bad combination is rejected before anything
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.faults import FaultsConfig
@@ -23,7 +24,18 @@ PRESETS = Path(__file__).parent / "presets"
 
 
 class _Strict(BaseModel):
+    """Unknown keys are errors that list the allowed ones (a typo is never silently ignored)."""
+
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            unknown = [key for key in data if key not in cls.model_fields]
+            if unknown:
+                raise ValueError(f"unknown key(s) {unknown} for {cls.__name__}; allowed: {list(cls.model_fields)}")
+        return data
 
 
 class ModelConfig(_Strict):
@@ -54,38 +66,128 @@ class ModelConfig(_Strict):
         )
 
 
-class GenerationConfig(_Strict):
-    backend: Literal["torch", "vllm", "simulated"] = "torch"
-    max_new_tokens: int = Field(4, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    device: str = "cpu"
-    # local: in the controller's process; process: a child process over a pipe (own interpreter lock, for CPU
-    # overlap; asyncrl/backends/process.py); ray: a Ray actor
-    placement: Literal["local", "process", "ray"] = "local"
-    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1)  # vllm
-    enforce_eager: bool = True  # vllm
-    options: dict[str, Any] = Field(default_factory=dict)  # backend-specific extras (e.g. simulated latency)
-    ray_options: dict[str, Any] = Field(default_factory=dict)  # actor options when placement is ray
-    # How weights reach the generator after each step: "driver" (through the controller's process) or
-    # "collective" (policy actor -> generator actor over a torch.distributed group, NCCL on GPUs / gloo on CPU;
-    # both placements ray). See asyncrl/backends/weight_sync.py.
-    weight_sync: Literal["driver", "collective"] = "driver"
+# --- backends: one typed section per engine, chosen by ``backend`` ----------------------------------------------
 
 
-class TrainerConfig(_Strict):
-    backend: Literal["torch", "megatron", "simulated"] = "torch"
-    lr: float = Field(1e-4, gt=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float | None = Field(1.0, gt=0)
-    micro_batch_size: int | None = Field(None, ge=1)  # sequences per forward/backward; None: a whole chunk
-    device: str = "cpu"
-    placement: Literal["local", "ray"] = "local"
-    tensor_parallel: int = Field(1, ge=1)
-    data_parallel: int = Field(1, ge=1)
-    options: dict[str, Any] = Field(default_factory=dict)
-    ray_options: dict[str, Any] = Field(default_factory=dict)
+class _Placement(_Strict):
+    backend: str  # each variant narrows it to its Literal name (the discriminator)
+    device: str = Field("cpu", description="torch device the engine runs on: 'cpu', 'cuda', 'cuda:1', ...")
+    placement: Literal["local", "ray"] = Field(
+        "local", description="'local': in the controller's process; 'ray': in a Ray actor of its own")
+    ray_options: dict[str, Any] = Field(
+        default_factory=dict, description="options of the Ray actor when placement is 'ray' (num_gpus, num_cpus, "
+        "runtime_env, resources, ...); see asyncrl/backends/ray.py")
+
+
+class _Generation(_Placement):
+    placement: Literal["local", "process", "ray"] = Field(
+        "local", description="'local': in the controller's process; 'process': a child process over a pipe (its "
+        "own interpreter lock, for CPU overlap; asyncrl/backends/process.py); 'ray': in a Ray actor of its own")
+    max_new_tokens: int = Field(4, ge=1, description="completion length limit (tokens, eos included)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
+    weight_sync: Literal["driver", "collective"] = Field(
+        "driver", description="how weights reach the generator after each step: 'driver' (through the "
+        "controller's process) or 'collective' (policy actor -> generator actor over a torch.distributed group, "
+        "NCCL on GPUs / gloo on CPU; both placements 'ray'); see asyncrl/backends/weight_sync.py")
+
+
+class TorchGenerationConfig(_Generation):
+    """Generation with the embedded torch engine (asyncrl/backends/torch.py)."""
+
+    backend: Literal["torch"] = "torch"
+
+
+class VLLMGenerationConfig(_Generation):
+    """Generation with vLLM (asyncrl/backends/vllm.py)."""
+
+    backend: Literal["vllm"] = "vllm"
+    gpu_memory_utilization: float = Field(0.3, gt=0, lt=1, description="vLLM's share of the GPU's memory")
+    enforce_eager: bool = Field(True, description="no CUDA graphs (faster start-up, slower decoding)")
+    background: bool = Field(
+        False, description="generate waves in a thread of the generator's own; poll(timeout) only collects")
+    weight_load: Literal["reload_weights", "load_weights"] = Field(
+        "reload_weights", description="how weights enter the engine: vLLM's reload_weights, or the model's own "
+        "load_weights via apply_model")
+    per_group_seed: bool = Field(
+        True, description="seed each group's sampling from (seed, group id), so it does not depend on its wave")
+    max_groups_per_wave: int | None = Field(
+        None, ge=1, description="groups per LLM.generate call; None: everything queued")
+    llm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
+
+
+class SimulatedGenerationConfig(_Generation):
+    """Generation without a model (asyncrl/backends/simulated.py): latency, completion-length and reward models."""
+
+    backend: Literal["simulated"] = "simulated"
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the simulated generator's knobs, validated by SimulatedGeneration in "
+        "asyncrl/backends/simulated.py (each documented there; an unknown knob is an error listing the allowed ones)")
+
+
+class _Trainer(_Placement):
+    lr: float = Field(1e-4, gt=0, description="learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    grad_clip: float | None = Field(1.0, gt=0, description="gradient norm clip (None: no clipping)")
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="sequences per forward/backward; None: a whole chunk")
+
+
+class TorchTrainerConfig(_Trainer):
+    """Training with the embedded torch engine (asyncrl/backends/torch.py)."""
+
+    backend: Literal["torch"] = "torch"
+
+
+class MegatronTrainerConfig(_Trainer):
+    """Training with Megatron-core (asyncrl/backends/megatron.py)."""
+
+    backend: Literal["megatron"] = "megatron"
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks (x data_parallel = world size)")
+    data_parallel: int = Field(1, ge=1, description="data-parallel ranks")
+    optimizer: Literal["megatron", "torch"] | None = Field(
+        None, description="'megatron' (DDP + Megatron's optimizer, fp32 master weights) or 'torch' (AdamW on the "
+        "bare model); None: megatron on CUDA, torch elsewhere")
+    adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
+    compute_entropy: bool = Field(
+        True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
+
+
+class SimulatedTrainerConfig(_Trainer):
+    """Training without a model (asyncrl/backends/simulated.py): a step takes time proportional to its tokens."""
+
+    backend: Literal["simulated"] = "simulated"
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the simulated policy's knobs, validated by SimulatedTraining in "
+        "asyncrl/backends/simulated.py (each documented there; an unknown knob is an error listing the allowed ones)")
+
+
+def _backend_tag(default: str):
+    def tag(value: Any) -> str:
+        backend = value.get("backend", default) if isinstance(value, Mapping) else getattr(value, "backend", None)
+        return backend if isinstance(backend, str) else repr(backend)
+
+    return tag
+
+
+GENERATION_CONFIGS = {c.model_fields["backend"].default: c for c in (
+    TorchGenerationConfig, VLLMGenerationConfig, SimulatedGenerationConfig)}
+TRAINER_CONFIGS = {c.model_fields["backend"].default: c for c in (
+    TorchTrainerConfig, MegatronTrainerConfig, SimulatedTrainerConfig)}
+GenerationConfig = Annotated[
+    Union[tuple(Annotated[c, Tag(name)] for name, c in GENERATION_CONFIGS.items())],
+    Discriminator(_backend_tag("torch"), custom_error_type="unknown_backend",
+                  custom_error_message=f"generation.backend must be one of {list(GENERATION_CONFIGS)}"),
+]
+"""``generation:`` — one of ``GENERATION_CONFIGS``, chosen by ``backend`` (default ``torch``)."""
+TrainerConfig = Annotated[
+    Union[tuple(Annotated[c, Tag(name)] for name, c in TRAINER_CONFIGS.items())],
+    Discriminator(_backend_tag("torch"), custom_error_type="unknown_backend",
+                  custom_error_message=f"trainer.backend must be one of {list(TRAINER_CONFIGS)}"),
+]
+"""``trainer:`` — one of ``TRAINER_CONFIGS``, chosen by ``backend`` (default ``torch``)."""
 
 
 class TaskConfig(_Strict):
@@ -117,8 +219,8 @@ class Config(_Strict):
     faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
-    generation: GenerationConfig = Field(default_factory=GenerationConfig)
-    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    generation: GenerationConfig = Field(default_factory=TorchGenerationConfig)
+    trainer: TrainerConfig = Field(default_factory=TorchTrainerConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
@@ -205,12 +307,21 @@ def _check_collective_weight_sync(cfg: Config) -> None:
         )
 
 
+_VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
+
+
 def _merge(base: dict, overrides: dict) -> dict:
     out = dict(base)
     for key, value in overrides.items():
         # A new sampler name replaces the sampler block: knobs of one policy are errors for another.
         if key == "sampler" and isinstance(value, dict) and value.get("name") not in (None, out.get(key, {}).get("name")):
             out[key] = dict(value)
+        # A new backend keeps the base's keys the new backend also has (device, placement, max_new_tokens, ...)
+        # and drops the old backend's own knobs; the override's keys are all kept (unknown ones are errors).
+        elif (key in _VARIANTS and isinstance(value, dict) and isinstance(out.get(key), dict)
+              and value.get("backend", out[key].get("backend", "torch")) != out[key].get("backend", "torch")):
+            fields = _VARIANTS[key].get(value["backend"], _Strict).model_fields
+            out[key] = {**{k: v for k, v in out[key].items() if k in fields}, **value}
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
         else:

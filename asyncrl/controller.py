@@ -40,16 +40,8 @@ from asyncrl.faults import _FAILED, FaultContainment, GenerationFailed, RewardTy
 from asyncrl.metrics import StepAccumulator
 from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
+from asyncrl.trace import TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS  # noqa: F401  (all importable from here too)
 from asyncrl.tracking import Tracker
-
-TRACE_COLUMNS = [
-    "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
-]
-TRACE_EVENTS = (
-    "admit", "refuse", "dispatch", "commit", "evict", "select", "train", "sync", "abort", "step", "fault", "skip",
-)
-TRACE_DTYPES = {"seq": "int64", "trainer_version": "int64", "group_id": "Int64", "weight_version": "Int64",
-                "target_step": "Int64", "lag": "Int64"}
 
 
 @dataclass

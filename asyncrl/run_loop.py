@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import pandas as pd
 
+from asyncrl.trace import TRACE_COLUMNS, TRACE_EVENTS
+
 if TYPE_CHECKING:
     from asyncrl.controller import Controller, TickReport
 
@@ -107,8 +109,6 @@ class RunHandle:
 
     def __init__(self, ctrl: Controller, steps: int, until=None, progress: bool = True,
                  on_step: Callable[[dict, list[tuple]], Any] | None = None):
-        from asyncrl.controller import TRACE_COLUMNS, TRACE_EVENTS
-
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         self._match = breakpoint_matcher(until, TRACE_EVENTS)

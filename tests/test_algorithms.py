@@ -18,7 +18,7 @@ from asyncrl.algorithms import (
     token_entropy,
     token_logprobs,
 )
-from asyncrl.config import ModelConfig, TrainerConfig
+from asyncrl.config import ModelConfig, TorchTrainerConfig
 from asyncrl.data import GroupRollouts, TrainBatch
 
 NO_IS = dict(importance_correction="none", truncation="none")
@@ -236,7 +236,7 @@ def _random_groups(seed, n_groups=6, G=4):
 def _train_step(loss_cfg, chunks, micro_batch_size=None, steps=2):
     from asyncrl.backends.torch import TorchPolicy
 
-    policy = TorchPolicy(TINY, TrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size), GRPOLoss(loss_cfg), seed=0)
+    policy = TorchPolicy(TINY, TorchTrainerConfig(lr=1e-2, micro_batch_size=micro_batch_size), GRPOLoss(loss_cfg), seed=0)
     out = []
     for step in range(steps):
         groups = _random_groups(step)

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Lower number = lower layer. A module may import only from lower layers (or from its own family, below).
 LAYERS = {
     # the data that crosses the Protocols, the metric vocabulary, tokenizer, replay buffer: no asyncrl imports
-    "asyncrl.data": 0, "asyncrl.metrics": 0, "asyncrl.tokenizer": 0, "asyncrl.buffer": 0,
+    "asyncrl.data": 0, "asyncrl.metrics": 0, "asyncrl.trace": 0, "asyncrl.tokenizer": 0, "asyncrl.buffer": 0,
     "asyncrl.samplers": 1,  # and its submodules (one family)
     "asyncrl.algorithms": 2,  # GRPO maths and the Loss: imports data and metrics only
     "asyncrl.config": 3, "asyncrl.tasks": 3,
@@ -25,8 +25,9 @@ LAYERS = {
     "asyncrl.backends.torch": 5, "asyncrl.backends.megatron": 5, "asyncrl.backends.vllm": 5,
     "asyncrl.backends.simulated": 5, "asyncrl.backends.weight_sync": 5,
     "asyncrl.backends": 6,  # the registry: build_backends picks engines by name
-    "asyncrl.controller": 7,
-    "asyncrl.cli": 8,
+    "asyncrl.run_loop": 7,  # the background run and its handle: the controller starts it
+    "asyncrl.controller": 8,
+    "asyncrl.cli": 9,
 }
 ENGINE = 5
 NOT_ENGINES = {"asyncrl.backends.weight_sync"}  # it connects two engines' actors; it imports none
@@ -54,7 +55,12 @@ def _imports(module: str) -> set[str]:
     """asyncrl modules ``module`` imports anywhere in its source, and the packages such an import loads first
     (importing ``asyncrl.backends.x`` from outside ``asyncrl.backends`` runs ``asyncrl/backends/__init__.py``)."""
     out = set()
-    for node in ast.walk(ast.parse(MODULES[module].read_text())):
+    tree = ast.parse(MODULES[module].read_text())
+    typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
+                   for n in ast.walk(block)}
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue  # ``if TYPE_CHECKING:`` imports are for annotations, not run-time dependencies
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -72,6 +78,11 @@ def _imports(module: str) -> set[str]:
                 package = package.rpartition(".")[0]
     out.discard("asyncrl")  # asyncrl/__init__.py imports nothing at import time
     return out
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
 GRAPH = {m: _imports(m) for m in MODULES}

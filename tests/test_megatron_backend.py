@@ -27,7 +27,7 @@ from asyncrl.backends.megatron_weights import (  # noqa: E402
     shard_for_tp,
     unshard_from_tp,
 )
-from asyncrl.config import ModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.config import MegatronTrainerConfig, ModelConfig, TorchTrainerConfig  # noqa: E402
 from asyncrl.data import TrainBatch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,8 +88,8 @@ def tok():
 
 def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, **model_kw):
     model_cfg = ModelConfig(**model_kw)
-    trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=lr, grad_clip=grad_clip,
-                                micro_batch_size=micro_batch_size, options={"optimizer": "torch"})
+    trainer_cfg = MegatronTrainerConfig(device="cpu", lr=lr, grad_clip=grad_clip, micro_batch_size=micro_batch_size,
+                                        optimizer="torch")
     return MegatronPolicy(model_cfg, trainer_cfg, GRPOLoss(loss), seed, tok)
 
 
@@ -256,7 +256,7 @@ def test_random_init_is_deterministic_in_seed(megatron_cpu, tok):
 def test_starts_from_the_same_weights_as_the_torch_backend(megatron_cpu, tok):
     """Same config and seed: Megatron, torch and (through the same HF init) vLLM start at identical weights."""
     torch_backend = pytest.importorskip("asyncrl.backends.torch")
-    ref = torch_backend.TorchPolicy(ModelConfig(), TrainerConfig(), GRPOLoss(), 4, tok).export_weights()
+    ref = torch_backend.TorchPolicy(ModelConfig(), TorchTrainerConfig(), GRPOLoss(), 4, tok).export_weights()
     ours = make_policy(tok, seed=4).export_weights()
     assert list(ours) == list(ref)
     assert all(torch.equal(ours[k], ref[k]) for k in ref)
@@ -367,8 +367,7 @@ def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_pat
     parallel_state.initialize_model_parallel(tp, 1)
     tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tok = make_tokenizer()
-    trainer_cfg = TrainerConfig(backend="megatron", device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp,
-                                options={"optimizer": "torch"})
+    trainer_cfg = MegatronTrainerConfig(device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp, optimizer="torch")
     policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
                             trainer_cfg, GRPOLoss(), 0, tok)
     out = _one_step(policy)
@@ -380,7 +379,7 @@ def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_pat
 
 def _run_world_one(tok) -> dict:
     policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-                            TrainerConfig(backend="megatron", device="cpu", lr=1e-3, options={"optimizer": "torch"}),
+                            MegatronTrainerConfig(device="cpu", lr=1e-3, optimizer="torch"),
                             GRPOLoss(), 0, tok)
     return _one_step(policy)
 

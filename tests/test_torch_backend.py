@@ -13,7 +13,7 @@ from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch
 from asyncrl.backends.base import GenerationBackend, PolicyBackend
 from asyncrl.backends.hf import build_model
 from asyncrl.backends.torch import TorchGenerator, TorchPolicy
-from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig
+from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest
 from asyncrl.tasks import build_task, evaluate
 from asyncrl.tokenizer import build_tokenizer
@@ -28,8 +28,8 @@ def tok():
 
 
 def make(tok, seed=0, gen=None, loss=None, trainer=None, model=SMALL):
-    policy = TorchPolicy(model, trainer or TrainerConfig(lr=1e-2), GRPOLoss(loss), seed, tok)
-    generator = TorchGenerator(model, gen or GenerationConfig(max_new_tokens=4), seed, tok)
+    policy = TorchPolicy(model, trainer or TorchTrainerConfig(lr=1e-2), GRPOLoss(loss), seed, tok)
+    generator = TorchGenerator(model, gen or TorchGenerationConfig(max_new_tokens=4), seed, tok)
     return policy, generator
 
 
@@ -91,8 +91,8 @@ def test_poll_returns_groups_in_submission_order_with_shapes_and_logprobs(tok):
 
 
 @pytest.mark.parametrize("gen_cfg", [
-    GenerationConfig(max_new_tokens=5),
-    GenerationConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
+    TorchGenerationConfig(max_new_tokens=5),
+    TorchGenerationConfig(max_new_tokens=3, temperature=0.7, top_p=0.9),
 ], ids=["t1", "t0.7-p0.9"])
 def test_generator_logprobs_match_a_full_forward_of_the_policy(tok, gen_cfg):
     """Same seed, same weights: the generator's KV-cached logprobs are the policy's temperature-1 logprobs,
@@ -107,7 +107,7 @@ def test_generator_logprobs_match_a_full_forward_of_the_policy(tok, gen_cfg):
 
 def test_top_p_keeps_samples_inside_the_nucleus(tok):
     # a nearly-greedy nucleus: every sample is the argmax token
-    _, gen = make(tok, gen=GenerationConfig(max_new_tokens=1, top_p=1e-6))
+    _, gen = make(tok, gen=TorchGenerationConfig(max_new_tokens=1, top_p=1e-6))
     greedy = gen.generate_greedy([tok.encode("q=")], 1)[0]
     gen.submit(requests(tok, ["q="], n=16))
     assert all(c == greedy for c in gen.poll()[0].completion_ids)
@@ -190,7 +190,7 @@ def test_load_weights_requires_every_weight(tok):
 def test_weight_loads_never_interleave_a_generation(tok):
     """A loader thread flips between two very different weight sets while another thread generates: every group's
     logprobs must be exactly those of the single version it reports."""
-    policy, gen = make(tok, gen=GenerationConfig(max_new_tokens=4))
+    policy, gen = make(tok, gen=TorchGenerationConfig(max_new_tokens=4))
     w_even = policy.export_weights()
     w_odd = {k: v * 3.0 for k, v in w_even.items()}
     stop = threading.Event()
@@ -215,8 +215,8 @@ def test_weight_loads_never_interleave_a_generation(tok):
         stop.set()
         thread.join()
     assert not errors and len(results) == 50
-    check = {0: TorchPolicy(SMALL, TrainerConfig(), GRPOLoss(), 0, tok),
-             1: TorchPolicy(SMALL, TrainerConfig(), GRPOLoss(), 0, tok)}
+    check = {0: TorchPolicy(SMALL, TorchTrainerConfig(), GRPOLoss(), 0, tok),
+             1: TorchPolicy(SMALL, TorchTrainerConfig(), GRPOLoss(), 0, tok)}
     check[1].model.load_state_dict(w_odd)
     versions = set()
     for g in results:

@@ -15,7 +15,7 @@ import torch
 
 from asyncrl.backends.base import GenerationBackend
 from asyncrl.backends.vllm import VLLMGenerator, group_seed, write_model_dir
-from asyncrl.config import GenerationConfig, ModelConfig
+from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -111,9 +111,9 @@ class FakeLLM:
 
 def make_gen(background=False, seed=0, **gen_kw):
     llm = FakeLLM()
-    gen_cfg = GenerationConfig(backend="vllm", max_new_tokens=gen_kw.pop("max_new_tokens", 6),
-                               temperature=gen_kw.pop("temperature", 0.9), top_p=gen_kw.pop("top_p", 0.95),
-                               options={"background": background, **gen_kw})
+    gen_cfg = VLLMGenerationConfig(max_new_tokens=gen_kw.pop("max_new_tokens", 6),
+                                   temperature=gen_kw.pop("temperature", 0.9), top_p=gen_kw.pop("top_p", 0.95),
+                                   background=background, **gen_kw)
     tok = SimpleNamespace(eos_token_id=EOS)
     return VLLMGenerator(ModelConfig(), gen_cfg, seed, tok, llm=llm, sampling_params_cls=FakeSamplingParams), llm
 
@@ -343,7 +343,7 @@ def test_imports_without_vllm():
     if importlib.util.find_spec("vllm") is not None:
         pytest.skip("vllm is installed here")
     with pytest.raises(ImportError):
-        VLLMGenerator(ModelConfig(), GenerationConfig(backend="vllm"), 0, make_tokenizer())
+        VLLMGenerator(ModelConfig(), VLLMGenerationConfig(), 0, make_tokenizer())
 
 
 # ---- the model directory vLLM loads ----------------------------------------------------------------------------------
@@ -356,7 +356,7 @@ def test_model_dir_holds_config_tokenizer_and_the_policies_initial_weights(tmp_p
 
     from asyncrl.backends.torch import TorchPolicy
     from asyncrl.algorithms import GRPOLoss
-    from asyncrl.config import TrainerConfig
+    from asyncrl.config import TorchTrainerConfig
 
     tok = make_tokenizer()
     model_cfg = ModelConfig(dtype=dtype)
@@ -365,7 +365,7 @@ def test_model_dir_holds_config_tokenizer_and_the_policies_initial_weights(tmp_p
     assert (cfg.model_type, cfg.vocab_size, cfg.eos_token_id, cfg.hidden_size) == ("llama", 259, EOS, 128)
     assert AutoTokenizer.from_pretrained(tmp_path).encode("7=") == tok.encode("7=")
     saved = load_file(str(tmp_path / "model.safetensors"))
-    ref = TorchPolicy(ModelConfig(), TrainerConfig(), GRPOLoss(), 5, tok).export_weights()
+    ref = TorchPolicy(ModelConfig(), TorchTrainerConfig(), GRPOLoss(), 5, tok).export_weights()
     want = getattr(torch, dtype)
     for k, v in saved.items():
         assert v.dtype == want and torch.equal(v, ref[k].to(want)), k
@@ -385,7 +385,7 @@ def real():
     tok = make_tokenizer()
     model_cfg = ModelConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, max_position_embeddings=128, dtype="float32")
-    gen_cfg = GenerationConfig(backend="vllm", max_new_tokens=12, temperature=1.0, gpu_memory_utilization=0.2)
+    gen_cfg = VLLMGenerationConfig(max_new_tokens=12, temperature=1.0, gpu_memory_utilization=0.2)
     gen = VLLMGenerator(model_cfg, gen_cfg, 0, tok)
     hf = init_hf_model(build_hf_config(model_cfg, tok), 0).cuda()
     yield SimpleNamespace(gen=gen, hf=hf, tok=tok)

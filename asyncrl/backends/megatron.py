@@ -8,7 +8,7 @@
   interleaving, fused SwiGLU ``linear_fc1``, tensor-parallel shards).
 - Training: bf16 (or fp32) parameters; on CUDA the model is wrapped in Megatron's ``DistributedDataParallel`` and
   stepped by ``get_megatron_optimizer`` (fp32 master weights, TP-aware grad clipping); elsewhere (CPU) a torch
-  AdamW steps the bare model. ``trainer_cfg.options["optimizer"]`` (``"megatron"`` / ``"torch"``) overrides.
+  AdamW steps the bare model. ``trainer_cfg.optimizer`` (``"megatron"`` / ``"torch"``) overrides.
 - The split step: ``begin_train_step`` zeroes gradients and the step's accumulator, ``train_microbatches``
   accumulates gradients of the ``Loss``'s *un-normalised* ``loss_sum``, ``finish_train_step`` divides the gradients once by
   the step's normaliser (all-reduced over data-parallel ranks), clips and steps. The result does not depend on
@@ -34,6 +34,7 @@ from asyncrl.algorithms import Loss, token_entropy, token_logprobs
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
+from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator
 
@@ -48,13 +49,13 @@ __all__ = ["MegatronPolicy"]
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
-    def __init__(self, model_cfg: Any, trainer_cfg: Any, loss: Loss, seed: int = 0, tokenizer: Any = None):
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,
+                 tokenizer: Any = None):
         from megatron.core import parallel_state
 
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
         self.seed = seed
         self.tokenizer = tokenizer
-        self.options = dict(getattr(trainer_cfg, "options", {}) or {})
         self.device = resolve_device(trainer_cfg.device)
         self.dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else torch.float32
         self.tp = trainer_cfg.tensor_parallel
@@ -74,10 +75,8 @@ class MegatronPolicy:
         self.load_hf_weights(hf_sd)
         del hf_sd
 
-        self.optimizer_kind = self.options.get("optimizer", "megatron" if self.device.type == "cuda" else "torch")
-        if self.optimizer_kind not in ("megatron", "torch"):
-            raise ValueError(f"trainer.options.optimizer must be 'megatron' or 'torch', got {self.optimizer_kind!r}")
-        self.compute_entropy = bool(self.options.get("compute_entropy", True))
+        self.optimizer_kind = trainer_cfg.optimizer or ("megatron" if self.device.type == "cuda" else "torch")
+        self.compute_entropy = trainer_cfg.compute_entropy
         self._build_optimizer()
         self.steps = 0
         self._masks: dict[int, torch.Tensor] = {}
@@ -162,7 +161,7 @@ class MegatronPolicy:
             self.ddp = DistributedDataParallel(config=self.transformer_config, ddp_config=ddp_cfg, module=self.model)
             opt_cfg = OptimizerConfig(
                 optimizer="adam", lr=tc.lr, min_lr=tc.lr, weight_decay=tc.weight_decay, adam_beta1=b1, adam_beta2=b2,
-                adam_eps=float(self.options.get("adam_eps", 1e-8)), clip_grad=float(tc.grad_clip or 0.0),
+                adam_eps=tc.adam_eps, clip_grad=float(tc.grad_clip or 0.0),
                 bf16=self.dtype == torch.bfloat16, params_dtype=self.dtype, use_distributed_optimizer=False,
             )
             self.optimizer = get_megatron_optimizer(opt_cfg, [self.ddp])
@@ -173,7 +172,7 @@ class MegatronPolicy:
             self.ddp = None
             self.optimizer = torch.optim.AdamW(
                 params, lr=tc.lr, betas=(b1, b2), weight_decay=tc.weight_decay,
-                eps=float(self.options.get("adam_eps", 1e-8)),
+                eps=tc.adam_eps,
             )
             self._forward_module = self.model
 

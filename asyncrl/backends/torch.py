@@ -37,7 +37,7 @@ import torch
 
 from asyncrl.algorithms import Loss, token_logprobs
 from asyncrl.backends.hf import build_model, special_ids
-from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig
+from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator
 from asyncrl.tokenizer import EOS_ID, PAD_ID
@@ -212,7 +212,7 @@ class TorchPolicy:
     is public too).
     """
 
-    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TrainerConfig, loss: Loss, seed: int, tokenizer=None):
+    def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
         self.seed = seed
         self.tokenizer = tokenizer
@@ -351,7 +351,7 @@ class TorchGenerator:
     serialised by a lock, so a weight load never interleaves a generation (``poll`` may run in another thread).
     """
 
-    def __init__(self, model_cfg: ModelConfig, gen_cfg: GenerationConfig, seed: int, tokenizer=None):
+    def __init__(self, model_cfg: ModelConfig, gen_cfg: TorchGenerationConfig, seed: int, tokenizer=None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
         self.tokenizer = tokenizer
         self.pad_id, bos_id, self.eos_id, vocab = special_ids(tokenizer)

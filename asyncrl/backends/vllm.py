@@ -9,16 +9,16 @@ updates in place.
   prompts with one ``SamplingParams(n=G, logprobs=0, temperature, top_p, max_tokens, seed, stop_token_ids=[eos])``
   per group. A wave runs under one weight version, so ``gen_start_version == gen_end_version`` for its groups.
 - ``poll`` may run in any thread (the controller's rollout pump does so while its train pump trains); with
-  ``gen_cfg.options["background"] = True`` the generator runs waves in a thread of its own and ``poll(timeout)``
+  ``gen_cfg.background`` the generator runs waves in a thread of its own and ``poll(timeout)``
   only collects. One lock serialises engine use: ``load_weights`` waits for a running wave to end, then
   ``collective_rpc("reload_weights", weights_iterator=...)`` (HF names; vLLM fuses qkv and gate/up itself) and
   ``reset_prefix_cache()`` (cached prefixes hold the old weights' keys and values); ``version`` changes only after
   both completed.
-  (``gen_cfg.options["weight_load"] = "load_weights"`` calls the model's ``load_weights`` directly instead.)
+  (``gen_cfg.weight_load: load_weights`` calls the model's ``load_weights`` directly instead.)
 - ``abort`` cancels queued groups outright; groups of the running wave are cancelled too (never returned), but
   ``LLM.generate`` cannot be interrupted, so their GPU work finishes with the wave.
 - Logprobs are vLLM's default ``raw_logprobs``: the model's temperature-1 distribution, before temperature and
-  top-p, which is what the policy computes (``gen_cfg.options["llm_kwargs"]`` can change ``logprobs_mode``).
+  top-p, which is what the policy computes (``gen_cfg.llm_kwargs`` can change ``logprobs_mode``).
 - Sampling seeds are per group (derived from ``seed`` and the group id), so what a group samples does not depend
   on which other groups share its wave.
 
@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from asyncrl.backends.hf import build_hf_config, init_hf_model
+from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest, GroupRollouts
 
 __all__ = ["VLLMGenerator", "write_model_dir", "group_seed"]
@@ -83,11 +84,10 @@ class VLLMGenerator:
     fakes of that surface: ``generate(prompts, params, use_tqdm=False)``, ``collective_rpc``,
     ``reset_prefix_cache``)."""
 
-    def __init__(self, model_cfg: Any, gen_cfg: Any, seed: int = 0, tokenizer: Any = None, *,
+    def __init__(self, model_cfg: ModelConfig, gen_cfg: VLLMGenerationConfig, seed: int = 0, tokenizer: Any = None, *,
                  llm: Any = None, sampling_params_cls: Any = None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
         self.tokenizer = tokenizer
-        self.options = dict(getattr(gen_cfg, "options", {}) or {})
         self._tmpdir: str | None = None
         self.eos_id = self._eos_id(model_cfg, tokenizer)
         self.model_dir: str | None = None
@@ -108,7 +108,7 @@ class VLLMGenerator:
             )
             if not model_cfg.hf_path:
                 kwargs["max_model_len"] = model_cfg.max_position_embeddings
-            kwargs.update(self.options.get("llm_kwargs", {}))
+            kwargs.update(gen_cfg.llm_kwargs)
             t0 = time.perf_counter()
             llm = vllm.LLM(**kwargs)
             self.init_seconds = time.perf_counter() - t0
@@ -116,14 +116,12 @@ class VLLMGenerator:
             raise ValueError("an injected llm needs its sampling_params_cls")
         self.llm = llm
         self._sp = sampling_params_cls
-        self.per_group_seed = bool(self.options.get("per_group_seed", True))
-        self.max_groups_per_wave = self.options.get("max_groups_per_wave")  # None: everything queued
+        self.per_group_seed = gen_cfg.per_group_seed
+        self.max_groups_per_wave = gen_cfg.max_groups_per_wave  # None: everything queued
         self.last_sync_seconds: float | None = None
         # "reload_weights": vLLM's in-place reload (layerwise, handles quantised models); "load_weights": the model's
         # load_weights called directly. Pick one for the engine's lifetime: the first reload wraps the loaders.
-        self.weight_load = self.options.get("weight_load", "reload_weights")
-        if self.weight_load not in ("reload_weights", "load_weights"):
-            raise ValueError(f"options.weight_load must be 'reload_weights' or 'load_weights', got {self.weight_load!r}")
+        self.weight_load = gen_cfg.weight_load
 
         self._version = 0
         self._engine = threading.Lock()  # engine use (a wave, greedy decoding) vs weight loads
@@ -136,7 +134,7 @@ class VLLMGenerator:
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
-        if self.options.get("background", False):
+        if gen_cfg.background:
             self._thread = threading.Thread(target=self._background, name="asyncrl-vllm", daemon=True)
             self._thread.start()
 
@@ -146,7 +144,7 @@ class VLLMGenerator:
     def _eos_id(model_cfg: Any, tokenizer: Any) -> int | None:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             return int(tokenizer.eos_token_id)
-        if getattr(model_cfg, "hf_path", None):
+        if model_cfg.hf_path:
             from transformers import AutoConfig
 
             eos = getattr(AutoConfig.from_pretrained(model_cfg.hf_path), "eos_token_id", None)

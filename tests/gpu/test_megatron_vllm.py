@@ -32,7 +32,7 @@ from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch, token_log
 from asyncrl.backends.hf import init_hf_model  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.backends.vllm import VLLMGenerator  # noqa: E402
-from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.config import MegatronTrainerConfig, ModelConfig, VLLMGenerationConfig  # noqa: E402
 from asyncrl.data import GenerationRequest  # noqa: E402
 from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 
@@ -52,7 +52,7 @@ def record(key, value):
 
 
 def trainer(**kw):
-    return TrainerConfig(backend="megatron", device="cuda", **kw)
+    return MegatronTrainerConfig(device="cuda", **kw)
 
 
 def gpu_policy(model_cfg, trainer_cfg, seed, tok):
@@ -64,9 +64,8 @@ def gpu_policy(model_cfg, trainer_cfg, seed, tok):
         import traceback
 
         record("megatron_optimizer_error", traceback.format_exc()[-3000:])
-        options = {**trainer_cfg.options, "optimizer": "torch"}
         print("falling back to the torch optimizer:", exc, flush=True)
-        return MegatronPolicy(model_cfg, trainer_cfg.model_copy(update={"options": options}), GRPOLoss(), seed, tok)
+        return MegatronPolicy(model_cfg, trainer_cfg.model_copy(update={"optimizer": "torch"}), GRPOLoss(), seed, tok)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +85,7 @@ def policy(tok):
 
 @pytest.fixture(scope="module")
 def generator(policy, tok):
-    gen_cfg = GenerationConfig(backend="vllm", max_new_tokens=16, temperature=1.0, gpu_memory_utilization=0.3)
+    gen_cfg = VLLMGenerationConfig(max_new_tokens=16, temperature=1.0, gpu_memory_utilization=0.3)
     gen = VLLMGenerator(MODEL, gen_cfg, 0, tok)
     record("vllm_init_s", round(gen.init_seconds, 1))
     yield gen
@@ -170,7 +169,7 @@ def test_megatron_bf16_step_learns_and_normalises_over_the_whole_step(tok):
     record("megatron_step_ms_16x48", round((time.perf_counter() - t0) / 3 * 1e3, 2))
     assert losses[-1] < losses[0]
     # the torch-optimizer path runs on the GPU too
-    c = MegatronPolicy(MODEL, trainer(lr=1e-4, options={"optimizer": "torch"}), GRPOLoss(), 2, tok)
+    c = MegatronPolicy(MODEL, trainer(lr=1e-4, optimizer="torch"), GRPOLoss(), 2, tok)
     c.begin_train_step()
     c.train_microbatches(batch)
     assert c.finish_train_step()["loss"] == pytest.approx(ma["loss"], abs=2e-3)

@@ -27,7 +27,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.backends.vllm import VLLMGenerator  # noqa: E402
-from asyncrl.config import GenerationConfig, ModelConfig, TrainerConfig  # noqa: E402
+from asyncrl.config import MegatronTrainerConfig, ModelConfig, VLLMGenerationConfig  # noqa: E402
 from asyncrl.data import GenerationRequest  # noqa: E402
 from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 
@@ -50,20 +50,20 @@ def record(key, value):
 def test_weight_sync_of_a_half_billion_parameter_model():
     tok = build_tokenizer()
     t0 = time.perf_counter()
-    trainer_cfg = TrainerConfig(backend="megatron", device="cuda", lr=1e-3)
+    trainer_cfg = MegatronTrainerConfig(device="cuda", lr=1e-3)
     try:
         policy = MegatronPolicy(HALF_B, trainer_cfg, GRPOLoss(), 0, tok)
     except Exception:  # noqa: BLE001 - record why, measure the sync anyway (tests/gpu/test_megatron_vllm.py fails)
         import traceback
 
         record("megatron_optimizer_error", traceback.format_exc()[-3000:])
-        trainer_cfg = trainer_cfg.model_copy(update={"options": {"optimizer": "torch"}})
+        trainer_cfg = trainer_cfg.model_copy(update={"optimizer": "torch"})
         policy = MegatronPolicy(HALF_B, trainer_cfg, GRPOLoss(), 0, tok)
     record("optimizer", policy.optimizer_kind)
     record("megatron_init_s", round(time.perf_counter() - t0, 1))
     record("parameters", policy.num_parameters)
     assert 0.45e9 < policy.num_parameters < 0.55e9
-    gen = VLLMGenerator(HALF_B, GenerationConfig(backend="vllm", max_new_tokens=16, gpu_memory_utilization=0.3), 0, tok)
+    gen = VLLMGenerator(HALF_B, VLLMGenerationConfig(max_new_tokens=16, gpu_memory_utilization=0.3), 0, tok)
     record("vllm_init_s", {"write_model_dir": round(gen.write_seconds, 1), "engine": round(gen.init_seconds, 1)})
     try:
         prompts = [tok.encode(f"{i}+{i}=") for i in range(8)]
