@@ -194,20 +194,23 @@ def _error_message(exc: Exception) -> str:
 def _config_errors(exc: ValidationError) -> list[str]:
     """One line per error: the dotted key, what was given, what is allowed (no pydantic boilerplate, no dump of
     the whole config)."""
-    from asyncrl.config import Config
+    from asyncrl.config import GENERATION_CONFIGS, TRAINER_CONFIGS, Config
     from asyncrl.samplers import SAMPLERS
 
+    tags = {"sampler": {*SAMPLERS, "custom"}, "generation": set(GENERATION_CONFIGS), "trainer": set(TRAINER_CONFIGS)}
     lines = []
     for err in exc.errors(include_url=False):
-        # A sampler's config is a union tagged by its name: the tag is in the location, not a key a person types.
-        loc = [str(p) for i, p in enumerate(err["loc"]) if not (i == 1 and err["loc"][0] == "sampler"
-                                                                 and p in {*SAMPLERS, "custom"})]
+        # Sampler and backend configs are unions tagged by name / backend: the tag is in the location, not a key a
+        # person types.
+        loc = [str(p) for i, p in enumerate(err["loc"]) if not (i == 1 and p in tags.get(err["loc"][0], ()))]
         key, given = ".".join(loc), err["input"]
         message = err["msg"].removeprefix("Value error, ").removeprefix("Input ")
         if err["type"] == "extra_forbidden":
             message = f"not a configuration key; the keys here are {', '.join(_keys_at(Config, loc[:-1]))}"
-            elsewhere = [f"{name}.{loc[-1]}" for name, field in Config.model_fields.items()
-                         if len(loc) == 1 and loc[-1] in getattr(field.annotation, "model_fields", {})]
+            sections = {name: getattr(field.annotation, "model_fields", {}) for name, field in Config.model_fields.items()}
+            sections.update({name: {k for v in variants.values() for k in v.model_fields}
+                             for name, variants in (("generation", GENERATION_CONFIGS), ("trainer", TRAINER_CONFIGS))})
+            elsewhere = [f"{name}.{loc[-1]}" for name, keys in sections.items() if len(loc) == 1 and loc[-1] in keys]
             message += f" (did you mean {' or '.join(elsewhere)}?)" if elsewhere else ""
         elif err["type"] == "union_tag_invalid":
             key, given = f"{key}.name", err["ctx"]["tag"]

@@ -24,9 +24,12 @@ PRESETS = Path(__file__).parent / "presets"
 
 
 class _Strict(BaseModel):
-    """Unknown keys are errors that list the allowed ones (a typo is never silently ignored)."""
-
     model_config = ConfigDict(extra="forbid")
+
+
+class _Knobs(_Strict):
+    """A backend's section: an unknown key is an error that lists the allowed ones (a typo is never silently
+    ignored), like the samplers' ``KnobModel``."""
 
     @model_validator(mode="before")
     @classmethod
@@ -69,7 +72,7 @@ class ModelConfig(_Strict):
 # --- backends: one typed section per engine, chosen by ``backend`` ----------------------------------------------
 
 
-class _Placement(_Strict):
+class _Placement(_Knobs):
     backend: str  # each variant narrows it to its Literal name (the discriminator)
     device: str = Field("cpu", description="torch device the engine runs on: 'cpu', 'cuda', 'cuda:1', ...")
     placement: Literal["local", "ray"] = Field(
@@ -320,7 +323,7 @@ def _merge(base: dict, overrides: dict) -> dict:
         # and drops the old backend's own knobs; the override's keys are all kept (unknown ones are errors).
         elif (key in _VARIANTS and isinstance(value, dict) and isinstance(out.get(key), dict)
               and value.get("backend", out[key].get("backend", "torch")) != out[key].get("backend", "torch")):
-            fields = _VARIANTS[key].get(value["backend"], _Strict).model_fields
+            fields = _VARIANTS[key].get(value["backend"], _Knobs).model_fields
             out[key] = {**{k: v for k, v in out[key].items() if k in fields}, **value}
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
             out[key] = _merge(out[key], value)
