@@ -9,12 +9,12 @@ import signal
 
 import pytest
 import torch
-from tests.plain_grpo import plain_grpo
+from examples.plain_grpo import plain_grpo
 
 from asyncrl import Controller, load_config
-from asyncrl.backends.base import GenerationRequest
 from asyncrl.backends.process import ProcessGenerator
 from asyncrl.backends.torch import TorchGenerator
+from asyncrl.data import GenerationRequest
 from asyncrl.tokenizer import build_tokenizer
 
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
@@ -48,7 +48,7 @@ def test_child_generates_the_same_tokens_and_logprobs_as_in_process(pair):
         assert [g.group_id for g in b] == [first, first + 1, first + 2]
         assert [g.completion_ids for g in a] == [g.completion_ids for g in b]
         assert [g.logprobs for g in a] == [g.logprobs for g in b]
-        assert [g.weight_version for g in b] == [0, 0, 0]
+        assert [g.gen_start_version for g in b] == [0, 0, 0]
     prompts = [r.prompt_ids for r in requests(tokenizer, 0)]
     assert local.generate_greedy(prompts, 4) == child.generate_greedy(prompts, 4)
 
@@ -61,7 +61,7 @@ def test_version_moves_with_the_load_and_the_child_generates_with_the_new_weight
         assert gen.version == 5
         gen.submit(requests(tokenizer, 10))
     a, b = local.poll(), child.poll()
-    assert [g.weight_version for g in b] == [5, 5, 5] and [g.end_weight_version for g in b] == [5, 5, 5]
+    assert [g.gen_start_version for g in b] == [5, 5, 5] and [g.gen_end_version for g in b] == [5, 5, 5]
     assert [g.logprobs for g in a] == [g.logprobs for g in b]  # the new weights, bit for bit
     assert child.state_dict()["version"] == 5
     with pytest.raises(KeyError, match="differ from the first load"):
