@@ -11,25 +11,30 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Lower number = lower layer. A module may import only from lower layers (or from its own family, below).
-LAYERS = {
-    # the data that crosses the Protocols, the metric vocabulary, tokenizer, replay buffer: no asyncrl imports
-    "asyncrl.data": 0, "asyncrl.metrics": 0, "asyncrl.trace": 0, "asyncrl.tokenizer": 0, "asyncrl.buffer": 0,
-    "asyncrl.samplers": 1,  # and its submodules (one family)
-    "asyncrl.algorithms": 2,  # GRPO maths and the Loss: imports data and metrics only
-    "asyncrl.config": 3, "asyncrl.tasks": 3,
-    # what the engines share: the Protocols, HF helpers, Ray placement, Megatron's weight map and process groups
-    "asyncrl.backends.base": 4, "asyncrl.backends.hf": 4, "asyncrl.backends.ray": 4,
-    "asyncrl.backends.megatron_weights": 4, "asyncrl.backends.megatron_parallel": 4,
+# Lower = lower layer, listed bottom up. A module may import only from lower layers (or from its own family).
+TIERS = [
+    # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
+    ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
+     "asyncrl.tracking"],
+    ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault bookkeeping (the controller mixes it in)
+    ["asyncrl.samplers"],  # and its submodules (one family)
+    ["asyncrl.algorithms"],  # GRPO maths and the Loss: data and metrics only, never the backends
+    ["asyncrl.config", "asyncrl.tasks"],
+    # what the engines share: the Protocols, HF helpers, placements, Megatron's weight map and process groups
+    ["asyncrl.backends.base", "asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
+     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
-    "asyncrl.backends.torch": 5, "asyncrl.backends.megatron": 5, "asyncrl.backends.vllm": 5,
-    "asyncrl.backends.simulated": 5, "asyncrl.backends.weight_sync": 5,
-    "asyncrl.backends": 6,  # the registry: build_backends picks engines by name
-    "asyncrl.run_loop": 7,  # the background run and its handle: the controller starts it
-    "asyncrl.controller": 8,
-    "asyncrl.cli": 9,
-}
-ENGINE = 5
+    ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
+     "asyncrl.backends.weight_sync"],
+    ["asyncrl.backends"],  # the registry: build_backends picks engines by name
+    ["asyncrl.run_loop", "asyncrl.checkpoint"],  # the background run and the checkpoint format the controller uses
+    ["asyncrl.controller"],
+    ["asyncrl.simulate_plots"],
+    ["asyncrl.simulate"],  # drives a controller on the simulated backends
+    ["asyncrl.cli"],
+]
+LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
+ENGINE = LAYERS["asyncrl.backends.torch"]
 NOT_ENGINES = {"asyncrl.backends.weight_sync"}  # it connects two engines' actors; it imports none
 
 
