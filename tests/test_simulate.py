@@ -98,7 +98,7 @@ def test_stale_data_slows_the_reward_model_and_shows_in_importance_weights():
     from asyncrl.backends.simulated import DRIFT, LOG_HALF
 
     group = next(s.rollouts for s in stale.ctrl.buffer.ready_slots())
-    assert group.logprobs[0][0] == pytest.approx(LOG_HALF - DRIFT * group.weight_version)
+    assert group.logprobs[0][0] == pytest.approx(LOG_HALF - DRIFT * group.gen_start_version)
 
 
 def test_long_tailed_lengths_are_clipped_and_keep_their_mean():
