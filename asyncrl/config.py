@@ -116,8 +116,30 @@ class VLLMGenerationConfig(_Generation):
         True, description="seed each group's sampling from (seed, group id), so it does not depend on its wave")
     max_groups_per_wave: int | None = Field(
         None, ge=1, description="groups per LLM.generate call; None: everything queued")
+    enable_prefix_caching: bool = Field(
+        False, description="vLLM's prefix cache. Off by default: GRPO prompts are short and new weights void "
+        "every cached prefix, so a cache would cost a reset (a walk over every KV block) at every weight sync")
+    kv_cache_tokens: int | None = Field(
+        None, ge=1, description="size the KV pool to this many tokens (vLLM's kv_cache_memory_bytes, computed "
+        "from the model's layers, KV heads and dtype) instead of gpu_memory_utilization; a step needs about "
+        "groups x group_size x (prompt + max_new_tokens) tokens")
+    max_num_seqs: int | None = Field(
+        None, ge=1, description="sequences vLLM decodes at once (None: vLLM's default, 256 on this GPU class)")
+    min_new_tokens_tail: int | None = Field(
+        None, ge=1, description="long-tailed completion lengths: each group's token limit is drawn (seeded by "
+        "seed and group id) as min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|))), z "
+        "standard normal; None: every group gets max_new_tokens. A randomly initialised model rarely emits eos, "
+        "so this is what gives a throughput preset the length spread of real RL")
+    length_sigma: float = Field(1.0, gt=0, description="spread of the long-tailed token limit (see min_new_tokens_tail)")
     llm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> "VLLMGenerationConfig":
+        if self.min_new_tokens_tail is not None and self.min_new_tokens_tail > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens_tail {self.min_new_tokens_tail} exceeds max_new_tokens "
+                             f"{self.max_new_tokens}: the drawn limits lie between the two")
+        return self
 
 
 class SimulatedGenerationConfig(_Generation):
@@ -156,6 +178,9 @@ class MegatronTrainerConfig(_Trainer):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     compute_entropy: bool = Field(
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
+    micro_batch_tokens: int = Field(
+        16384, ge=1, description="when micro_batch_size is None: sequences per forward/backward = this token "
+        "budget // the padded sequence length (at least 1), so a large chunk never meets the GPU in one piece")
 
 
 class SimulatedTrainerConfig(_Trainer):

@@ -86,10 +86,11 @@ def tok():
     return make_tokenizer()
 
 
-def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, **model_kw):
+def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, micro_batch_tokens=16384,
+                **model_kw):
     model_cfg = ModelConfig(**model_kw)
     trainer_cfg = MegatronTrainerConfig(device="cpu", lr=lr, grad_clip=grad_clip, micro_batch_size=micro_batch_size,
-                                        optimizer="torch")
+                                        micro_batch_tokens=micro_batch_tokens, optimizer="torch")
     return MegatronPolicy(model_cfg, trainer_cfg, GRPOLoss(loss), seed, tok)
 
 
@@ -314,6 +315,16 @@ def test_whole_step_normalisation_is_independent_of_chunking(megatron_cpu, tok, 
     w1, w2 = weights(one), weights(two)
     for k in w1:
         torch.testing.assert_close(w1[k] - w0[k], w2[k] - w0[k], atol=1e-6, rtol=1e-4)
+
+
+def test_default_micro_batches_come_from_the_token_budget(megatron_cpu, tok):
+    batch = make_batch(B=8, prompt=4, completion=6)  # padded length 10
+    budget = make_policy(tok, micro_batch_tokens=25)  # 25 // 10 = 2 sequences a micro-batch
+    assert [mb.num_sequences for mb in budget._micro_batches(batch)] == [2, 2, 2, 2]
+    assert [mb.num_sequences for mb in make_policy(tok, micro_batch_tokens=5)._micro_batches(batch)] == [1] * 8
+    assert [mb.num_sequences for mb in make_policy(tok)._micro_batches(batch)] == [8]  # the default budget: 16k
+    sized = make_policy(tok, micro_batch_size=3, micro_batch_tokens=5)  # an explicit size wins
+    assert [mb.num_sequences for mb in sized._micro_batches(batch)] == [3, 3, 2]
 
 
 def test_state_dict_round_trip_resumes_identically(megatron_cpu, tok):

@@ -185,11 +185,15 @@ def test_waves_can_be_bounded():
 # ---- weights ------------------------------------------------------------------------------------------------------
 
 
-def test_load_weights_reloads_in_place_then_resets_the_prefix_cache_then_sets_the_version():
-    gen, llm = make_gen()
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_load_weights_reloads_in_place_then_resets_the_prefix_cache_then_sets_the_version(prefix_caching):
+    gen, llm = make_gen(enable_prefix_caching=prefix_caching)
     weights = {"scale": torch.tensor(2.5), "model.norm.weight": torch.ones(4)}
     gen.load_weights(weights, version=3)
-    assert llm.log == ["reload_weights", "reset_prefix_cache"]
+    # the reset walks every KV block: only when a prefix cache exists to hold the old weights' keys and values
+    assert llm.log == ["reload_weights"] + (["reset_prefix_cache"] if prefix_caching else [])
+    (parts,) = gen.sync_parts()
+    assert parts["version"] == 3 and parts["load_s"] >= 0 and (parts["reset_s"] == 0) == (not prefix_caching)
     assert set(llm.loaded) == set(weights) and all(llm.loaded[k] is weights[k] for k in weights)  # no copies
     assert gen.version == 3 and gen.last_sync_seconds is not None
     gen.submit([req(1)])
@@ -201,7 +205,7 @@ def test_load_weights_reloads_in_place_then_resets_the_prefix_cache_then_sets_th
 def test_weights_can_load_through_the_models_own_load_weights():
     gen, llm = make_gen(weight_load="load_weights")
     gen.load_weights({"scale": torch.tensor(4.0)}, version=2)
-    assert llm.log == ["apply_model", "reload_weights", "reset_prefix_cache"] and gen.version == 2
+    assert llm.log == ["apply_model", "reload_weights"] and gen.version == 2
     gen.submit([req(1)])
     assert gen.poll()[0].logprobs[0][0] == -4.0
     with pytest.raises(ValueError, match="weight_load"):
@@ -230,7 +234,94 @@ def test_a_weight_load_waits_for_the_running_wave():
     loader.join(5)
     (g,) = box["out"]
     assert (g.gen_start_version, g.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
-    assert gen.version == 1 and llm.log == ["generate", "reload_weights", "reset_prefix_cache"]
+    assert gen.version == 1 and llm.log == ["generate", "reload_weights"]
+
+
+def test_staged_weights_arrive_during_a_wave_and_are_swapped_in_between_waves():
+    gen, llm = make_gen()
+    llm.gate = threading.Event()
+    gen.submit([req(1)])
+    poller, box = run_in_thread(gen.poll)
+    assert llm.started.wait(5)
+    buffers = {"scale": torch.tensor(0.0)}
+    filled = []
+
+    def fill():  # what the collective sync's receive does: write the buffers
+        buffers["scale"].fill_(3.0)
+        filled.append(True)
+
+    stager, _ = run_in_thread(gen.stage_weights, buffers, 1, fill)
+    stager.join(5)
+    assert not stager.is_alive() and filled  # the receive did not wait for the wave
+    assert gen.version == 0 and "reload_weights" not in llm.log  # nor touched the engine during it
+    llm.gate.set()
+    poller.join(5)
+    (g,) = box["out"]
+    assert (g.gen_start_version, g.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
+    assert gen.version == 1 and llm.log == ["generate", "reload_weights"]  # swapped in as the wave ended
+    gen.submit([req(2)])
+    (g,) = gen.poll()
+    assert g.gen_start_version == 1 and all(lp == -3.0 for lp in g.logprobs[0])
+    (parts,) = gen.sync_parts()
+    assert parts["version"] == 1 and parts["swap_wait_s"] > 0 and parts["reset_s"] == 0
+
+
+def test_staged_weights_swap_in_at_once_when_no_wave_runs_and_a_newer_set_replaces_an_older_one():
+    gen, llm = make_gen()
+    gen.stage_weights({"scale": torch.tensor(2.0)}, 1)
+    assert gen.version == 1 and llm.scale == 2.0  # idle engine: a synchronous run sees the version move at once
+    llm.gate = threading.Event()
+    gen.submit([req(1)])
+    poller, _ = run_in_thread(gen.poll)
+    assert llm.started.wait(5)
+    gen.stage_weights({"scale": torch.tensor(3.0)}, 2)
+    gen.stage_weights({"scale": torch.tensor(4.0)}, 3)
+    assert gen.version == 1
+    llm.gate.set()
+    poller.join(5)
+    assert gen.version == 3 and llm.scale == 4.0 and [p["version"] for p in gen.sync_parts()] == [1, 3]
+
+
+def test_a_failed_staged_receive_keeps_the_old_weights_and_version():
+    gen, llm = make_gen()
+
+    def fill():
+        raise RuntimeError("sender failed")
+
+    with pytest.raises(RuntimeError, match="sender failed"):
+        gen.stage_weights({"scale": torch.tensor(9.0)}, 1, fill)
+    gen.submit([req(1)])
+    (g,) = gen.poll()
+    assert gen.version == 0 and g.gen_start_version == 0 and "reload_weights" not in llm.log
+
+
+def test_long_tailed_completion_limits_are_per_group_and_seeded():
+    gen, llm = make_gen(max_new_tokens=200, min_new_tokens_tail=8, length_sigma=1.0)
+    gen.submit([req(gid, n=1) for gid in range(400)])
+    gen.poll()
+    limits = [p.max_tokens for p in llm.calls[0][1]]
+    assert all(8 <= m <= 200 for m in limits)
+    median = sorted(limits)[len(limits) // 2]
+    assert median < 20 and max(limits) > 5 * median  # a long tail, not a spread around the mean
+    again, llm2 = make_gen(max_new_tokens=200, min_new_tokens_tail=8, length_sigma=1.0)
+    again.submit([req(gid, n=1) for gid in reversed(range(400))])
+    again.poll()
+    assert [p.max_tokens for p in llm2.calls[0][1]][::-1] == limits  # a group's limit does not depend on its wave
+    fixed, llm3 = make_gen(max_new_tokens=7)
+    fixed.submit([req(1)])
+    fixed.poll()
+    assert llm3.calls[0][1][0].max_tokens == 7
+    with pytest.raises(ValueError, match="min_new_tokens_tail 300 exceeds max_new_tokens 200"):
+        VLLMGenerationConfig(max_new_tokens=200, min_new_tokens_tail=300)
+
+
+def test_kv_pool_bytes_follow_the_token_budget():
+    from asyncrl.backends.vllm import kv_cache_bytes
+
+    hf = SimpleNamespace(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=20)
+    # keys and values x 20 layers x 8 KV heads x 64 dims x 2 bytes (bf16) per token
+    assert kv_cache_bytes(ModelConfig(dtype="bfloat16"), hf, 1000) == 1000 * 2 * 20 * 8 * 64 * 2
+    assert kv_cache_bytes(ModelConfig(dtype="float32"), hf, 10) == 10 * 2 * 20 * 8 * 64 * 4
 
 
 # ---- abort ---------------------------------------------------------------------------------------------------------

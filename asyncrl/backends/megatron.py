@@ -17,6 +17,11 @@
   equal the world size (setup in ``megatron_parallel``). Data-parallel ranks train on their share of
   each batch's rows; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
 
+- Micro-batches: ``micro_batch_size`` sequences, or by default as many as fit ``micro_batch_tokens`` at the batch's
+  padded length, so a realistic chunk (512 sequences of hundreds of tokens) never goes through in one piece.
+- Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
+  for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
+
 Megatron-core is imported lazily (inside functions), so ``asyncrl`` imports without it. Megatron-core on a CPU
 needs workarounds that live in the tests (see ``tests/test_megatron_backend.py``), not here.
 """
@@ -31,6 +36,7 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import Loss, token_entropy, token_logprobs
+from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
@@ -219,6 +225,7 @@ class MegatronPolicy:
             out[name] = t
         return out
 
+    @holds_device
     @torch.no_grad()
     def export_weights(self, device: str | torch.device | None = None, dtype: torch.dtype | None = None
                        ) -> dict[str, torch.Tensor]:
@@ -285,13 +292,15 @@ class MegatronPolicy:
         return logits[..., : self.spec.vocab_size]
 
     def _micro_batches(self, batch: TrainBatch):
-        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
+        mbs = self.trainer_cfg.micro_batch_size or max(
+            1, self.trainer_cfg.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
         for start in range(0, batch.num_sequences, mbs):
             yield batch.slice(start, min(start + mbs, batch.num_sequences))
 
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
         return batch.map(lambda t: t.to(self.device, non_blocking=True))
 
+    @holds_device
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] float32 logprobs of ``batch.input_ids`` (0 off ``loss_mask``), on the CPU. Every DP rank computes
@@ -306,6 +315,7 @@ class MegatronPolicy:
 
     # ---- the split train step ------------------------------------------------------------------------------------
 
+    @holds_device
     def begin_train_step(self) -> None:
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
@@ -320,6 +330,7 @@ class MegatronPolicy:
         lo, hi = B * self.dp_rank // self.dp, B * (self.dp_rank + 1) // self.dp
         return batch.slice(lo, hi)
 
+    @holds_device
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         """Forward/backward over this DP rank's rows of ``batch`` in micro-batches; gradients of the un-normalised
         loss accumulate until ``finish_train_step``."""
@@ -360,6 +371,7 @@ class MegatronPolicy:
         dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
         return t.tolist()
 
+    @holds_device
     def finish_train_step(self) -> dict[str, float]:
         """Divide the accumulated gradients by the step's normaliser, clip, take one optimizer step."""
         if not self._in_step:

@@ -4,7 +4,9 @@ The actor hosts the backend object unchanged and the controller talks to a proxy
 nothing in the controller or the backends knows where a backend runs. The proxy's class is made for the hosted
 class: it has exactly that class's public methods and properties (a name the backend does not have is an
 ``AttributeError``), so ``hasattr`` and ``isinstance(proxy, GenerationBackend)`` tell the truth about the backend. An actor serves one call at a time, which
-gives the generator the same "a weight load never interleaves a generation" guarantee as its in-process lock.
+gives a generator the same "a weight load never interleaves a generation" guarantee as its in-process lock; a hosted
+class that declares ``ray_max_concurrency = n`` gets n at once (the vLLM generator: a weight receive runs during a
+wave, and its own locks keep engine use serial).
 GPU placement: a backend whose ``device`` is CUDA asks Ray for one GPU (``ray_options`` may say otherwise), and Ray
 makes that GPU the actor's only visible device, ``cuda`` / ``cuda:0``. Two such actors land on two GPUs. To pin
 devices by index instead, give ``ray_options: {num_gpus: 0}`` and ``device: cuda:1`` (Ray then hides no GPU).
@@ -171,7 +173,10 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
         runtime_env = dict(options.get("runtime_env") or {})
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **NO_MULTICAST_ENV}  # multicast stays off
         options["runtime_env"] = runtime_env
-    actor = ray.remote(_Host).options(max_concurrency=1, **options).remote(cls, args)
+    # One call at a time, unless the hosted class says it is safe with more (``ray_max_concurrency``: the vLLM
+    # generator, so a weight receive runs during a wave; its own locks keep engine use serial).
+    concurrency = int(getattr(cls, "ray_max_concurrency", 1))
+    actor = ray.remote(_Host).options(max_concurrency=concurrency, **options).remote(cls, args)
     ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         ray.kill(actor)

@@ -11,10 +11,23 @@ updates in place.
 - ``poll`` may run in any thread (the controller's rollout pump does so while its train pump trains); with
   ``gen_cfg.background`` the generator runs waves in a thread of its own and ``poll(timeout)``
   only collects. One lock serialises engine use: ``load_weights`` waits for a running wave to end, then
-  ``collective_rpc("reload_weights", weights_iterator=...)`` (HF names; vLLM fuses qkv and gate/up itself) and
-  ``reset_prefix_cache()`` (cached prefixes hold the old weights' keys and values); ``version`` changes only after
-  both completed.
+  ``collective_rpc("reload_weights", weights_iterator=...)`` (HF names; vLLM fuses qkv and gate/up itself), and
+  ``reset_prefix_cache()`` only if the prefix cache is on (cached prefixes hold the old weights' keys and values;
+  the reset walks every KV block in Python, so its cost follows the pool's size: the cache is off by default);
+  ``version`` changes only after both completed.
   (``gen_cfg.weight_load: load_weights`` calls the model's ``load_weights`` directly instead.)
+- Staged weights (``stage_weights``, what the collective sync's receive uses): new weights are received into
+  staging buffers *while a wave runs* and swapped in between waves. Invariants: the engine never runs on a partly
+  loaded set (the swap holds the engine lock); staged buffers are never written while being loaded (one staging
+  lock around the receive and around the swap); ``version`` moves only after the swap; a newer staged set replaces
+  an older one not yet swapped in (the version may then skip one). The swap happens at once if no wave runs (so a
+  synchronous run, which has no wave in flight at a sync, sees the new version before the sync returns), else at
+  the end of the running wave or the start of the next wave, eval or poll, whichever comes first. ``sync_parts()``
+  records each sync's parts (receive, wait for the swap, load, prefix-cache reset).
+- The KV pool: ``gen_cfg.kv_cache_tokens`` sizes it from a token budget (vLLM's ``kv_cache_memory_bytes``),
+  otherwise ``gpu_memory_utilization`` does. ``max_num_seqs`` bounds sequences decoded at once.
+- Completion lengths: ``max_new_tokens``, or per group a long-tailed limit (``min_new_tokens_tail``,
+  ``length_sigma``; ``group_max_tokens``), drawn from the seed and group id.
 - ``abort`` cancels queued groups outright; groups of the running wave are cancelled too (never returned), but
   ``LLM.generate`` cannot be interrupted, so their GPU work finishes with the wave.
 - Logprobs are vLLM's default ``raw_logprobs``: the model's temperature-1 distribution, before temperature and
@@ -22,14 +35,16 @@ updates in place.
 - Sampling seeds are per group (derived from ``seed`` and the group id), so what a group samples does not depend
   on which other groups share its wave.
 
-Colocated with Megatron on one GPU: create both in one process; ``gen_cfg.gpu_memory_utilization`` is vLLM's share
-of the GPU. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to ``0`` here (engine in this process, so weights pass by
+Colocated with Megatron on one GPU: create both in one process; ``gen_cfg.gpu_memory_utilization`` (or
+``kv_cache_tokens``) bounds vLLM's share of the GPU; every use of the engine holds the process's lock for the device
+(``device_lock``), so vLLM's and Megatron's GPU work never interleave. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults to ``0`` here (engine in this process, so weights pass by
 reference), unless the environment already sets it. ``import vllm`` happens only when a generator is built.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import shutil
 import tempfile
@@ -42,6 +57,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.device_lock import exclusive_device
 from asyncrl.backends.hf import build_hf_config, init_hf_model
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest, GroupRollouts
@@ -71,6 +87,25 @@ def group_seed(seed: int, group_id: int) -> int:
     return int.from_bytes(digest, "little") & 0x3FFFFFFF
 
 
+def group_max_tokens(gen_cfg: Any, seed: int, group_id: int) -> int:
+    """A group's completion token limit: ``max_new_tokens``, or with ``min_new_tokens_tail`` a long-tailed draw
+    ``min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|)))``, z standard normal from a
+    generator seeded by (seed, group id): the same group gets the same limit whichever wave it is in."""
+    lo = gen_cfg.min_new_tokens_tail
+    if lo is None:
+        return gen_cfg.max_new_tokens
+    rng = torch.Generator().manual_seed(group_seed(seed, group_id) ^ 0x5EED)
+    z = abs(float(torch.randn((), generator=rng)))
+    return int(min(gen_cfg.max_new_tokens, max(lo, round(lo * math.exp(gen_cfg.length_sigma * z)))))
+
+
+def kv_cache_bytes(model_cfg: Any, hf_config: Any, tokens: int) -> int:
+    """Bytes of vLLM's KV pool for ``tokens`` tokens: keys and values, every layer, every KV head."""
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
+    return int(tokens) * per_token * (2 if model_cfg.dtype == "bfloat16" else 4)
+
+
 def _sampled_logprob(entry: Any, token_id: int) -> float:
     """The logprob of ``token_id`` in one position's logprobs entry (a ``{token_id: Logprob}`` mapping)."""
     value = entry[token_id]
@@ -84,6 +119,10 @@ class VLLMGenerator:
     fakes of that surface: ``generate(prompts, params, use_tqdm=False)``, ``collective_rpc``,
     ``reset_prefix_cache``)."""
 
+    # Ray may serve two calls of this actor at once (asyncrl.backends.ray): a weight receive runs during a wave.
+    # Safe: every engine use holds ``_engine`` and staged weights ``_staging`` (module docstring).
+    ray_max_concurrency = 2
+
     def __init__(self, model_cfg: ModelConfig, gen_cfg: VLLMGenerationConfig, seed: int = 0, tokenizer: Any = None, *,
                  llm: Any = None, sampling_params_cls: Any = None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
@@ -91,6 +130,7 @@ class VLLMGenerator:
         self._tmpdir: str | None = None
         self.eos_id = self._eos_id(model_cfg, tokenizer)
         self.model_dir: str | None = None
+        self.device = torch.device(gen_cfg.device)
         if llm is None:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             import vllm
@@ -105,9 +145,17 @@ class VLLMGenerator:
                 seed=seed,
                 gpu_memory_utilization=gen_cfg.gpu_memory_utilization,
                 enforce_eager=gen_cfg.enforce_eager,
+                enable_prefix_caching=gen_cfg.enable_prefix_caching,
             )
             if not model_cfg.hf_path:
                 kwargs["max_model_len"] = model_cfg.max_position_embeddings
+            if gen_cfg.kv_cache_tokens is not None:
+                from transformers import AutoConfig
+
+                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
+                    model_cfg, AutoConfig.from_pretrained(self.model_dir), gen_cfg.kv_cache_tokens)
+            if gen_cfg.max_num_seqs is not None:
+                kwargs["max_num_seqs"] = gen_cfg.max_num_seqs
             kwargs.update(gen_cfg.llm_kwargs)
             t0 = time.perf_counter()
             llm = vllm.LLM(**kwargs)
@@ -119,6 +167,10 @@ class VLLMGenerator:
         self.per_group_seed = gen_cfg.per_group_seed
         self.max_groups_per_wave = gen_cfg.max_groups_per_wave  # None: everything queued
         self.last_sync_seconds: float | None = None
+        self._sync_parts: deque[dict[str, float]] = deque(maxlen=10_000)
+        self._staging = threading.Lock()  # staged buffers: written by a receive, read by the swap
+        # weights, version, when staged, seconds fill() took
+        self._staged: tuple[Mapping[str, torch.Tensor], int, float, float] | None = None
         # "reload_weights": vLLM's in-place reload (layerwise, handles quantised models); "load_weights": the model's
         # load_weights called directly. Pick one for the engine's lifetime: the first reload wraps the loaders.
         self.weight_load = gen_cfg.weight_load
@@ -165,7 +217,7 @@ class VLLMGenerator:
             n=request.n,
             temperature=g.temperature,
             top_p=g.top_p,
-            max_tokens=g.max_new_tokens,
+            max_tokens=group_max_tokens(g, self.seed, request.group_id),
             logprobs=0,  # the sampled token's logprob only
             seed=group_seed(self.seed, request.group_id) if self.per_group_seed else None,
             stop_token_ids=[self.eos_id] if self.eos_id is not None else None,
@@ -202,6 +254,11 @@ class VLLMGenerator:
         not needed: generation is synchronous). With one, waits up to ``timeout`` seconds for a finished group
         (``None``: until one finishes or nothing is in flight)."""
         if self._thread is None:
+            if self._staged is not None and self._engine.acquire(blocking=False):
+                try:  # weights staged while the last wave ran: swap them in now, not at the next wave
+                    self._swap_staged()
+                finally:
+                    self._engine.release()
             while True:
                 batch = self._take_wave()
                 if not batch:
@@ -237,21 +294,61 @@ class VLLMGenerator:
         return cancelled
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Load HF-named tensors into the engine in place (after any running wave), reset the prefix cache, then
-        set ``version``. On failure the version stays what it was."""
-        items = list(weights.items())
+        """Load HF-named tensors into the engine in place (after any running wave), reset the prefix cache if it
+        is on, then set ``version``. On failure the version stays what it was."""
         with self._engine:
+            self._load(weights, version, {"receive_s": 0.0, "swap_wait_s": 0.0})
+
+    def stage_weights(self, weights: Mapping[str, torch.Tensor], version: int, fill: Any = None) -> None:
+        """Stage ``weights`` as ``version`` without waiting for a running wave: ``fill()`` (if given) writes them
+        first, under the staging lock (the collective sync receives into ``weights`` there). They are swapped in at
+        once if the engine is idle, else between waves (module docstring). ``weights`` must stay untouched by the
+        caller until the next ``stage_weights`` call: they are read at the swap."""
+        with self._staging:
+            t0 = time.perf_counter()
+            if fill is not None:
+                fill()
+            t1 = time.perf_counter()
+            self._staged = (weights, int(version), t1, t1 - t0)
+        if self._engine.acquire(blocking=False):
+            try:
+                self._swap_staged()
+            finally:
+                self._engine.release()
+
+    def _swap_staged(self) -> None:
+        """Load the staged weights, if any; the caller holds ``_engine``."""
+        with self._staging:
+            if self._staged is None:
+                return
+            weights, version, staged_at, receive_s = self._staged
+            self._staged = None
+            self._load(weights, version, {"receive_s": receive_s, "swap_wait_s": time.perf_counter() - staged_at})
+
+    def _load(self, weights: Mapping[str, torch.Tensor], version: int, parts: dict[str, float]) -> None:
+        items = list(weights.items())
+        with exclusive_device(self.device, type(self).__name__):
             t0 = time.perf_counter()
             if self.weight_load == "reload_weights":
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
             else:  # the model's own load_weights, directly (unquantized models need no re-processing)
                 self.llm.apply_model(lambda model: model.load_weights(items) and None)
-            self.llm.reset_prefix_cache()
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
-            self.last_sync_seconds = time.perf_counter() - t0
-            with self._state:
-                self._version = int(version)
+            t1 = t2 = time.perf_counter()
+            if self.gen_cfg.enable_prefix_caching:
+                self.llm.reset_prefix_cache()
+                t2 = time.perf_counter()
+        self.last_sync_seconds = t2 - t0
+        self._sync_parts.append({"version": int(version), **parts, "load_s": t1 - t0, "reset_s": t2 - t1})
+        with self._state:
+            self._version = int(version)
+
+    def sync_parts(self) -> list[dict[str, float]]:
+        """One record per weight load, oldest first: ``version``, ``receive_s`` (writing the staged buffers: the
+        transfer, for a collective sync), ``swap_wait_s`` (staged until swapped in: the wave it waited for),
+        ``load_s`` (into the engine, device synchronised) and ``reset_s`` (prefix-cache reset; 0 when off)."""
+        return list(self._sync_parts)
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list[list[int]]:
         """Greedy (temperature 0) completions of token-id prompts under the current weights, eos included."""
@@ -260,7 +357,9 @@ class VLLMGenerator:
         params = self._sp(n=1, temperature=0.0, max_tokens=max_new_tokens or self.gen_cfg.max_new_tokens,
                           stop_token_ids=[self.eos_id] if self.eos_id is not None else None, detokenize=False)
         with self._engine:
-            outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
+            self._swap_staged()
+            with exclusive_device(self.device, type(self).__name__):
+                outs = self.llm.generate([{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def state_dict(self) -> dict[str, Any]:
@@ -323,8 +422,11 @@ class VLLMGenerator:
         params = [self._params(r) for r in batch]
         try:
             with self._engine:
+                self._swap_staged()  # between waves: weights staged during the last one
                 version = self._version
-                outs = self.llm.generate(prompts, params, use_tqdm=False)
+                with exclusive_device(self.device, type(self).__name__):
+                    outs = self.llm.generate(prompts, params, use_tqdm=False)
+                self._swap_staged()  # staged during this wave: in before the next one is even asked for
         except BaseException:
             with self._changed:
                 for r in batch:

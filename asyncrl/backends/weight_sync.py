@@ -23,17 +23,24 @@ and ``receive`` on the generator actor, both ``.remote()`` before either ``ray.g
 - ``send``: ``export_weights()``, check it against the metadata, broadcast a header ``[ok, version]``, then each
   tensor in metadata order. If the export fails or no longer matches, the header says so (``ok = 0``), so the
   receiver raises instead of waiting for tensors that will never come.
-- ``receive``: the header, then each tensor into its buffer, then the generator's own
-  ``load_weights(received, version)``: the version is set only after the receive completed. An actor runs one call
-  at a time, so a receive never interleaves a generation (it waits for a running ``poll`` to return).
-  ``load_weights`` must copy out of the tensors it is given (both built-in generators do): the buffers are reused.
+- ``receive``: the header, then each tensor into its buffer, then the weights go to the generator:
+  - a generator with ``stage_weights`` (vLLM) runs the receive *inside* ``stage_weights(buffers, version, fill)``,
+    under its staging lock, while a wave may be running (its actor serves two calls at once,
+    ``ray_max_concurrency``): the trainer never waits for a wave. The transfer runs on a CUDA stream of its own, so
+    it neither waits for nor delays the engine's kernels; the generator swaps the buffers in between waves and
+    moves its version only then (``asyncrl/backends/vllm.py``);
+  - any other generator: ``load_weights(received, version)`` after the receive (its actor serves one call at a
+    time, so that waits for a running ``poll``).
+  Either way the version is set only after the whole receive completed, and the generator must copy out of the
+  buffers before the next sync writes them (``load_weights`` copies; the staging lock orders receive and swap).
 
 NVLink multicast stays off: with NCCL, ``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1`` and
 ``NVSHMEM_DISABLE_NVLS=1`` are in the actors' runtime env (``asyncrl.backends.ray.remote`` puts them there for every
 CUDA actor) and set again here before the NCCL group is made.
 
 Limits: one host; the policy in one process (Megatron TP/DP > 1 in a Ray actor is not supported by the placement
-itself); the sync holds both actors for its duration (the sender waits for the receiver to be free).
+itself); with a generator that cannot stage, the sync holds both actors for its duration (the sender waits for the
+receiver to be free).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +135,7 @@ class _Endpoint:
     meta: list[tuple[str, tuple[int, ...], torch.dtype]]
     device: torch.device
     store: Any = None  # the sender keeps the TCPStore server alive
+    stream: Any = None  # the receiver's own CUDA stream: a transfer never queues behind the engine's kernels
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
@@ -166,6 +175,9 @@ def _connect(host: Any, rank: int, port: int, meta: list, backend: str, device: 
     ep = _Endpoint(rank, group, meta, dev, store=store)
     if rank == RECEIVER:
         ep.buffers = {name: torch.empty(shape, dtype=dtype, device=dev) for name, shape, dtype in meta}
+        if dev.type == "cuda":
+            ep.stream = torch.cuda.Stream(dev)
+            ep.stream.wait_stream(torch.cuda.current_stream(dev))  # the buffers' allocation comes first
     _broadcast(ep, [torch.zeros(2, dtype=torch.int64, device=dev)])  # creates the NCCL communicator now
     host.weight_sync = ep
 
@@ -175,11 +187,14 @@ def _broadcast(ep: _Endpoint, tensors: list[torch.Tensor]) -> None:
 
     opts = dist.BroadcastOptions()
     opts.rootRank = SENDER
-    works = [ep.group.broadcast([t], opts) for t in tensors]  # in order on both ranks; waited together
-    for work in works:
-        work.wait()
-    if ep.device.type == "cuda":
-        torch.cuda.synchronize(ep.device)  # the tensors must outlive the transfer; the receiver reads them next
+    stream = ep.stream if ep.stream is not None else (
+        torch.cuda.current_stream(ep.device) if ep.device.type == "cuda" else None)
+    with torch.cuda.stream(stream) if stream is not None else nullcontext():
+        works = [ep.group.broadcast([t], opts) for t in tensors]  # in order on both ranks; waited together
+        for work in works:
+            work.wait()
+    if stream is not None:
+        stream.synchronize()  # the tensors must outlive the transfer; the receiver reads them next (any stream)
 
 
 def _send(host: Any, version: int) -> tuple[int, float]:
@@ -205,16 +220,26 @@ def _send(host: Any, version: int) -> tuple[int, float]:
 
 
 def _receive(host: Any, version: int) -> float:
-    """Receiver: the header, the tensors into the buffers, then ``load_weights(received, version)``."""
+    """Receiver: the header, the tensors into the buffers, then the weights to the generator (staged, or
+    ``load_weights``; see the module docstring)."""
     ep: _Endpoint = host.weight_sync
     start = time.perf_counter()
-    header = torch.zeros(2, dtype=torch.int64, device=ep.device)
-    _broadcast(ep, [header])
-    ok, sent_version = (int(x) for x in header.tolist())
-    if not ok:
-        raise RuntimeError("weight sync: the policy actor failed to export its weights (its error is raised there)")
-    _broadcast(ep, [ep.buffers[name] for name, _, _ in ep.meta])
-    if sent_version != version:  # received in full first, so the group stays in step
-        raise RuntimeError(f"weight sync: the policy sent version {sent_version}, the controller asked for {version}")
-    host.obj.load_weights(ep.buffers, version)
+
+    def fill() -> None:
+        header = torch.zeros(2, dtype=torch.int64, device=ep.device)
+        _broadcast(ep, [header])
+        ok, sent_version = (int(x) for x in header.tolist())
+        if not ok:
+            raise RuntimeError("weight sync: the policy actor failed to export its weights (its error is raised there)")
+        _broadcast(ep, [ep.buffers[name] for name, _, _ in ep.meta])
+        if sent_version != version:  # received in full first, so the group stays in step
+            raise RuntimeError(
+                f"weight sync: the policy sent version {sent_version}, the controller asked for {version}")
+
+    stage = getattr(host.obj, "stage_weights", None)
+    if stage is not None:
+        stage(ep.buffers, version, fill)
+    else:
+        fill()
+        host.obj.load_weights(ep.buffers, version)
     return time.perf_counter() - start

@@ -1,0 +1,86 @@
+"""One lock per CUDA device for the engines of one process: colocated vLLM and Megatron never interleave GPU work.
+
+Colocated on one GPU (``gpu_quickstart``), the controller's two pumps drive vLLM (rollout pump) and Megatron (train
+pump) from two threads of one process. Unserialised, their CUDA work interleaves: two engines issuing kernels,
+allocations and an NCCL collective (Megatron's grad-norm ``all_reduce``, even in a world of one) from two threads at
+once, which crashed with NCCL "unhandled cuda error" on an H200 and ran only with ``CUDA_LAUNCH_BLOCKING=1``.
+
+Invariant kept here: a block of GPU work of one engine (``with exclusive_device(device, name)``) runs while no
+other block on the same device runs in this process, and its work has *finished on the GPU* when the block ends
+(the device is synchronised before the lock is released), so nothing of one engine is in flight while the other
+issues work. That holds by construction, whatever the threads' timing. The lock is re-entrant (an engine method may
+call another locked one). CPU devices take no lock. Across processes (one engine per Ray actor, one GPU each) the
+lock is per process and so uncontended.
+
+What it costs: colocated generation and training take turns on the GPU (they did in effect already: one GPU); what
+still overlaps is everything outside the blocks (decoding, scoring, batch building, the controller).
+``device_lock_stats()`` says how long each engine held the device and waited for it, which is how the one-GPU
+benchmark measures the gap between asynchronous and synchronous runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+__all__ = ["exclusive_device", "holds_device", "device_lock_stats"]
+
+_GUARD = threading.Lock()
+_LOCKS: dict[int, threading.RLock] = {}
+_STATS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # name -> [held_s, waited_s, blocks]
+_DEPTH = threading.local()
+
+
+@contextmanager
+def exclusive_device(device: Any, name: str = "engine") -> Iterator[None]:
+    """Hold ``device`` for a block of GPU work (see the module docstring); no-op off CUDA."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        yield
+        return
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    with _GUARD:
+        lock = _LOCKS.setdefault(index, threading.RLock())
+    outer = getattr(_DEPTH, "n", 0) == 0
+    asked = time.perf_counter()
+    with lock:
+        got = time.perf_counter()
+        _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
+        try:
+            yield
+        finally:
+            try:
+                torch.cuda.synchronize(index)  # nothing of this block still runs when the other engine starts
+            finally:
+                _DEPTH.n -= 1
+                if outer:
+                    entry = _STATS[name]
+                    entry[0] += time.perf_counter() - got
+                    entry[1] += got - asked
+                    entry[2] += 1
+
+
+def holds_device(method):
+    """Method decorator: run the method inside ``exclusive_device(self.device, <class name>)``."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with exclusive_device(self.device, type(self).__name__):
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def device_lock_stats(reset: bool = False) -> dict[str, dict[str, float]]:
+    """Per engine (class name): seconds it held a device, seconds it waited for one, and blocks, in this process."""
+    with _GUARD:
+        out = {k: {"held_s": v[0], "waited_s": v[1], "blocks": v[2]} for k, v in _STATS.items()}
+        if reset:
+            _STATS.clear()
+    return out
