@@ -1,32 +1,39 @@
-"""Two GPUs: vLLM generation on one, Megatron-core training on the other (Ray actors), weights over NCCL.
+"""Synchronous vs asynchronous GRPO on GPUs, repeated: steps/s, each GPU's busy time, the parts of a weight sync,
+the two-stage bound, and reward against wall-clock seconds.
 
-    python benchmarks/bench_two_gpus.py [--steps 40] [--warmup 3] [--out DIR] [--driver-sync]   # nvidia-h200-x2
-    python benchmarks/bench_two_gpus.py --cpu-dry-run     # the same code on CPU: torch backends, two actors, gloo
+    python benchmarks/bench_two_gpus.py --preset gpu_two_devices [--repeats 3] [--steps 40] [--warmup 3] [--out DIR]
+    python benchmarks/bench_two_gpus.py --preset gpu_two_devices_gen_heavy --steps 8 --warmup 2   # throughput
+    python benchmarks/bench_two_gpus.py --preset gpu_gen_heavy   # one GPU, colocated (CUDA_VISIBLE_DEVICES=0)
+    python benchmarks/bench_two_gpus.py --cpu-dry-run            # the same code on CPU: torch backends, 2 actors, gloo
 
-The ``gpu_two_devices`` preset (placement ray for both backends, ``weight_sync: collective``), the same model, task
-and seed, run from fresh weights under two samplers for the same number of steps:
-- ``sync``:  ``in_order`` with no lookahead (L=0): synchronous GRPO, the GPUs take turns;
-- ``async``: ``weight_fifo`` W=1: generation runs one weight version ahead, the GPUs overlap.
-(``--driver-sync`` adds ``async`` once more with ``weight_sync: driver``: the weights through this process.)
+Two modes, the same preset, model, task and seed, from fresh weights each run:
+- ``sync``:  ``in_order`` with no lookahead (L=0): synchronous GRPO, generation and training take turns;
+- ``async``: ``weight_fifo`` W=1: generation runs one weight version ahead.
+The generator (the vLLM engine, the slow part to build) is built once per preset, and so is a policy actor and the
+NCCL group between the two; every run rebuilds the policy object (in its actor: fresh weights and optimizer, same
+seed, so the same version 0) and a fresh ``Controller`` around the two, whose first sync loads version 0 into the
+generator. Runs alternate sync/async, ``--repeats`` times each; each run is
+``ctrl.run(warmup)`` then the timed ``ctrl.run(steps)``, no evaluation inside.
 
-Each run is a fresh ``Controller`` (two fresh actors, a fresh process group), ``ctrl.run(warmup)``, then the timed
-``ctrl.run(steps)`` with no evaluation inside the timed window (``eval_every`` off; one ``evaluate()`` at the end).
-Reported per run:
-- steps/s over the timed window, and async/sync;
-- tokens/s per GPU: the generation GPU's generated completion tokens (counted from what ``poll`` returned) and the
-  training GPU's trained completion tokens, per wall second;
-- the fraction of the window each GPU was idle: 1 - busy/wall, where *busy* is the time the actor spent inside
-  its backend calls, as the actor timed them (``RemoteBackend.call_times``): generation = ``poll`` (vLLM runs a
-  wave inside it; no background thread in this preset) + the weight receive-and-load; training = ``logprobs`` +
-  ``begin/train_microbatches/finish_train_step`` + the weight transfer (the receive time, counted on both sides:
-  the sender's own call also includes waiting for the generator to finish its wave, which is idle time);
-- weight-sync time: the controller's ``sync_time_s`` (median, max), and the two actors' send / receive times;
-- the reward curves side by side (``reward_curves.csv``), the mean of the last 5 steps, held-out accuracy.
+Reported per run, and per mode as the median with the spread (min..max) over repeats:
+- steps/s over the timed window, and async/sync (the ratio of the two modes' medians);
+- each GPU's busy time: the time its engine held the device (``device_lock``: every block of an engine's GPU work,
+  device synchronised at its end). Generation: waves and weight loads into vLLM; training: logprobs, forward/
+  backward, optimizer step, weight export. The weight *transfer* counts on neither (the receiver's NCCL receive is
+  outside the engine's blocks; it runs on its own stream while vLLM generates). Idle = 1 - busy / wall.
+- the two-stage bound ``(gen + train) / max(gen, train)`` from the stage times of the *sync* runs of the same
+  invocation (busy seconds per step of each GPU while the other waits), and async/sync as a fraction of it;
+- the weight sync, in parts: the trainer's wait for a push (the controller's ``sync_time_s``: export + transfer +
+  what the generator did before answering), and from the generator (``VLLMGenerator.sync_parts``): ``receive_s``
+  (the transfer into staging buffers), ``swap_wait_s`` (staged until swapped in between waves), ``load_s``
+  (``load_weights`` into vLLM) and ``reset_s`` (prefix-cache reset, 0 with the cache off);
+- reward against wall-clock seconds since the run began (warm-up included), sync vs async, every repeat
+  (``reward_vs_time.png``, ``reward_curves.csv``), and when the async run first reaches (5-step rolling mean) the sync
+  run's final reward (mean of its last 5 steps) compared with the sync run's whole wall time.
+With ``placement: local`` (one GPU, both engines in this process) the same is measured, and the device lock's wait
+times say where the asynchronous run's overlap is lost.
 Files under ``--out`` (default ``$OUT`` or ``runs/bench_two_gpus``): ``results.json``, ``runs.csv``,
-``reward_curves.csv``.
-
-``--cpu-dry-run``: the ``quickstart`` preset's torch backends in two Ray actors on the CPU with ``weight_sync:
-collective`` over gloo, small step count. It proves the script and the code path; its numbers mean nothing.
+``reward_curves.csv``, ``reward_vs_time.png``.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -46,114 +53,217 @@ import pandas as pd
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl import Controller, load_config  # noqa: E402
-from asyncrl.backends.ray import ensure_ray  # noqa: E402
+from asyncrl.algorithms import GRPOLoss  # noqa: E402
+from asyncrl.backends import GENERATORS, POLICIES, _load  # noqa: E402
+from asyncrl.backends.device_lock import device_lock_stats  # noqa: E402
+from asyncrl.backends.hf import load_tokenizer  # noqa: E402
+from asyncrl.backends.ray import RemoteBackend, ensure_ray, remote  # noqa: E402
+from asyncrl.tasks import build_task  # noqa: E402
 
 SAMPLERS = {
     "sync": {"name": "in_order", "max_lookahead_versions": 0},
     "async": {"name": "weight_fifo", "max_staleness_versions": 1},
 }
-GEN_BUSY = ("poll", "generate_greedy", "_receive", "load_weights")  # load_weights: driver sync
-TRAIN_BUSY = ("logprobs", "begin_train_step", "train_microbatches", "finish_train_step", "export_weights")
+GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
+GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
+TRAIN_CALLS = ("logprobs", "begin_train_step", "train_microbatches", "finish_train_step", "export_weights")
 
 
 def say(*args) -> None:
     print(*args, flush=True)
 
 
-class CountingGenerator:
-    """Forwards to the generator proxy; counts the completion tokens ``poll`` returns (the generation GPU's work)."""
+def _lock_stats(host, reset: bool) -> dict:  # runs in an actor (RemoteBackend.apply_remote)
+    from asyncrl.backends.device_lock import device_lock_stats as stats
 
-    def __init__(self, generator) -> None:
-        self._generator = generator
-        self.tokens = 0
+    return stats(reset)
 
-    def poll(self, *args, **kwargs):
-        groups = self._generator.poll(*args, **kwargs)
-        self.tokens += sum(g.num_tokens for g in groups)
-        return groups
+
+class Engine:
+    """Busy seconds of one backend, wherever it runs: the device lock's held time (GPU), else its call times."""
+
+    def __init__(self, backend, engines: tuple, calls: tuple) -> None:
+        self.backend, self.engines, self.calls = backend, engines, calls
+
+    def busy(self) -> float:
+        if isinstance(self.backend, RemoteBackend):
+            import ray
+
+            locks = ray.get(self.backend.apply_remote(_lock_stats, False))
+        else:
+            locks = device_lock_stats()
+        held = sum(v["held_s"] for k, v in locks.items() if k in self.engines)
+        if held or not isinstance(self.backend, RemoteBackend):
+            return held
+        times = self.backend.call_times()
+        return sum(times.get(n, (0.0, 0))[0] for n in self.calls)
+
+    def waited(self) -> float:
+        locks = device_lock_stats() if not isinstance(self.backend, RemoteBackend) else {}
+        return sum(v["waited_s"] for k, v in locks.items() if k in self.engines)
+
+
+class StampedPolicy:
+    """Forwards to the policy; records the wall-clock time at which each optimizer step finished."""
+
+    def __init__(self, policy, t0: float) -> None:
+        self._policy, self.t0, self.stamps = policy, t0, []
+
+    def finish_train_step(self, *args, **kwargs):
+        out = self._policy.finish_train_step(*args, **kwargs)
+        self.stamps.append(time.perf_counter() - self.t0)
+        return out
 
     def __getattr__(self, name):
-        return getattr(self._generator, name)
+        return getattr(self._policy, name)
 
 
-def config(dry: bool, mode: str, weight_sync: str):
-    sampler = SAMPLERS[mode]
+def configs(preset: str, dry: bool):
     if dry:
-        return load_config("quickstart", sampler=sampler, eval_every=None,
-                           trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": weight_sync})
-    return load_config("gpu_two_devices", sampler=sampler, eval_every=None, generation={"weight_sync": weight_sync})
+        base = dict(trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": "collective"},
+                    eval_every=None)
+        return {m: load_config("quickstart", sampler=s, **base) for m, s in SAMPLERS.items()}
+    return {m: load_config(preset, sampler=s, eval_every=None) for m, s in SAMPLERS.items()}
 
 
-def busy(times: dict, names: tuple) -> float:
-    return sum(times.get(n, (0.0, 0))[0] for n in names)
+def build(cls_name: str, table: dict, args: tuple, section):
+    cls = _load(table[cls_name])
+    return remote(cls, args, section) if section.placement == "ray" else cls(*args)
 
 
-def delta(after: dict, before: dict) -> dict:
-    return {k: (v[0] - before.get(k, (0.0, 0))[0], v[1] - before.get(k, (0.0, 0))[1]) for k, v in after.items()}
+def _rebuild(host, cls, args) -> None:  # runs in the policy actor: a fresh policy object, same actor and group
+    host.obj.close()
+    host.obj = cls(*args)
 
 
-def one_run(dry: bool, mode: str, weight_sync: str, warmup: int, steps: int) -> tuple[dict, pd.DataFrame]:
-    label = mode if weight_sync == "collective" else f"{mode}+driver_sync"
+def fresh_policy(cfg, tok, policy):
+    """The policy with fresh weights and optimizer: rebuilt inside its actor, or a new local object."""
+    args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok)
+    if isinstance(policy, RemoteBackend):
+        import ray
+
+        ray.get(policy.apply_remote(_rebuild, _load(POLICIES[cfg.trainer.backend]), args))
+        return policy
+    if policy is not None:
+        policy.close()
+    return build(cfg.trainer.backend, POLICIES, args, cfg.trainer)
+
+
+_SYNCS: dict = {}
+
+
+def _one_weight_sync_per_pair(cfg, policy, generator):
+    """Every run's Controller reuses the first weight sync made for this policy/generator pair (one NCCL group for
+    the whole benchmark, as in a long training run), instead of one group per run."""
+    key = (id(policy), id(generator), cfg.generation.weight_sync)
+    if key not in _SYNCS:
+        _SYNCS[key] = _build_weight_sync(cfg, policy, generator)
+    return _SYNCS[key]
+
+
+import asyncrl.backends.weight_sync as _weight_sync  # noqa: E402
+
+_build_weight_sync = _weight_sync.build_weight_sync
+_weight_sync.build_weight_sync = _one_weight_sync_per_pair
+
+
+def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: int, steps: int):
+    t_build = time.perf_counter()
+    policy = fresh_policy(cfg, tok, policy)
+    generator.poll(0.0)  # nothing of an earlier run may come back under a reused group id
+    ctrl = Controller(cfg, task, policy, generator, tok)  # its first sync loads version 0 into the generator
+    build_s = time.perf_counter() - t_build
+    gen, train = Engine(generator, GEN_ENGINE, GEN_CALLS), Engine(policy, TRAIN_ENGINE, TRAIN_CALLS)
+    parts0 = len(generator.sync_parts()) if hasattr(generator, "sync_parts") else 0
     t0 = time.perf_counter()
-    ctrl = Controller.from_config(config(dry, mode, weight_sync))
-    build_s = time.perf_counter() - t0
-    with ctrl:
-        counter = ctrl.generator = CountingGenerator(ctrl.generator)  # the sync keeps its own handle on the actor
-        if warmup:
-            ctrl.run(warmup, progress=False)
-        gen0, pol0 = ctrl.generator.call_times(), ctrl.policy.call_times()
-        tok0, rows0 = counter.tokens, len(ctrl.metrics)
-        t0 = time.perf_counter()
-        ctrl.run(steps, progress=False)
-        wall = time.perf_counter() - t0
-        gen, pol = delta(ctrl.generator.call_times(), gen0), delta(ctrl.policy.call_times(), pol0)
-        m = ctrl.metrics.iloc[rows0:]
-        trained_tokens = float((m.tokens_per_s * m.step_time_s).sum())
-        transfer = gen.get("_receive", (0.0, 0))[0]  # both sides hold the transfer; the receiver's time is the transfer
-        ev = ctrl.evaluate()
-        ws = ctrl.sync_weights
-        params = sum(math.prod(shape) for _, shape, _ in getattr(ws, "meta", [])) or None
-        row = {
-            "run": label, "sampler": SAMPLERS[mode]["name"], "weight_sync": weight_sync, "steps": len(m),
-            "wall_s": wall, "steps_per_s": len(m) / wall,
-            "gen_tokens_per_s": (counter.tokens - tok0) / wall, "train_tokens_per_s": trained_tokens / wall,
-            "gen_gpu_idle": 1 - busy(gen, GEN_BUSY) / wall,
-            "train_gpu_idle": 1 - (busy(pol, TRAIN_BUSY) + (transfer if weight_sync == "collective" else 0)) / wall,
-            "sync_s_median": float(m.sync_time_s.median()), "sync_s_max": float(m.sync_time_s.max()),
-            "send_s_mean": pol.get("_send", (0.0, 0))[0] / max(pol.get("_send", (0.0, 1))[1], 1),
-            "receive_s_mean": transfer / max(gen.get("_receive", (0.0, 1))[1], 1),
-            "lag_mean": float(m.lag_mean.mean()), "lag_max": int(m.lag_max.max()),
-            "groups_evicted": int(m.groups_evicted.sum()), "groups_aborted": int(m.groups_aborted.sum()),
-            "reward_last5": float(ctrl.metrics.reward_mean.tail(5).mean()),
-            "eval_accuracy": ev["accuracy"], "eval_reward": ev["reward_mean"],
-            "build_s": build_s, "params": params,
-            "sync_bytes_per_step": getattr(ws, "bytes_sent", 0) / max(getattr(ws, "syncs", 1), 1),
-        }
-        curve = ctrl.metrics[["step", "reward_mean"]].rename(columns={"reward_mean": label}).set_index("step")
-    return row, curve
+    stamped = ctrl.policy = StampedPolicy(policy, t0)
+    if warmup:
+        ctrl.run(warmup, progress=False)
+    g0, tr0, w0 = gen.busy(), train.busy(), gen.waited() + train.waited()
+    rows0 = len(ctrl.metrics)
+    t1 = time.perf_counter()
+    ctrl.run(steps, progress=False)
+    wall = time.perf_counter() - t1
+    g1, tr1, w1 = gen.busy(), train.busy(), gen.waited() + train.waited()
+    m = ctrl.metrics.iloc[rows0:]
+    parts = pd.DataFrame(generator.sync_parts()[parts0:] if hasattr(generator, "sync_parts") else [])
+    parts = parts[parts.version > warmup] if len(parts) else parts
+    n = len(m)
+    row = {
+        "run": f"{mode}#{repeat}", "mode": mode, "repeat": repeat, "steps": n, "wall_s": wall,
+        "steps_per_s": n / wall,
+        "gen_busy_per_step_s": (g1 - g0) / n, "train_busy_per_step_s": (tr1 - tr0) / n,
+        "gen_gpu_idle": 1 - (g1 - g0) / wall, "train_gpu_idle": 1 - (tr1 - tr0) / wall,
+        "device_lock_wait_per_step_s": (w1 - w0) / n,  # colocated only: time an engine waited for the other
+        "push_wait_s_median": float(m.sync_time_s.median()), "push_wait_s_max": float(m.sync_time_s.max()),
+        "completion_tokens_per_step": float(m.completion_tokens.mean()),
+        "lag_mean": float(m.lag_mean.mean()), "lag_max": int(m.lag_max.max()),
+        "reward_last5": float(ctrl.metrics.reward_mean.tail(5).mean()),
+        "build_s": build_s,
+    }
+    for part in ("receive_s", "swap_wait_s", "load_s", "reset_s"):
+        row[f"sync_{part}_median"] = float(parts[part].median()) if len(parts) else float("nan")
+    curve = pd.DataFrame({"run": row["run"], "mode": mode, "repeat": repeat,
+                          "step": ctrl.metrics.step.to_numpy(), "wall_s": stamped.stamps[:len(ctrl.metrics)],
+                          "reward": ctrl.metrics.reward_mean.to_numpy()})
+    return row, curve, policy
+
+
+def time_to_reward(curves: pd.DataFrame) -> dict:
+    """Per repeat: the sync run's final reward (last 5 steps), its wall time, and when async first reached it."""
+    out = {}
+    for r, per in curves.groupby("repeat"):
+        s, a = per[per["mode"] == "sync"], per[per["mode"] == "async"]
+        if s.empty or a.empty:
+            continue
+        target = float(s.reward.tail(5).mean())
+        rolled = a.reward.rolling(5, min_periods=5).mean()
+        hit = a.wall_s[rolled >= target]
+        out[int(r)] = {"sync_final_reward": target, "sync_wall_s": float(s.wall_s.iloc[-1]),
+                       "async_reaches_it_at_s": float(hit.iloc[0]) if len(hit) else None,
+                       "async_final_reward": float(a.reward.tail(5).mean()), "async_wall_s": float(a.wall_s.iloc[-1])}
+    return out
+
+
+def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"sync": "tab:blue", "async": "tab:orange"}
+    for (mode, repeat), per in curves.groupby(["mode", "repeat"]):
+        ax.plot(per.wall_s, per.reward.rolling(5, min_periods=1).mean(), color=colours[mode], alpha=0.8,
+                label=f"{mode}" if repeat == 0 else None)
+    ax.set_xlabel("wall-clock seconds since the run began (warm-up included)")
+    ax.set_ylabel("train reward (5-step rolling mean)")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def environment(dry: bool) -> dict:
-    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "kind": "cpu dry run" if dry else "nvidia-h200-x2 (intended)"}
+    env = {"date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     try:
-        import torch
-
-        env["torch"] = torch.__version__
-        env["gpus"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                                     capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        env["gpus"] = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                                      "--format=csv,noheader"], capture_output=True, text=True,
+                                     timeout=20).stdout.strip().splitlines()
     except (OSError, subprocess.SubprocessError):
         env["gpus"] = []
-    env.update({k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST")})
+    env.update({k: os.environ.get(k) for k in ("CUDA_VISIBLE_DEVICES", "NCCL_NVLS_ENABLE")})
     return env
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gpu_two_devices")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 40; dry run 4)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; dry run 1)")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/bench_two_gpus"))
-    parser.add_argument("--driver-sync", action="store_true", help="also run async with weight_sync: driver")
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args()
     dry = args.cpu_dry_run
@@ -161,33 +271,67 @@ def main() -> int:
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    # Multicast off in this process too (the actors get it from asyncrl.backends.ray either way).
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    ensure_ray()
+    cfgs = configs(args.preset, dry)
+    cfg = cfgs["sync"]
+    if "ray" in (cfg.trainer.placement, cfg.generation.placement):
+        ensure_ray()
     env = environment(dry)
-    say(f"bench_two_gpus: {env}")
-    plan = [("sync", "collective"), ("async", "collective")] + ([("async", "driver")] if args.driver_sync else [])
-    rows, curves = [], []
-    for mode, weight_sync in plan:
-        say(f"-- {mode} ({SAMPLERS[mode]['name']}), weight_sync {weight_sync}: {warmup} warm-up + {steps} timed steps")
-        row, curve = one_run(dry, mode, weight_sync, warmup, steps)
-        rows.append(row)
-        curves.append(curve)
-        say("   " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()))
-    runs = pd.DataFrame(rows).set_index("run")
-    curves = pd.concat(curves, axis=1)
-    ratio = runs.loc["async", "steps_per_s"] / runs.loc["sync", "steps_per_s"]
-    cols = ["steps_per_s", "gen_tokens_per_s", "train_tokens_per_s", "gen_gpu_idle", "train_gpu_idle",
-            "sync_s_median", "send_s_mean", "receive_s_mean", "lag_max", "reward_last5", "eval_accuracy"]
-    say("\n" + runs[cols].to_string(float_format=lambda x: f"{x:.4g}"))
-    say(f"\nasync/sync steps/s: {ratio:.2f}  (goal >= 1.6 with equal reward at the end)")
-    say("\nreward curves (mean train reward per step):\n" + curves.to_string(float_format=lambda x: f"{x:.3f}"))
-    runs.to_csv(out / "runs.csv")
-    curves.to_csv(out / "reward_curves.csv")
-    (out / "results.json").write_text(json.dumps(
-        {"environment": env, "steps": steps, "warmup": warmup, "async_over_sync": ratio,
-         "runs": runs.reset_index().to_dict(orient="records")}, indent=1, default=str))
-    say(f"\nwrote {out}/results.json, runs.csv, reward_curves.csv"
+    label = "quickstart (CPU dry run)" if dry else args.preset
+    say(f"bench_two_gpus {label}: {env}")
+    t0 = time.perf_counter()
+    task, tok = build_task(cfg.task), load_tokenizer(cfg.model)
+    generator = build(cfg.generation.backend, GENERATORS, (cfg.model, cfg.generation, cfg.seed, tok), cfg.generation)
+    say(f"generator built in {time.perf_counter() - t0:.1f} s")
+    rows, curves, policy = [], [], None
+    if cfg.trainer.placement == "ray":
+        policy = build(cfg.trainer.backend, POLICIES, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok),
+                       cfg.trainer)
+    try:
+        for r in range(args.repeats):
+            for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
+                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, steps)
+                rows.append(row)
+                curves.append(curve)
+                say(f"  {row['run']}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                    for k, v in row.items() if k not in ("run", "mode", "repeat")))
+    finally:
+        for backend in (generator, policy):
+            if backend is not None:
+                backend.close()
+    runs = pd.DataFrame(rows)
+    curves = pd.concat(curves, ignore_index=True)
+    cols = ["steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "gen_gpu_idle", "train_gpu_idle",
+            "device_lock_wait_per_step_s", "push_wait_s_median", "push_wait_s_max", "sync_receive_s_median",
+            "sync_swap_wait_s_median", "sync_load_s_median", "sync_reset_s_median", "completion_tokens_per_step",
+            "lag_max", "reward_last5"]
+    summary = runs.groupby("mode")[cols].agg(["median", "min", "max"])
+    med = runs.groupby("mode")[cols].median()
+    sync_gen, sync_train = med.loc["sync", "gen_busy_per_step_s"], med.loc["sync", "train_busy_per_step_s"]
+    bound = (sync_gen + sync_train) / max(sync_gen, sync_train)
+    ratio = med.loc["async", "steps_per_s"] / med.loc["sync", "steps_per_s"]
+    per_repeat = runs.pivot(index="repeat", columns="mode", values="steps_per_s")
+    ratios = (per_repeat["async"] / per_repeat["sync"]).tolist()
+    reach = time_to_reward(curves)
+    say("\n" + med.T.to_string(float_format=lambda x: f"{x:.4g}"))
+    say(f"\nsteps/s median (min..max): sync {med.loc['sync', 'steps_per_s']:.4g} "
+        f"({summary.loc['sync', ('steps_per_s', 'min')]:.4g}..{summary.loc['sync', ('steps_per_s', 'max')]:.4g}), "
+        f"async {med.loc['async', 'steps_per_s']:.4g} ({summary.loc['async', ('steps_per_s', 'min')]:.4g}.."
+        f"{summary.loc['async', ('steps_per_s', 'max')]:.4g})")
+    say(f"async/sync: {ratio:.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
+    say(f"stage times in the sync runs: generation {sync_gen:.4g} s, training {sync_train:.4g} s a step "
+        f"(train/gen {sync_train / sync_gen:.2f}); two-stage bound {bound:.3f}; async/sync = {ratio / bound:.0%} of it")
+    say(f"time to the sync run's final reward: {json.dumps(reach)}")
+    runs.to_csv(out / "runs.csv", index=False)
+    curves.to_csv(out / "reward_curves.csv", index=False)
+    plot(curves, out / "reward_vs_time.png", f"{label}: sync (in_order L=0) vs async (weight_fifo W=1)")
+    (out / "results.json").write_text(json.dumps({
+        "environment": env, "preset": label, "steps": steps, "warmup": warmup, "repeats": args.repeats,
+        "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "two_stage_bound": bound,
+        "fraction_of_bound": ratio / bound, "stage_gen_s": sync_gen, "stage_train_s": sync_train,
+        "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json()),
+        "runs": runs.to_dict(orient="records")}, indent=1, default=str))
+    say(f"wrote {out}/results.json, runs.csv, reward_curves.csv, reward_vs_time.png"
         + ("  (CPU dry run: numbers mean nothing)" if dry else ""))
     return 0
 

@@ -1,5 +1,6 @@
-"""Notebook collection (nbval). ``gpu_quickstart.ipynb`` needs a CUDA GPU with vLLM and Megatron-core: without
-them it is left out of collection (CI has no GPU), rather than failing in its first cell. It was executed on the
+"""Notebook collection (nbval). ``gpu_quickstart.ipynb`` needs a CUDA GPU with vLLM and Megatron-core, and
+``gpu_two_devices.ipynb`` two such GPUs and Ray: without them they are left out of collection (CI has no GPU),
+rather than failing in their first cell. It was executed on the
 H200 by hand (benchmarks/README.md, "Through the controller on one H200")."""
 
 from __future__ import annotations
@@ -20,5 +21,13 @@ def _gpu_stack() -> bool:
         return False
 
 
+def _gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
 if not _gpu_stack():
     collect_ignore.append("gpu_quickstart.ipynb")
+if not _gpu_stack() or _gpus() < 2 or importlib.util.find_spec("ray") is None:
+    collect_ignore.append("gpu_two_devices.ipynb")
