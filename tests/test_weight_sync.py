@@ -107,4 +107,9 @@ def test_two_device_preset_validates():
     assert (cfg.trainer.placement, cfg.generation.placement) == ("ray", "ray")
     assert cfg.generation.weight_sync == "collective"
     assert cfg.trainer.ray_options.get("num_gpus", 1) == 1 and cfg.generation.ray_options.get("num_gpus", 1) == 1
-    assert cfg.generation.gpu_memory_utilization > 0.5  # generation has a GPU of its own
+    # the KV pool from a token budget and no prefix cache: a sync does not walk a whole GPU's worth of KV blocks
+    assert cfg.generation.kv_cache_tokens is not None and not cfg.generation.enable_prefix_caching
+    heavy = load_config("gpu_two_devices_gen_heavy")
+    assert (heavy.trainer.placement, heavy.generation.placement, heavy.generation.weight_sync) == (
+        "ray", "ray", "collective")
+    assert heavy.model == load_config("gpu_gen_heavy").model and heavy.groups_per_step * heavy.group_size >= 256
