@@ -130,7 +130,8 @@ class VLLMGenerationConfig(_Generation):
         "seed and group id) as min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|))), z "
         "standard normal; None: every group gets max_new_tokens. A randomly initialised model rarely emits eos, "
         "so this is what gives a throughput preset the length spread of real RL")
-    length_sigma: float = Field(1.0, gt=0, description="spread of the long-tailed token limit (see min_new_tokens_tail)")
+    length_sigma: float = Field(
+        1.0, gt=0, description="spread of the long-tailed token limit (see min_new_tokens_tail)")
     llm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
 

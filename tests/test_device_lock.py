@@ -1,4 +1,5 @@
-"""The per-device lock that keeps colocated vLLM and Megatron from interleaving GPU work (asyncrl/backends/device_lock.py).
+"""The per-device lock that keeps colocated vLLM and Megatron from interleaving GPU work
+(asyncrl/backends/device_lock.py).
 
 On CPU the CUDA calls it makes (``synchronize``, ``current_device``) are replaced by recorders, so what is checked is
 the ordering it guarantees: one block at a time per device, the device synchronised before the next block starts."""

@@ -38,7 +38,8 @@ updates in place.
 Colocated with Megatron on one GPU: create both in one process; ``gen_cfg.gpu_memory_utilization`` (or
 ``kv_cache_tokens``) bounds vLLM's share of the GPU; every use of the engine holds the process's lock for the device
 (``device_lock``), so vLLM's and Megatron's GPU work never interleave. ``VLLM_ENABLE_V1_MULTIPROCESSING`` defaults
-to ``0`` here (engine in this process, so weights pass by reference), unless the environment already sets it. ``import vllm`` happens only when a generator is built.
+to ``0`` here (engine in this process, so weights pass by reference), unless the environment already sets it.
+``import vllm`` happens only when a generator is built.
 """
 
 from __future__ import annotations
