@@ -89,6 +89,9 @@ class _Generation(_Placement):
     max_new_tokens: int = Field(4, ge=1, description="completion length limit (tokens, eos included)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
+    replicas: int = Field(
+        1, ge=1, description="generation engines, each in a Ray actor of its own (> 1 needs placement 'ray'); the "
+        "controller sees one backend: asyncrl/backends/replicas.py")
     weight_sync: Literal["driver", "collective"] = Field(
         "driver", description="how weights reach the generator after each step: 'driver' (through the "
         "controller's process) or 'collective' (policy actor -> generator actor over a torch.distributed group, "
@@ -165,6 +168,18 @@ class TorchTrainerConfig(_Trainer):
     """Training with the embedded torch engine (asyncrl/backends/torch.py)."""
 
     backend: Literal["torch"] = "torch"
+    data_parallel: int = Field(
+        1, ge=1, description="data-parallel ranks, one Ray actor each in one torch.distributed group (> 1 needs "
+        "placement 'ray'): asyncrl/backends/ranks.py")
+    tensor_parallel: int = Field(1, ge=1, description="must be 1: the torch engine holds the whole model in a rank")
+
+    @field_validator("tensor_parallel")
+    @classmethod
+    def _no_tensor_parallel(cls, tp: int) -> int:
+        if tp != 1:
+            raise ValueError(f"tensor_parallel {tp}: the torch backend keeps a whole model in each rank; use "
+                             "data_parallel, or trainer.backend 'megatron' for tensor parallelism")
+        return tp
 
 
 class MegatronTrainerConfig(_Trainer):
@@ -219,6 +234,18 @@ TrainerConfig = Annotated[
 """``trainer:`` — one of ``TRAINER_CONFIGS``, chosen by ``backend`` (default ``torch``)."""
 
 
+class RayConfig(_Strict):
+    """``ray:`` — the Ray session behind every ``placement: ray`` backend, generation replica and trainer rank."""
+
+    address: str | None = Field(
+        None, description="join this Ray cluster ('auto': the one `ray start` started on this machine; "
+        "'HOST:6379'); None: the RAY_ADDRESS environment variable, else a local Ray (docs/cluster.md)")
+    num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started Ray (None: all)")
+    placement_timeout_s: float = Field(
+        60.0, gt=0, description="how long trainer ranks and generation replicas wait for their resources before "
+        "the run fails with what was asked and what the cluster has")
+
+
 class TaskConfig(_Strict):
     name: str = "copy_digit"
     options: dict[str, Any] = Field(default_factory=dict)
@@ -253,6 +280,7 @@ class Config(_Strict):
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
+    ray: RayConfig = Field(default_factory=RayConfig)
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -282,6 +310,7 @@ class Config(_Strict):
             raise ValueError(
                 f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
             )
+        _check_scale(self)
         if self.generation.weight_sync == "collective":
             _check_collective_weight_sync(self)
         if isinstance(self.sampler, CustomConfig):
@@ -317,6 +346,30 @@ def check_importance_correction(sampler: Any, importance_correction: str) -> Non
         raise ValueError(
             f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
             "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
+        )
+
+
+def _check_scale(cfg: Config) -> None:
+    """Replicas and ranks are Ray actors; what is not built yet says so by its knob."""
+    gen, trainer = cfg.generation, cfg.trainer
+    if gen.replicas > 1 and gen.placement != "ray":
+        raise ValueError(f"generation.replicas {gen.replicas} starts each replica in a Ray actor: set "
+                         f"generation.placement 'ray' (got {gen.placement!r})")
+    ranks = getattr(trainer, "data_parallel", 1) * getattr(trainer, "tensor_parallel", 1)
+    if trainer.backend == "torch" and ranks > 1 and trainer.placement != "ray":
+        raise ValueError(f"trainer.data_parallel {trainer.data_parallel} starts each rank in a Ray actor: set "
+                         f"trainer.placement 'ray' (got {trainer.placement!r})")
+    if trainer.backend == "megatron" and ranks > 1 and trainer.placement == "ray":
+        raise ValueError(
+            f"trainer.data_parallel {trainer.data_parallel} x tensor_parallel {trainer.tensor_parallel} with "
+            "trainer.backend 'megatron' and placement 'ray' is not built yet (Megatron ranks as Ray actors); run "
+            "Megatron with more than one rank under torchrun with placement 'local', or use the torch backend's "
+            "data_parallel"
+        )
+    if gen.weight_sync == "collective" and (gen.replicas > 1 or ranks > 1):
+        raise ValueError(
+            f"generation.weight_sync 'collective' joins one policy actor and one generator actor; with "
+            f"generation.replicas {gen.replicas} and {ranks} trainer rank(s) use weight_sync 'driver'"
         )
 
 

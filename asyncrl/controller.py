@@ -284,7 +284,8 @@ class Controller(FaultContainment):
                 report.committed.append(group.group_id)
                 self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
                             f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
-                            f"generated with weights {group.gen_start_version}..{group.gen_end_version}")
+                            f"generated with weights {group.gen_start_version}..{group.gen_end_version}"
+                            + ("" if group.replica is None else f" on replica {group.replica}"))
             report.skipped.extend(self._take_skipped())
             if finished:
                 self._changed.notify_all()
@@ -399,6 +400,8 @@ class Controller(FaultContainment):
             "inflight": len(self.inflight),
         }
         row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
+        if hasattr(self.generator, "step_metrics"):  # optional: e.g. a replica set's tokens and busy time per replica
+            row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()
             row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]

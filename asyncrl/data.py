@@ -42,6 +42,7 @@ class GroupRollouts:
     finish_reasons: list[str] = field(default_factory=list)
     rewards: list[float] | None = None  # set by the controller when it scores the group
     texts: list[str] | None = None  # decoded completions, for people and for scoring
+    replica: int | None = None  # which generation replica made it (asyncrl/backends/replicas.py); None: one engine
 
     @property
     def num_tokens(self) -> int:

@@ -5,8 +5,8 @@ actors (``placement: ray``) or, the generator, in a child process (``placement: 
 configuration, not code.
 Layout: ``base`` (the Protocols), ``hf`` (Hugging Face helpers every engine shares), one module per engine
 (``torch``, ``megatron`` with ``megatron_weights`` and ``megatron_parallel``, ``vllm``, ``simulated``), the
-placements (``ray``, ``process``) and ``weight_sync`` (how weights reach the generator). Engines never import each
-other.
+placements (``ray``, ``process``), ``replicas`` (K generation engines as one backend), ``ranks`` (a data-parallel
+trainer as one backend) and ``weight_sync`` (how weights reach the generator). Engines never import each other.
 """
 
 from __future__ import annotations
@@ -42,21 +42,40 @@ def build_backends(cfg):
     generator_cls = _load(GENERATORS[cfg.generation.backend])
     policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
-    if cfg.trainer.placement == "ray" or cfg.generation.placement == "ray":
+    if "ray" in (cfg.trainer.placement, cfg.generation.placement):
+        from asyncrl.backends.ray import ensure_ray
+
+        ensure_ray(cfg.ray.num_cpus, cfg.ray.address)
+    if getattr(cfg.trainer, "data_parallel", 1) > 1 and cfg.trainer.placement == "ray":
+        from asyncrl.backends.ranks import RankGroupPolicy
+
+        policy = RankGroupPolicy.start(policy_cls, policy_args, cfg)
+    elif cfg.trainer.placement == "ray":
         from asyncrl.backends.ray import remote
 
-        policy = remote(policy_cls, policy_args, cfg.trainer) if cfg.trainer.placement == "ray" else policy_cls(*policy_args)
-        generator = (
-            remote(generator_cls, generator_args, cfg.generation)
-            if cfg.generation.placement == "ray"
-            else generator_cls(*generator_args)
-        )
-        return policy, generator, tokenizer
-    if cfg.generation.placement == "process":
-        from asyncrl.backends.process import ProcessGenerator
+        policy = remote(policy_cls, policy_args, cfg.trainer)
+    else:
+        policy = policy_cls(*policy_args)
+    try:
+        if cfg.generation.replicas > 1:
+            from asyncrl.backends.replicas import ReplicaSet
 
-        return policy_cls(*policy_args), ProcessGenerator(generator_cls, generator_args), tokenizer
-    return policy_cls(*policy_args), generator_cls(*generator_args), tokenizer
+            generator = ReplicaSet.start(generator_cls, generator_args, cfg)
+        elif cfg.generation.placement == "ray":
+            from asyncrl.backends.ray import remote
+
+            generator = remote(generator_cls, generator_args, cfg.generation)
+        elif cfg.generation.placement == "process":
+            from asyncrl.backends.process import ProcessGenerator
+
+            generator = ProcessGenerator(generator_cls, generator_args)
+        else:
+            generator = generator_cls(*generator_args)
+    except BaseException:
+        if hasattr(policy, "close"):
+            policy.close()  # no actor outlives a failed start
+        raise
+    return policy, generator, tokenizer
 
 
 __all__ = ["GenerationBackend", "PolicyBackend", "build_backends"]

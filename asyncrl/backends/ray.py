@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import time
 from collections import defaultdict
 from typing import Any
@@ -92,6 +93,13 @@ class RemoteBackend:
             pass
         self._actor = self._start()
 
+    def call_remote(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        """Start the hosted method ``name`` and return its ObjectRef without waiting (``ray.get`` it): how a replica
+        set or a rank group drives several actors at once."""
+        if not callable(getattr(self.hosted, name, None)):
+            raise AttributeError(f"{self.hosted.__name__} has no method {name!r}")
+        return self._actor.call.remote(name, *args, **kwargs)
+
     def apply_remote(self, fn: Any, *args: Any) -> Any:
         """Start ``fn(host, *args)`` in the actor and return its ObjectRef without waiting (``ray.get`` it)."""
         return self._actor.apply.remote(fn, *args)
@@ -146,19 +154,26 @@ def proxy_class(cls: type) -> type[RemoteBackend]:
     return type(f"Remote{cls.__name__}", (RemoteBackend,), namespace)
 
 
-def ensure_ray(num_cpus: int | None = None) -> None:
+def ensure_ray(num_cpus: int | None = None, address: str | None = None) -> None:
+    """Start Ray, or join a cluster: ``address`` (the ``ray.address`` config knob), else ``RAY_ADDRESS``, joins
+    that cluster (``auto``: the one ``ray start`` started on this machine); neither starts a local Ray with
+    ``num_cpus`` CPUs. A Ray session already initialised in this process is used as it is."""
     import ray
 
-    if not ray.is_initialized():
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.ERROR,
-                 log_to_driver=False)
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS") or None
+    quiet = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
+    if address is None:
+        ray.init(address="local", num_cpus=num_cpus, **quiet)  # never joins a cluster by accident
+        return
+    quiet.pop("include_dashboard")  # the cluster's head decided that
+    ray.init(address=address, **quiet)  # a cluster's resources are its own: num_cpus is not ours to set
 
 
-def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
-    """Start ``cls(*args)`` in a Ray actor placed by ``section`` (a TrainerConfig or GenerationConfig)."""
-    import ray
-
-    ensure_ray()
+def actor_options(section: Any) -> dict[str, Any]:
+    """Ray actor options for a backend placed by ``section``: one CPU, one GPU when its device is CUDA, then the
+    section's ``ray_options`` (which may say otherwise)."""
     cuda = str(section.device).startswith("cuda")
     options = {"num_cpus": 1, "num_gpus": 1 if cuda else 0}
     options.update(section.ray_options)
@@ -173,6 +188,48 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
         runtime_env = dict(options.get("runtime_env") or {})
         runtime_env["env_vars"] = {**runtime_env.get("env_vars", {}), **NO_MULTICAST_ENV}  # multicast stays off
         options["runtime_env"] = runtime_env
+    return options
+
+
+def reserve(options: dict[str, Any], count: int, strategy: str, what: str, timeout_s: float) -> Any:
+    """A placement group of ``count`` bundles, each the CPUs/GPUs/custom resources of one actor with ``options``
+    (``PACK``: as few nodes as possible, for trainer ranks; ``SPREAD``: across nodes, for generation replicas),
+    ready within ``timeout_s`` or a ``RuntimeError`` naming what was asked and what the cluster has (nothing stays
+    reserved). ``None`` when the actors ask for no resources at all (nothing to reserve)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    bundle = {"CPU": options.get("num_cpus", 1), "GPU": options.get("num_gpus", 0), **options.get("resources", {})}
+    bundle = {k: v for k, v in bundle.items() if v}
+    if not bundle:
+        return None
+    group = placement_group([dict(bundle) for _ in range(count)], strategy=strategy)
+    ready, _ = ray.wait([group.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(group)
+        raise RuntimeError(
+            f"could not reserve {count} x {bundle} ({strategy}) for {what} within {timeout_s:g} s: the Ray cluster "
+            f"has {_resources(ray.cluster_resources())} in all, {_resources(ray.available_resources())} free; lower "
+            "the count or the per-actor resources (ray_options), or add nodes (docs/cluster.md)"
+        )
+    return group
+
+
+def _resources(res: dict[str, float]) -> dict[str, float]:
+    return {k: v for k, v in sorted(res.items()) if not k.startswith(("node:", "memory", "object_store"))}
+
+
+def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int | None = None) -> RemoteBackend:
+    """Start ``cls(*args)`` in a Ray actor placed by ``section`` (a trainer or generation config), in bundle
+    ``bundle`` of placement group ``group`` when given (``reserve``)."""
+    import ray
+
+    ensure_ray()
+    options = actor_options(section)
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
     # One call at a time, unless the hosted class says it is safe with more (``ray_max_concurrency``: the vLLM
     # generator, so a weight receive runs during a wave; its own locks keep engine use serial).
     concurrency = int(getattr(cls, "ray_max_concurrency", 1))
@@ -185,4 +242,4 @@ def remote(cls: type, args: tuple, section: Any) -> RemoteBackend:
             f"{options} and the cluster has {ray.available_resources()} free; free resources or set ray_options"
         )
     ray.get(ready[0])  # surfaces a constructor error here, not at the first call
-    return proxy_class(cls)(actor, start=lambda: remote(cls, args, section)._actor)
+    return proxy_class(cls)(actor, start=lambda: remote(cls, args, section, group, bundle)._actor)

@@ -233,6 +233,9 @@ class TorchPolicy:
         self.steps_done = 0
         self._step = Accumulator(loss.metrics + ENGINE_METRICS)
         self._in_step = False
+        # Set on each rank of a data-parallel group (asyncrl.backends.ranks): it sums gradients and the step's
+        # metric totals over all ranks before the one division, so R ranks take the 1-rank step.
+        self.data_parallel = None
 
     # -- reading ---------------------------------------------------------------------------------------------------
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
@@ -289,6 +292,8 @@ class TorchPolicy:
     def finish_train_step(self) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
+        if self.data_parallel is not None:
+            self.data_parallel.all_reduce(self.params, self._step)
         norm = self._step.total("normaliser")
         grads = [p.grad for p in self.params if p.grad is not None]
         if norm > 0 and grads:

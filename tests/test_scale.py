@@ -1,0 +1,118 @@
+"""Scale-out on CPU: a data-parallel torch trainer (Ray rank actors over gloo) trains like one rank, generation
+replicas (Ray actors) all generate behind one backend and the run learns, aborts reach the replica that holds the
+group, and save/restore with 2 ranks and 2 replicas resumes exactly. Actors ask half a CPU each, so two ranks and
+two replicas fit a 2-CPU Ray."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+import torch
+
+from asyncrl import Controller, load_config
+from asyncrl.data import GenerationRequest
+
+ray = pytest.importorskip("ray")
+
+SYNC = {"name": "in_order", "max_lookahead_versions": 0}
+HALF = {"ray_options": {"num_cpus": 0.5}}
+RANKS = {"placement": "ray", "data_parallel": 2, **HALF}
+REPLICAS = {"placement": "ray", "replicas": 2, **HALF}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from asyncrl.backends.ray import ensure_ray
+
+    ensure_ray(num_cpus=2)
+    yield
+    ray.shutdown()
+
+
+def _steps(ctrl: Controller, steps: int) -> None:
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+
+
+def test_two_data_parallel_ranks_train_like_one(ray_cluster):
+    """Same rollouts (one in-process generator each), 6 synchronous steps: the 2-rank step is the 1-rank step up to
+    float reassociation (each rank sums its share's gradients; the sums are all-reduced before the one division)."""
+    one = Controller.from_config(load_config("quickstart", seed=5, sampler=SYNC, eval_every=None))
+    with Controller.from_config(load_config("quickstart", seed=5, sampler=SYNC, eval_every=None,
+                                            trainer=RANKS)) as two:
+        assert type(two.policy).__name__ == "RankGroupPolicy" and two.policy.world_size == 2
+        for ctrl in (one, two):
+            _steps(ctrl, 6)
+        a, b = one.metrics, two.metrics
+        for column in ("loss", "grad_norm", "normaliser", "sequences", "reward_mean"):
+            assert b[column].tolist() == pytest.approx(a[column].tolist(), rel=1e-4, abs=1e-7), column
+        assert (b.sequences == 64).all()  # both ranks' shares counted once
+        wa, wb = one.policy.export_weights(), two.policy.export_weights()
+        assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+        # the ranks stay identical: rank 1 took the same optimizer steps as rank 0
+        w1 = two.policy.ranks[1].export_weights()
+        assert all(torch.equal(wb[k], w1[k]) for k in wb)
+        assert one.trace.equals(two.trace)
+
+
+def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
+    cfg = load_config("quickstart", seed=0, eval_every=None, generation=REPLICAS, trainer={"lr": 1e-3})
+    with Controller.from_config(cfg) as ctrl:
+        before = ctrl.evaluate()["accuracy"]
+        ctrl.run(120, progress=False)
+        after = ctrl.evaluate()["accuracy"]
+        m = ctrl.metrics
+        assert (m.tokens_replica_0 > 0).all() and (m.tokens_replica_1 > 0).all()
+        assert (m.busy_s_replica_0 > 0).any() and (m.busy_s_replica_1 > 0).any()
+        commits = ctrl.trace[ctrl.trace.event == "commit"].reason
+        assert commits.str.endswith("on replica 0").any() and commits.str.endswith("on replica 1").any()
+        bar = ctrl.task.constant_answer_accuracy
+        assert after > max(before, bar), (before, after, bar)
+
+
+def test_aborts_reach_the_replica_that_holds_the_group(ray_cluster):
+    with Controller.from_config(load_config("quickstart", eval_every=None, generation=REPLICAS)) as ctrl:
+        replicas = ctrl.generator
+        replicas.submit([GenerationRequest(gid, [1, 2, 3], 2) for gid in (100, 101, 102, 103)])
+        owners = {gid: replicas.owner(gid) for gid in (100, 101, 102, 103)}
+        assert owners == {100: 0, 101: 1, 102: 0, 103: 1}  # least loaded first: an idle set deals round-robin
+        assert [r.num_inflight() for r in replicas.replicas] == [2, 2]
+        assert sorted(replicas.abort([101, 103, 999])) == [101, 103]  # 999 is nobody's
+        assert [r.num_inflight() for r in replicas.replicas] == [2, 0]
+        assert "abort" not in replicas.replicas[0].call_times()  # only the owner was asked
+        assert replicas.replicas[1].call_times()["abort"][1] == 1
+        assert replicas.num_inflight() == 2 and replicas.owner(101) is None
+        finished = replicas.poll()
+        assert sorted(g.group_id for g in finished) == [100, 102] and {g.replica for g in finished} == {0}
+        assert replicas.num_inflight() == 0
+
+
+def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path):
+    cfg = load_config("quickstart", seed=3, sampler=SYNC, eval_every=None, trainer=RANKS, generation=REPLICAS)
+    columns = ["step", "reward_mean", "loss", "grad_norm", "tokens_replica_0", "tokens_replica_1"]
+    with Controller.from_config(cfg) as ctrl:
+        _steps(ctrl, 2)
+        ctrl.save(tmp_path / "ckpt")
+        _steps(ctrl, 4)
+        expected_weights, expected = ctrl.policy.export_weights(), ctrl.metrics[columns]
+        expected_trace = ctrl.trace
+    with Controller.restore(tmp_path / "ckpt") as restored:
+        assert type(restored.policy).__name__ == "RankGroupPolicy"
+        assert type(restored.generator).__name__ == "ReplicaSet"
+        assert restored.trainer_version == 2 and restored.generation_version == 2
+        _steps(restored, 4)
+        weights = restored.policy.export_weights()
+        assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
+        pd.testing.assert_frame_equal(restored.metrics[columns], expected)
+        pd.testing.assert_frame_equal(restored.trace, expected_trace)
+
+
+def test_scale_knobs_say_what_they_need():
+    with pytest.raises(ValueError, match="generation.replicas 2 starts each replica in a Ray actor"):
+        load_config("quickstart", generation={"replicas": 2})
+    with pytest.raises(ValueError, match="trainer.data_parallel 2 starts each rank in a Ray actor"):
+        load_config("quickstart", trainer={"data_parallel": 2})
+    with pytest.raises(ValueError, match="tensor_parallel 2: the torch backend"):
+        load_config("quickstart", trainer={"tensor_parallel": 2, "placement": "ray"})
+    with pytest.raises(ValueError, match="not built yet"):
+        load_config("quickstart", trainer={"backend": "megatron", "placement": "ray", "data_parallel": 2})
