@@ -25,7 +25,7 @@ TIERS = [
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
-     "asyncrl.backends.weight_sync"],
+     "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
     ["asyncrl.run_loop", "asyncrl.checkpoint"],  # the background run and the checkpoint format the controller uses
     ["asyncrl.controller"],
@@ -35,7 +35,8 @@ TIERS = [
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
 ENGINE = LAYERS["asyncrl.backends.torch"]
-NOT_ENGINES = {"asyncrl.backends.weight_sync"}  # it connects two engines' actors; it imports none
+# They connect or multiply engines' actors (K replicas / R ranks as one backend); they import none.
+NOT_ENGINES = {"asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"}
 
 
 def _modules() -> dict[str, Path]:

@@ -91,6 +91,14 @@ def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path)
     cfg = load_config("quickstart", seed=3, sampler=SYNC, eval_every=None, trainer=RANKS, generation=REPLICAS)
     columns = ["step", "reward_mean", "loss", "grad_norm", "tokens_replica_0", "tokens_replica_1"]
     with Controller.from_config(cfg) as ctrl:
+        _steps(ctrl, 1)
+        ctrl.rollout_tick()  # the next batch buffered: explain, state and the dashboard see it as with one engine
+        assert len(ctrl.explain()) == 8 and ctrl.state().generation_version == 1
+        pytest.importorskip("ipywidgets")
+        from widgets import Dashboard
+
+        board = Dashboard(ctrl)
+        board.refresh()
         _steps(ctrl, 2)
         ctrl.save(tmp_path / "ckpt")
         _steps(ctrl, 4)
