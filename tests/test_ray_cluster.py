@@ -17,11 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import Controller, load_config
 
 ray = pytest.importorskip("ray")
-
-HALF = {"ray_options": {"num_cpus": 0.5}}
 
 
 @pytest.fixture(scope="module")
@@ -59,32 +56,60 @@ def head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _joined(address: str) -> bool:
-    return ray.is_initialized() and ray.get_runtime_context().gcs_address == address
-
-
-def test_join_a_cluster_by_config_and_by_environment(head, monkeypatch):
-    cfg = load_config("quickstart", eval_every=None, ray={"address": head},
-                      generation={"placement": "ray", "replicas": 2, **HALF})
-    with Controller.from_config(cfg) as ctrl:
-        assert _joined(head)
-        assert ray.cluster_resources()["CPU"] == 2  # the cluster's own, not a local Ray's
-        while ctrl.trainer_version < 2:
-            ctrl.tick()
-        assert set(ctrl.metrics.columns) >= {"tokens_replica_0", "tokens_replica_1"}
-    ray.shutdown()
-    monkeypatch.setenv("RAY_ADDRESS", head)
-    with Controller.from_config(load_config("quickstart", eval_every=None, trainer={"placement": "ray", **HALF})) as ctrl:
-        assert _joined(head)
+# Each test's body runs in a fresh interpreter: joining a cluster after this process already ran (and shut down) a
+# local Ray session is not reliable in Ray 2.60 (an actor of the second session may be cancelled before it starts).
+JOIN = """
+import os, sys, ray
+from asyncrl import Controller, load_config
+head = sys.argv[1]
+half = {"ray_options": {"num_cpus": 0.5}}
+joined = lambda: ray.is_initialized() and ray.get_runtime_context().gcs_address == head
+cfg = load_config("quickstart", eval_every=None, ray={"address": head},
+                  generation={"placement": "ray", "replicas": 2, **half})
+with Controller.from_config(cfg) as ctrl:
+    assert joined()
+    assert ray.cluster_resources()["CPU"] == 2  # the cluster's own, not a local Ray's
+    while ctrl.trainer_version < 2:
         ctrl.tick()
+    assert {"tokens_replica_0", "tokens_replica_1"} <= set(ctrl.metrics.columns)
+ray.shutdown()
+os.environ["RAY_ADDRESS"] = head
+with Controller.from_config(load_config("quickstart", eval_every=None, trainer={"placement": "ray", **half})) as ctrl:
+    assert joined()
+    ctrl.tick()
+print("OK")
+"""
+
+SHORT = """
+import sys, time, ray
+from asyncrl import Controller, load_config
+head = sys.argv[1]
+cfg = load_config("quickstart", eval_every=None, ray={"address": head, "placement_timeout_s": 3},
+                  trainer={"placement": "ray", "data_parallel": 3, "ray_options": {"num_cpus": 1}})
+start = time.monotonic()
+try:
+    Controller.from_config(cfg)
+except RuntimeError as err:
+    message = str(err)
+else:
+    raise AssertionError("3 ranks of 1 CPU were placed on a 2-CPU cluster")
+assert "could not reserve 3 x {'CPU': 1} (PACK) for 3 trainer ranks" in message, message
+assert "'CPU': 2.0" in message, message  # what the cluster has
+assert time.monotonic() - start < 60
+assert ray.available_resources().get("CPU") == 2  # nothing stays reserved
+print("OK")
+"""
+
+
+def _run(code: str, head: str) -> None:
+    done = subprocess.run([sys.executable, "-c", code, head], capture_output=True, text=True, timeout=400,
+                          env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+    assert done.returncode == 0 and done.stdout.strip().endswith("OK"), done.stdout[-3000:] + done.stderr[-3000:]
+
+
+def test_join_a_cluster_by_config_and_by_environment(head):
+    _run(JOIN, head)
 
 
 def test_missing_resources_fail_fast_with_what_was_asked_and_what_there_is(head):
-    cfg = load_config("quickstart", eval_every=None, ray={"address": head, "placement_timeout_s": 3},
-                      trainer={"placement": "ray", "data_parallel": 3, "ray_options": {"num_cpus": 1}})
-    start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"could not reserve 3 x \{'CPU': 1\} \(PACK\) for 3 trainer ranks") as err:
-        Controller.from_config(cfg)
-    assert "'CPU': 2.0" in str(err.value)  # what the cluster has
-    assert time.monotonic() - start < 60
-    assert ray.available_resources().get("CPU") == 2  # nothing stays reserved
+    _run(SHORT, head)
