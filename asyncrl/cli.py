@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="DIR",
                    help="directory for metrics.csv, trace.csv, config.yaml, summary.json and simulation.png")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, dotted (repeatable): --set generation.options.lengths=pareto")
+                   help="override a config key, dotted (repeatable): --set generation.lengths=pareto")
     p.add_argument("--no-plot", action="store_true", help="do not write simulation.png")
     args = parser.parse_args(argv)
     if args.command == "simulate":

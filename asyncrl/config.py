@@ -37,7 +37,8 @@ class _Knobs(_Strict):
         if isinstance(data, Mapping):
             unknown = [key for key in data if key not in cls.model_fields]
             if unknown:
-                raise ValueError(f"unknown key(s) {unknown} for {cls.__name__}; allowed: {list(cls.model_fields)}")
+                given = ", ".join(f"{key}={data[key]!r}" for key in unknown)
+                raise ValueError(f"unknown key(s) {given} for {cls.__name__}; allowed: {list(cls.model_fields)}")
         return data
 
 
@@ -146,13 +147,44 @@ class VLLMGenerationConfig(_Generation):
         return self
 
 
-class SimulatedGenerationConfig(_Generation):
+class SimulatedGeneration(_Knobs):
+    """Latency and reward model of the simulated generator (asyncrl/backends/simulated.py says how each knob
+    is used). Times are virtual seconds. A knob set of its own, so ``asyncrl.simulate``'s calibration can fit one."""
+
+    prefill_s: float = Field(0.0, ge=0, description="seconds before a group's first token (prefill, engine queue)")
+    decode_s_per_token: float = Field(
+        0.0, ge=0, description="seconds per decoding step; a group lasts prefill_s + this x its longest completion")
+    lengths: Literal["uniform", "lognormal", "pareto"] = Field(
+        "uniform", description="completion-length distribution: uniform on [1, max_new_tokens], or a long tail "
+        "(lognormal, pareto) with mean length_mean, clipped to [1, max_new_tokens]")
+    length_mean: float | None = Field(
+        None, gt=0, description="mean completion length in tokens before clipping (lognormal, pareto); "
+        "None: max_new_tokens / 4")
+    length_sigma: float = Field(1.0, gt=0, le=4, description="lognormal: standard deviation of log length")
+    pareto_alpha: float = Field(2.0, gt=1, le=20, description="pareto: tail index (> 1; smaller is heavier)")
+    concurrency: int | None = Field(
+        None, ge=1, description="groups decoding at once; later ones wait in order. None: no limit")
+    clock: Literal["ticks", "wall"] = Field(
+        "ticks", description="ticks: each poll (rollout tick) advances virtual time by rollout_tick_s, so stepping "
+        "is deterministic; wall: the seconds are real and poll waits for them (to exercise Controller.run in real "
+        "time). asyncrl.simulate drives the clock itself and needs ticks")
+    rollout_tick_s: float = Field(
+        1.0, gt=0, description="with clock ticks, the seconds one rollout tick stands for: a group finishes "
+        "ceil(its seconds / rollout_tick_s) ticks after dispatch, counting the tick that dispatched it")
+    reward_base: float = Field(0.1, ge=0, le=1, description="success probability with no progress (version 0)")
+    reward_max: float = Field(0.95, ge=0, le=1, description="success probability ceiling")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "SimulatedGeneration":
+        if self.reward_max < self.reward_base:
+            raise ValueError(f"reward_max {self.reward_max} must be >= reward_base {self.reward_base}")
+        return self
+
+
+class SimulatedGenerationConfig(_Generation, SimulatedGeneration):
     """Generation without a model (asyncrl/backends/simulated.py): latency, completion-length and reward models."""
 
     backend: Literal["simulated"] = "simulated"
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="the simulated generator's knobs, validated by SimulatedGeneration in "
-        "asyncrl/backends/simulated.py (each documented there; an unknown knob is an error listing the allowed ones)")
 
 
 class _Trainer(_Placement):
@@ -199,13 +231,25 @@ class MegatronTrainerConfig(_Trainer):
         "budget // the padded sequence length (at least 1), so a large chunk never meets the GPU in one piece")
 
 
-class SimulatedTrainerConfig(_Trainer):
+class SimulatedTraining(_Knobs):
+    """Latency and learning model of the simulated policy (asyncrl/backends/simulated.py). Times are virtual
+    seconds."""
+
+    train_s_per_token: float = Field(0.0, ge=0, description="seconds of training per completion token")
+    train_s_per_step: float = Field(0.0, ge=0, description="fixed seconds per optimizer step (optimizer, overhead)")
+    sync_s: float = Field(0.0, ge=0, description="seconds per weight sync; the generator stops decoding meanwhile")
+    clock: Literal["ticks", "wall"] = Field(
+        "ticks", description="wall: training and the sync sleep their seconds (for real-time runs); ticks: they "
+        "take no wall time, and asyncrl.simulate books them in virtual time")
+    reward_gain: float = Field(0.01, ge=0, le=1, description="success probability a step on fresh data adds")
+    stale_progress: float = Field(
+        0.5, ge=0, le=1, description="share of a step's progress kept per version of lag: gain x this ** lag")
+
+
+class SimulatedTrainerConfig(_Trainer, SimulatedTraining):
     """Training without a model (asyncrl/backends/simulated.py): a step takes time proportional to its tokens."""
 
     backend: Literal["simulated"] = "simulated"
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="the simulated policy's knobs, validated by SimulatedTraining in "
-        "asyncrl/backends/simulated.py (each documented there; an unknown knob is an error listing the allowed ones)")
 
 
 def _backend_tag(default: str):

@@ -58,7 +58,7 @@ class Simulation:
             )
         wall = [name for name, b in (("generation", ctrl.generator), ("trainer", ctrl.policy)) if b.model.clock == "wall"]
         if wall:
-            raise ValueError(f"a simulation drives a virtual clock itself; {', '.join(wall)}.options.clock is 'wall' "
+            raise ValueError(f"a simulation drives a virtual clock itself; {', '.join(wall)}.clock is 'wall' "
                              "(allowed here: 'ticks')")
         self.ctrl, self.gen, self.policy = ctrl, ctrl.generator, ctrl.policy
         self.clock = self.gen.clock
@@ -317,7 +317,7 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
           preset: str = "what_if", steps: int = 200, seeds: Iterable[int] = (0,), **overrides: Any) -> pd.DataFrame:
     """One simulation per sampler x window x latency setting x seed: a DataFrame with one row each (the
     summary's numbers). ``latencies`` maps a label to config overrides, e.g.
-    ``{"long tail": {"generation": {"options": {"lengths": "pareto", "pareto_alpha": 1.5}}}}``."""
+    ``{"long tail": {"generation": {"lengths": "pareto", "pareto_alpha": 1.5}}}``."""
     from asyncrl.config import _merge
 
     latencies = dict(latencies or {"preset": {}})
@@ -355,8 +355,8 @@ class Calibration:
 
         sim = {
             "generation": {"backend": "simulated", "placement": "local", "weight_sync": "driver",
-                           "options": self.generation.model_dump()},
-            "trainer": {"backend": "simulated", "placement": "local", "options": self.training.model_dump()},
+                           **self.generation.model_dump()},
+            "trainer": {"backend": "simulated", "placement": "local", **self.training.model_dump()},
             "eval_every": None, "sampler": dict(sampler),
         }
         return Config.model_validate(_merge(_merge(self.config.model_dump(mode="json"), sim), overrides))

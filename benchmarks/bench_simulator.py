@@ -27,8 +27,7 @@ import pandas as pd
 from asyncrl import Controller, load_config
 from asyncrl.simulate import ASYNC, SYNC, calibrate, simulate
 
-LONG_TAIL = {"generation": {"options": {"lengths": "pareto", "pareto_alpha": 1.5, "length_mean": 24.0,
-                                        "concurrency": 16}}}
+LONG_TAIL = {"generation": {"lengths": "pareto", "pareto_alpha": 1.5, "length_mean": 24.0, "concurrency": 16}}
 SAMPLERS = [SYNC, {"name": "in_order", "max_lookahead_versions": 1}, ASYNC,
             {"name": "weight_fifo", "max_staleness_versions": 2}, {"name": "windowed", "max_staleness_versions": 1},
             {"name": "ready_first", "max_staleness_versions": 1}]

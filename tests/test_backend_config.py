@@ -38,7 +38,7 @@ def test_the_backend_picks_the_section_and_torch_is_the_default():
 
 @pytest.mark.parametrize("section, override, allowed", [
     ("generation", {"backend": "vllm", "backgrund": True}, "background"),
-    ("generation", {"options": {"prefill_s": 0.1}}, "max_new_tokens"),  # the torch generator has no options
+    ("generation", {"prefill_s": 0.1}, "max_new_tokens"),  # a simulated knob on the torch generator
     ("trainer", {"backend": "megatron", "options": {"optimizer": "torch"}}, "optimizer"),
     ("trainer", {"backend": "megatron", "adam_epsilon": 1e-6}, "adam_eps"),
 ])
@@ -54,9 +54,9 @@ def test_an_unknown_backend_names_the_backends():
 
 
 def test_switching_backend_drops_the_old_backends_knobs_only():
-    cfg = load_config("gpu_quickstart", generation={"backend": "simulated", "options": {"prefill_s": 0.01}})
+    cfg = load_config("gpu_quickstart", generation={"backend": "simulated", "prefill_s": 0.01})
     assert type(cfg.generation) is SimulatedGenerationConfig
-    assert (cfg.generation.device, cfg.generation.max_new_tokens, cfg.generation.options) == ("cuda", 1, {"prefill_s": 0.01})
+    assert (cfg.generation.device, cfg.generation.max_new_tokens, cfg.generation.prefill_s) == ("cuda", 1, 0.01)
     assert "gpu_memory_utilization" not in cfg.generation.model_dump()
 
 

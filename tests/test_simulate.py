@@ -16,9 +16,9 @@ from asyncrl.simulate import ASYNC, SYNC, Simulation, calibrate, run, simulate, 
 SIM = {"generation": {"backend": "simulated"}, "trainer": {"backend": "simulated"}, "eval_every": None}
 
 
-def stepped(options: dict, sampler=SYNC, **overrides) -> Controller:
-    cfg = load_config("quickstart", sampler=sampler, **SIM | {"generation": {"backend": "simulated",
-                                                                              "options": options}}, **overrides)
+def stepped(knobs: dict, sampler=SYNC, **overrides) -> Controller:
+    cfg = load_config("quickstart", sampler=sampler, **SIM | {"generation": {"backend": "simulated", **knobs}},
+                      **overrides)
     return Controller.from_config(cfg)
 
 
@@ -91,7 +91,7 @@ def test_stepping_waits_a_drawn_number_of_rollout_ticks_the_same_every_time():
 def test_stale_data_slows_the_reward_model_and_shows_in_importance_weights():
     sync = simulate("what_if", 60, sampler=SYNC)
     stale = simulate("what_if", 60, sampler={"name": "weight_fifo", "max_staleness_versions": 3},
-                     generation={"options": {"concurrency": 32}})
+                     generation={"concurrency": 32})
     assert stale.summary()["lag_mean"] > 1.5
     assert stale.metrics.progress.iloc[-1] < sync.metrics.progress.iloc[-1]
     assert (sync.metrics.progress_share == 1).all() and (stale.metrics.progress_share < 1).any()
@@ -103,34 +103,51 @@ def test_stale_data_slows_the_reward_model_and_shows_in_importance_weights():
 
 def test_long_tailed_lengths_are_clipped_and_keep_their_mean():
     for lengths in ("lognormal", "pareto"):
-        cfg = load_config("what_if", generation={"max_new_tokens": 4096, "options": {
-            "lengths": lengths, "length_mean": 20.0, "length_sigma": 1.0, "pareto_alpha": 2.5}})
+        cfg = load_config("what_if", generation={"max_new_tokens": 4096, "lengths": lengths, "length_mean": 20.0,
+                                                 "length_sigma": 1.0, "pareto_alpha": 2.5})
         ctrl = Controller.from_config(cfg)
         draws = [ctrl.generator.length() for _ in range(20000)]
         assert min(draws) >= 1 and max(draws) <= 4096
         assert sum(draws) / len(draws) == pytest.approx(20.5, rel=0.1)  # ceil adds about half a token
-        cfg = load_config("what_if", generation={"max_new_tokens": 16, "options": {"lengths": lengths}})
+        cfg = load_config("what_if", generation={"max_new_tokens": 16, "lengths": lengths})
         generator = Controller.from_config(cfg).generator
         assert max(generator.length() for _ in range(5000)) == 16
 
 
-@pytest.mark.parametrize("options, words", [
-    ({"concurrency": 0}, ["concurrency", "greater than or equal to 1"]),
-    ({"lengths": "zipf"}, ["lengths", "zipf"]),
-    ({"latency_s": 0.1}, ["generation.options.latency_s = 0.1", "allowed knobs", "prefill_s"]),
-    ({"reward_base": 0.5, "reward_max": 0.4}, ["reward_max 0.4", "reward_base 0.5"]),
-    ({"decode_s_per_token": -1}, ["decode_s_per_token"]),
+@pytest.mark.parametrize("section, knobs, words", [
+    ("generation", {"concurrency": 0}, ["generation.simulated.concurrency", "greater than or equal to 1",
+                                        "input_value=0"]),
+    ("generation", {"lengths": "zipf"}, ["lengths", "'uniform', 'lognormal' or 'pareto'", "input_value='zipf'"]),
+    ("generation", {"latency_s": 0.1}, ["latency_s=0.1", "allowed", "prefill_s", "decode_s_per_token"]),
+    ("generation", {"reward_base": 0.5, "reward_max": 0.4}, ["reward_max 0.4", "reward_base 0.5"]),
+    ("generation", {"decode_s_per_token": -1}, ["decode_s_per_token", "input_value=-1"]),
+    ("trainer", {"stale_progress": 1.5}, ["trainer.simulated.stale_progress", "less than or equal to 1",
+                                          "input_value=1.5"]),
+    ("trainer", {"train_s_per_tok": 0.1}, ["train_s_per_tok=0.1", "allowed", "train_s_per_token"]),
 ])
-def test_bad_knobs_are_rejected_with_the_value_and_what_is_allowed(options, words):
+def test_bad_knobs_fail_when_the_config_loads_naming_the_value_and_what_is_allowed(section, knobs, words):
+    overrides = {section: dict(knobs)}
     with pytest.raises(ValueError) as info:
-        stepped(options)
+        load_config("what_if", **overrides)  # before any backend is built
     for word in words:
         assert word in str(info.value)
+    assert overrides == {section: knobs}  # the caller's overrides are left as they were
 
 
-def test_bad_training_knob_and_a_non_simulated_controller_are_rejected():
-    with pytest.raises(ValueError, match="stale_progress"):
-        Controller.from_config(load_config("what_if", trainer={"options": {"stale_progress": 1.5}}))
+def test_knobs_are_typed_fields_of_the_backend_sections():
+    cfg = load_config("what_if", generation={"lengths": "pareto"}, trainer={"sync_s": 0.5})
+    assert cfg.generation.lengths == "pareto" and cfg.generation.prefill_s == 0.2  # the preset's knob survives
+    assert cfg.trainer.sync_s == 0.5
+    ctrl = Controller.from_config(cfg)
+    assert ctrl.generator.model.lengths == "pareto" and ctrl.policy.model.sync_s == 0.5
+    # a knob of the other side, or of a simulated section on another backend, is an unknown key
+    with pytest.raises(ValueError, match="sync_s=0.5"):
+        load_config("what_if", generation={"sync_s": 0.5})
+    with pytest.raises(ValueError, match="prefill_s=0.1"):
+        load_config("quickstart", generation={"prefill_s": 0.1})
+
+
+def test_a_non_simulated_controller_and_zero_steps_are_rejected():
     with pytest.raises(ValueError, match="both backends 'simulated'"):
         Simulation(Controller.from_config(load_config("quickstart", eval_every=None)))
     ctrl = Controller.from_config(load_config("what_if"))
@@ -151,7 +168,7 @@ def test_simulation_continues_a_stepped_controller():
 
 def test_sweep_returns_one_row_per_setting():
     df = sweep(samplers=("in_order", "weight_fifo"), windows=(0, 1), steps=20,
-               latencies={"preset": {}, "long tail": {"generation": {"options": {"lengths": "pareto"}}}})
+               latencies={"preset": {}, "long tail": {"generation": {"lengths": "pareto"}}})
     assert len(df) == 8
     assert {"latency", "sampler", "window", "sim_steps_per_hour", "lag_mean", "drop_frac"} <= set(df.columns)
     sync = df[(df.sampler == "in_order") & (df.window == 0)]
@@ -163,7 +180,7 @@ def test_cli_simulate_writes_its_files(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "simulate", "what_if", "--steps", "30", "--out", str(out),
-         "--set", "sampler.name=weight_fifo", "--set", "generation.options.lengths=lognormal"],
+         "--set", "sampler.name=weight_fifo", "--set", "generation.lengths=lognormal"],
         capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     for file in ("metrics.csv", "trace.csv", "summary.json", "simulation.png", "config.yaml"):
@@ -181,10 +198,10 @@ def test_cli_simulate_writes_its_files(tmp_path):
 def test_calibration_recovers_the_latency_model_and_predicts_another_sampler(tmp_path):
     simulate("what_if", 60, sampler=SYNC).write(tmp_path / "sync", plots=False)  # a "real" run with known knobs
     cal = calibrate(tmp_path / "sync")
-    truth = load_config("what_if").trainer.options
-    assert cal.training.train_s_per_token == pytest.approx(truth["train_s_per_token"], rel=1e-6)
-    assert cal.training.train_s_per_step == pytest.approx(truth["train_s_per_step"], rel=1e-6)
-    assert cal.training.sync_s == pytest.approx(truth["sync_s"])
+    truth = load_config("what_if").trainer
+    assert cal.training.train_s_per_token == pytest.approx(truth.train_s_per_token, rel=1e-6)
+    assert cal.training.train_s_per_step == pytest.approx(truth.train_s_per_step, rel=1e-6)
+    assert cal.training.sync_s == pytest.approx(truth.sync_s)
     measured = simulate("what_if", 60, sampler=ASYNC).summary()["sim_steps_per_hour"]
     assert cal.predict(ASYNC, 60)["sim_steps_per_hour"] == pytest.approx(measured, rel=0.05)
 
@@ -211,5 +228,5 @@ def test_the_wall_clock_makes_the_same_seconds_real_and_is_refused_by_a_simulati
     ctrl.rollout_tick()  # dispatches a batch; nothing is done at once
     assert ctrl.buffer.num_pending == ctrl.cfg.groups_per_step
     assert len(ctrl.generator.poll(timeout=None)) == ctrl.cfg.groups_per_step  # waits for them
-    with pytest.raises(ValueError, match="generation.options.clock is 'wall'"):
+    with pytest.raises(ValueError, match="generation.clock is 'wall'"):
         Simulation(ctrl)

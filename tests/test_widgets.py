@@ -227,7 +227,7 @@ def test_dashboard_buttons_update_every_view():
 
 def test_dashboard_start_pause_stop_a_background_run():
     pytest.importorskip("ipywidgets")
-    ctrl = make(generation={"backend": "simulated", "options": {"clock": "wall", "prefill_s": 0.01}})
+    ctrl = make(generation={"backend": "simulated", "clock": "wall", "prefill_s": 0.01})
     dash = widgets.Dashboard(ctrl, steps=100_000)
     controls, buttons = dash.controls, dash.controls.buttons
     controls.refresh_s = 0.05

@@ -1,8 +1,8 @@
 """``simulated``: backends with no model, on a virtual clock, for what-if studies of samplers and throughput.
 
 Everything but the model is real: buffer, sampler, pumps, trace and metrics are the controller's. What is
-modelled, with typed knobs (``SimulatedGeneration`` in ``generation.options``, ``SimulatedTraining`` in
-``trainer.options``):
+modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section's, and ``SimulatedTraining``, the
+``trainer`` section's, both in asyncrl/config.py so that ``load_config`` checks them):
 - **Latency.** A group's ``G`` completions decode together: it takes ``prefill_s + decode_s_per_token x`` its
   longest completion, whose lengths come from a (long-tailed, if asked) distribution clipped to
   ``[1, max_new_tokens]``. At most ``concurrency`` groups decode at once; the rest wait, first in first out.
@@ -35,79 +35,16 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from asyncrl.config import SimulatedGeneration, SimulatedGenerationConfig, SimulatedTrainerConfig, SimulatedTraining
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
+
+__all__ = ["SimulatedGeneration", "SimulatedTraining", "SimulatedGenerator", "SimulatedPolicy", "draw_length"]
 
 LOG_HALF = math.log(0.5)
 DRIFT = 0.01  # token logprobs at version v are LOG_HALF - DRIFT * v: stale tokens carry IS weights exp(-DRIFT * lag)
-
-
-class _Knobs(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class SimulatedGeneration(_Knobs):
-    """Latency and reward model of the simulated generator (``generation.options``). Times are virtual seconds."""
-
-    prefill_s: float = Field(0.0, ge=0, description="seconds before a group's first token (prefill, engine queue)")
-    decode_s_per_token: float = Field(
-        0.0, ge=0, description="seconds per decoding step; a group lasts prefill_s + this x its longest completion")
-    lengths: Literal["uniform", "lognormal", "pareto"] = Field(
-        "uniform", description="completion-length distribution: uniform on [1, max_new_tokens], or a long tail "
-        "(lognormal, pareto) with mean length_mean, clipped to [1, max_new_tokens]")
-    length_mean: float | None = Field(
-        None, gt=0, description="mean completion length in tokens before clipping (lognormal, pareto); "
-        "None: max_new_tokens / 4")
-    length_sigma: float = Field(1.0, gt=0, le=4, description="lognormal: standard deviation of log length")
-    pareto_alpha: float = Field(2.0, gt=1, le=20, description="pareto: tail index (> 1; smaller is heavier)")
-    concurrency: int | None = Field(
-        None, ge=1, description="groups decoding at once; later ones wait in order. None: no limit")
-    clock: Literal["ticks", "wall"] = Field(
-        "ticks", description="ticks: each poll (rollout tick) advances virtual time by rollout_tick_s, so stepping "
-        "is deterministic; wall: the seconds are real and poll waits for them (to exercise Controller.run in real "
-        "time). asyncrl.simulate drives the clock itself and needs ticks")
-    rollout_tick_s: float = Field(
-        1.0, gt=0, description="with clock ticks, the seconds one rollout tick stands for: a group finishes "
-        "ceil(its seconds / rollout_tick_s) ticks after dispatch, counting the tick that dispatched it")
-    reward_base: float = Field(0.1, ge=0, le=1, description="success probability with no progress (version 0)")
-    reward_max: float = Field(0.95, ge=0, le=1, description="success probability ceiling")
-
-    @model_validator(mode="after")
-    def _ordered(self) -> SimulatedGeneration:
-        if self.reward_max < self.reward_base:
-            raise ValueError(f"reward_max {self.reward_max} must be >= reward_base {self.reward_base}")
-        return self
-
-
-class SimulatedTraining(_Knobs):
-    """Latency and learning model of the simulated policy (``trainer.options``). Times are virtual seconds."""
-
-    train_s_per_token: float = Field(0.0, ge=0, description="seconds of training per completion token")
-    train_s_per_step: float = Field(0.0, ge=0, description="fixed seconds per optimizer step (optimizer, overhead)")
-    sync_s: float = Field(0.0, ge=0, description="seconds per weight sync; the generator stops decoding meanwhile")
-    clock: Literal["ticks", "wall"] = Field(
-        "ticks", description="wall: training and the sync sleep their seconds (for real-time runs); ticks: they "
-        "take no wall time, and asyncrl.simulate books them in virtual time")
-    reward_gain: float = Field(0.01, ge=0, le=1, description="success probability a step on fresh data adds")
-    stale_progress: float = Field(
-        0.5, ge=0, le=1, description="share of a step's progress kept per version of lag: gain x this ** lag")
-
-
-def knobs(model: type[_Knobs], options: Mapping | _Knobs, where: str) -> _Knobs:
-    """``options`` validated as ``model``; an error says, per bad knob, its value and what is allowed."""
-    if isinstance(options, model):
-        return options
-    try:
-        return model.model_validate(dict(options))
-    except ValidationError as exc:
-        lines = [f"{where}.{'.'.join(map(str, e['loc']))} = {e.get('input')!r}: {e['msg']}" if e["loc"]
-                 else f"{where}: {e['msg'].removeprefix('Value error, ')}" for e in exc.errors()]
-        raise ValueError("bad simulated backend knobs:\n  " + "\n  ".join(lines)
-                         + f"\nallowed knobs in {where}: {', '.join(model.model_fields)}") from None
 
 
 def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Random) -> int:
@@ -155,8 +92,8 @@ class _Flight:
 
 
 class SimulatedGenerator:
-    def __init__(self, model_cfg, gen_cfg, seed: int, tokenizer) -> None:
-        self.model = knobs(SimulatedGeneration, gen_cfg.options, "generation.options")
+    def __init__(self, model_cfg, gen_cfg: SimulatedGenerationConfig, seed: int, tokenizer) -> None:
+        self.model = gen_cfg  # its knobs were checked when the config loaded
         self.max_new_tokens = gen_cfg.max_new_tokens
         self.eos_id = tokenizer.eos_token_id
         self.rng = random.Random(seed)
@@ -304,8 +241,8 @@ class SimulatedGenerator:
 
 
 class SimulatedPolicy:
-    def __init__(self, model_cfg, trainer_cfg, loss_cfg, seed: int, tokenizer) -> None:
-        self.model = knobs(SimulatedTraining, trainer_cfg.options, "trainer.options")
+    def __init__(self, model_cfg, trainer_cfg: SimulatedTrainerConfig, loss_cfg, seed: int, tokenizer) -> None:
+        self.model = trainer_cfg  # its knobs were checked when the config loaded
         self.steps = 0
         self.progress = 0.0
         self.version = 0  # = steps
