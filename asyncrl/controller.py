@@ -40,6 +40,7 @@ from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import _FAILED, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
+from asyncrl import metrics as M
 from asyncrl.metrics import StepAccumulator
 from asyncrl.run_loop import ActiveClock, RunHandle
 from asyncrl.samplers import Admission, StalenessWindow, build_sampler, explain_frame
@@ -389,25 +390,26 @@ class Controller(FaultContainment):
             self._event("abort", gid, w, slot.target_step, T - w, "",
                         f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
         elapsed = self._clock.now() - self._step.start  # active time only: not a person's pause between hand ticks
-        row = {
-            "step": T - 1,
-            "trainer_version": T,
-            **self._step.result(),  # asyncrl.metrics.STEP_METRICS
-            "step_time_s": elapsed,
-            "tokens_per_s": self._step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
-            "sync_time_s": sync_s,
-            "buffered": len(self.buffer),
-            "inflight": len(self.inflight),
+        row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
+            M.STEP.name: T - 1,
+            M.TRAINER_VERSION.name: T,
+            **self._step.result(),
+            M.STEP_TIME_S.name: elapsed,
+            M.TOKENS_PER_S.name: self._step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
+            M.SYNC_TIME_S.name: sync_s,
+            M.BUFFERED.name: len(self.buffer),
+            M.INFLIGHT.name: len(self.inflight),
         }
         row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
         if hasattr(self.generator, "step_metrics"):  # optional: e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()
-            row["eval_reward"], row["eval_accuracy"] = ev["reward_mean"], ev["accuracy"]
+            row[M.EVAL_REWARD.name] = ev[M.HELD_OUT_REWARD.name]
+            row[M.EVAL_ACCURACY.name] = ev[M.HELD_OUT_ACCURACY.name]
         self._metrics.append(row)
         self.tracker.log(row)
-        self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row['reward_mean']:.3f}",
+        self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row[M.REWARD_MEAN.name]:.3f}",
                     f"optimizer step {T - 1} done")
         report.step_finished = True
         self._step.reset()
@@ -526,7 +528,7 @@ class Controller(FaultContainment):
         """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
         0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
         with self._lock:
-            return self._frame("evaluations", self._evals, ["weight_version", "reward_mean", "accuracy"])
+            return self._frame("evaluations", self._evals, [c.name for c in M.EVALUATION_COLUMNS])
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy`` (also recorded in
@@ -536,7 +538,8 @@ class Controller(FaultContainment):
         version = self.generator.version
         ev = evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
         with self._lock:
-            self._evals.append({"weight_version": version, "reward_mean": ev["reward_mean"], "accuracy": ev["accuracy"]})
+            self._evals.append({M.EVALUATED_VERSION.name: version,
+                                **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)}})
         return ev
 
     # ------------------------------------------------------------------------------------------- checkpoints

@@ -7,9 +7,10 @@ place and read everywhere else through it):
   over tokens, completions or groups, independent of how the step was chunked);
 - ``max`` / ``min``: the extreme contribution; a step with no contribution reports ``empty``.
 
-Who names what: ``STEP_METRICS`` below are the controller's (one row of ``Controller.metrics`` per optimizer step);
-a loss names its own metrics next to its maths (``GRPOLoss.metrics`` in ``algorithms``), and a policy backend
-adds ``ENGINE_METRICS`` from its optimizer step. A new metric is one ``Metric(...)`` line where its value is made.
+Who names what: ``STEP_METRICS`` and ``STEP_FACTS`` below are the controller's (one row of ``Controller.metrics``
+per optimizer step); a loss names its own metrics next to its maths (``GRPOLoss.metrics`` in ``algorithms``), and
+a policy backend adds ``ENGINE_METRICS`` from its optimizer step. A new metric is one ``Metric(...)`` line where
+its value is made; a column read elsewhere (widgets) gets a named constant here and is read through it.
 
 This module imports nothing of asyncrl (and no torch): it is the bottom layer with ``asyncrl.data``.
 """
@@ -101,13 +102,26 @@ class Accumulator:
         return out
 
 
-# --- the controller's step metrics (the first columns of Controller.metrics, in this order) ------------------------
+@dataclass(frozen=True)
+class Column:
+    """A column the controller writes as a fact of the moment (not accumulated over the step). Readers (widgets,
+    plots) take the name from here, so a renamed column is an ImportError or a KeyError, never a blank plot."""
 
+    name: str
+    doc: str
+
+
+# --- the controller's step metrics and facts: the columns of Controller.metrics, one row per optimizer step -------
+# Named constants are the ones read outside the code that writes them (widgets, simulate); the rest are only in
+# their tuple.
+
+REWARD_MEAN = Metric("reward_mean", "mean", "mean reward of the completions trained this step", over="completions",
+                     empty=math.nan)
+LAG_MEAN = Metric("lag_mean", "mean", "mean staleness T - weight_version of the groups trained this step",
+                  over="groups", empty=math.nan)
 STEP_METRICS: tuple[Metric, ...] = (
-    Metric("reward_mean", "mean", "mean reward of the completions trained this step", over="completions",
-           empty=math.nan),
-    Metric("lag_mean", "mean", "mean staleness T - weight_version of the groups trained this step", over="groups",
-           empty=math.nan),
+    REWARD_MEAN,
+    LAG_MEAN,
     Metric("lag_max", "max", "largest staleness of a group trained this step", empty=math.nan),
     Metric("groups_evicted", "sum", "groups the sampler evicted during this step"),
     Metric("groups_aborted", "sum", "in-flight groups aborted after this step's weight sync"),
@@ -118,9 +132,26 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs and "
            "forward/backward, and the optimizer step"),
 )
-"""Besides these, each row has ``step``, ``trainer_version``, ``step_time_s``, ``tokens_per_s``, ``sync_time_s``,
-``buffered`` and ``inflight`` (facts at the end of the step), the policy backend's metrics (its loss's and
-``ENGINE_METRICS``), and ``eval_reward``/``eval_accuracy`` every ``eval_every`` steps."""
+
+STEP = Column("step", "the optimizer step the row reports (T - 1 once it is done)")
+TRAINER_VERSION = Column("trainer_version", "T after the step")
+STEP_TIME_S = Column("step_time_s", "seconds the step took, active time only (not a pause between hand ticks)")
+TOKENS_PER_S = Column("tokens_per_s", "completion_tokens / step_time_s")
+SYNC_TIME_S = Column("sync_time_s", "seconds of the weight sync after the optimizer step")
+BUFFERED = Column("buffered", "groups in the buffer at the end of the step")
+INFLIGHT = Column("inflight", "groups in flight at the end of the step")
+EVAL_REWARD = Column("eval_reward", "held-out greedy reward after the step (every eval_every steps, else absent)")
+EVAL_ACCURACY = Column("eval_accuracy", "held-out greedy accuracy after the step (every eval_every steps)")
+STEP_FACTS: tuple[Column, ...] = (STEP, TRAINER_VERSION, STEP_TIME_S, TOKENS_PER_S, SYNC_TIME_S, BUFFERED, INFLIGHT)
+"""A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, the rest of ``STEP_FACTS``,
+the policy backend's metrics (its loss's and ``ENGINE_METRICS``), a generator's optional ``step_metrics()``, and
+``EVAL_REWARD``/``EVAL_ACCURACY`` every ``eval_every`` steps."""
+
+# --- Controller.evaluations: one row per held-out evaluation ---------------------------------------------------
+EVALUATED_VERSION = Column("weight_version", "the generator's weight version the evaluation judged")
+HELD_OUT_REWARD = Column("reward_mean", "mean reward of greedy completions of the held-out prompts")
+HELD_OUT_ACCURACY = Column("accuracy", "share of held-out prompts answered correctly (greedy)")
+EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY)
 
 ENGINE_METRICS: tuple[Metric, ...] = (
     Metric("loss", "mean", "the step's loss: loss sums over the step divided by its normaliser", over="normaliser"),

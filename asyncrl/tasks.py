@@ -34,6 +34,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from asyncrl.metrics import HELD_OUT_ACCURACY, HELD_OUT_REWARD
+
 
 @dataclass(frozen=True)
 class Prompt:
@@ -246,10 +248,11 @@ def evaluate(backend: Any, task: Task, tokenizer: Any, max_new_tokens: int = 4,
     and ``n``. Draws no randomness, so it never changes a seeded run."""
     prompts = list(task.eval_prompts if prompts is None else prompts)
     if not prompts:
-        return {"reward_mean": float("nan"), "accuracy": float("nan"), "n": 0.0}
+        return {HELD_OUT_REWARD.name: float("nan"), HELD_OUT_ACCURACY.name: float("nan"), "n": 0.0}
     ids = [tokenizer.encode(p.text) for p in prompts]
     completions = backend.generate_greedy(ids, max_new_tokens)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = [task.reward(p, t) for p, t in zip(prompts, texts)]
     correct = [task.is_correct(p, t) for p, t in zip(prompts, texts)]
-    return {"reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(correct)), "n": float(len(prompts))}
+    return {HELD_OUT_REWARD.name: float(np.mean(rewards)), HELD_OUT_ACCURACY.name: float(np.mean(correct)),
+            "n": float(len(prompts))}

@@ -191,6 +191,41 @@ def test_widgets_use_only_the_controller_public_api():
                 assert "ctrl" not in base or base == "ctrl.state()", f"{path.name}: {ast.unparse(node)}"
 
 
+def test_the_controller_writes_the_metric_vocabulary():
+    from asyncrl import metrics as M
+
+    ctrl = make(eval_every=2)
+    play(ctrl, "rtrt")
+    columns = list(ctrl.metrics.columns)
+    assert columns[:2] == [M.STEP.name, M.TRAINER_VERSION.name]
+    assert columns[2:2 + len(M.STEP_METRICS)] == [m.name for m in M.STEP_METRICS]
+    assert {c.name for c in (*M.STEP_FACTS, M.EVAL_REWARD, M.EVAL_ACCURACY)} <= set(columns)
+    assert list(ctrl.evaluations.columns) == [c.name for c in M.EVALUATION_COLUMNS]
+
+
+def test_a_renamed_metric_fails_the_plots_loudly(monkeypatch):
+    """The plots read column names from asyncrl.metrics: a name the controller's frame lacks is a KeyError naming
+    it, not a blank panel."""
+    import dataclasses
+    import importlib
+
+    from asyncrl import metrics as M
+    from widgets import render
+
+    ctrl = make()
+    play(ctrl, "rtrt")
+    try:
+        for name in ("REWARD_MEAN", "TOKENS_PER_S"):
+            monkeypatch.setattr(M, name, dataclasses.replace(getattr(M, name), name="renamed"))
+        importlib.reload(render)
+        with pytest.raises(KeyError, match="renamed"):
+            render.metrics_figure(ctrl)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(render)
+    assert isinstance(render.metrics_figure(ctrl), Figure)
+
+
 # --------------------------------------------------------------------------------------- headless widgets
 def test_dashboard_buttons_update_every_view():
     pytest.importorskip("ipywidgets")

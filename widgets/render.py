@@ -15,6 +15,8 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY, REWARD_MEAN, STEP, TOKENS_PER_S
+
 # Colours of the buffer states (stack order, bottom to top). "doomed": ready groups the next train tick evicts.
 STATES = {
     "ready": "#4C72B0",
@@ -140,7 +142,7 @@ def _legend_outside(ax) -> None:
 def draw_reward(ctrl, ax) -> None:
     """Train reward by step (each batch and a 10-step mean), held-out greedy accuracy by the weight version it
     judged (the untrained model's at 0 when ``eval_every`` is set), and the best constant answer's accuracy."""
-    metrics, evals = ctrl.metrics, ctrl.evaluations.drop_duplicates("weight_version", keep="last")
+    metrics, evals = ctrl.metrics, ctrl.evaluations.drop_duplicates(EVALUATED_VERSION.name, keep="last")
     ax.set_title("reward and held-out accuracy", fontsize=10)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("reward / accuracy")
@@ -149,15 +151,15 @@ def draw_reward(ctrl, ax) -> None:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
     if not metrics.empty:
-        ax.plot(metrics.step, metrics.reward_mean, color="#4C72B0", lw=1, alpha=0.5, label="train reward (batch)")
-        smooth = metrics.reward_mean.rolling(10, min_periods=1).mean()
-        ax.plot(metrics.step, smooth, color="#4C72B0", lw=2, label="train reward (10-step mean)")
+        step, reward = metrics[STEP.name], metrics[REWARD_MEAN.name]
+        ax.plot(step, reward, color="#4C72B0", lw=1, alpha=0.5, label="train reward (batch)")
+        ax.plot(step, reward.rolling(10, min_periods=1).mean(), color="#4C72B0", lw=2,
+                label="train reward (10-step mean)")
     if not evals.empty:
-        ax.plot(evals.weight_version, evals.accuracy, "o-", color="#DD8452", ms=4, clip_on=False,
-                label="held-out greedy accuracy")
-    bar = getattr(getattr(ctrl, "task", None), "constant_answer_accuracy", None)
-    if bar is not None:  # the best any prompt-independent answer scores: learning is judged against it
-        ax.axhline(bar, color="#DD8452", ls=":", lw=1, label=f"best constant answer ({bar:.2f})")
+        ax.plot(evals[EVALUATED_VERSION.name], evals[HELD_OUT_ACCURACY.name], "o-", color="#DD8452", ms=4,
+                clip_on=False, label="held-out greedy accuracy")
+    bar = ctrl.task.constant_answer_accuracy  # the best any prompt-independent answer scores: the bar to beat
+    ax.axhline(bar, color="#DD8452", ls=":", lw=1, label=f"best constant answer ({bar:.2f})")
     _legend_outside(ax)
 
 
@@ -191,7 +193,7 @@ def draw_throughput(ctrl, ax) -> None:
     if metrics.empty:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
-    ax.plot(metrics.step, metrics.tokens_per_s, color="#8172B3", lw=1.5)
+    ax.plot(metrics[STEP.name], metrics[TOKENS_PER_S.name], color="#8172B3", lw=1.5)
     ax.set_ylabel("tokens / s")
     ax.set_ylim(bottom=0)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import ipywidgets as W
 
+from asyncrl.metrics import LAG_MEAN, REWARD_MEAN
 from widgets import render
 
 
@@ -146,7 +147,7 @@ class StepControls(W.VBox):
         parts = [self.handle.status, f"step {T} of {self.handle.target}"]
         if len(metrics):
             last = metrics.iloc[-1]
-            parts += [f"reward {last.reward_mean:.3f}", f"lag {last.lag_mean:.2f}"]
+            parts += [f"reward {last[REWARD_MEAN.name]:.3f}", f"lag {last[LAG_MEAN.name]:.2f}"]
         return " | ".join(parts)
 
     # ------------------------------------------------------------------------------------------------ actions
