@@ -39,10 +39,16 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 import yaml
+
+from asyncrl.samplers import TargetStamping
+
+if TYPE_CHECKING:
+    from asyncrl.controller import Controller
 
 FORMAT = 1
 PREFIX = "step-"
@@ -81,7 +87,7 @@ def _fsync_dir(path: Path) -> None:
 def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
-    if hasattr(obj, "item"):  # numpy / torch scalars
+    if isinstance(obj, (np.generic, torch.Tensor)):  # numpy / torch scalars
         return obj.item()
     raise TypeError(f"cannot write {type(obj).__name__} {obj!r} into a checkpoint")
 
@@ -138,7 +144,7 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_periodic(ctrl: Any, directory: str | Path, keep: int) -> Path:
+def save_periodic(ctrl: Controller, directory: str | Path, keep: int) -> Path:
     """``checkpoint_every``: ``directory/step-XXXXXX``, then delete all but the newest ``keep`` complete ones."""
     directory = Path(directory)
     path = ctrl.save(directory / f"{PREFIX}{ctrl.trainer_version:06d}")
@@ -196,7 +202,7 @@ def shapes(policy_state: dict) -> dict[str, list[int]]:
 
 
 # --- the controller's side -------------------------------------------------------------------------------------
-def save(ctrl: Any, path: str | Path) -> Path:
+def save(ctrl: Controller, path: str | Path) -> Path:
     """``Controller.save``: gather the state under the controller's lock and ``write`` it."""
     import asyncrl
 
@@ -219,7 +225,7 @@ def save(ctrl: Any, path: str | Path) -> Path:
             "trainer_version": ctrl.trainer_version,
             "data_position": ctrl.data_position,
             "exhausted": ctrl.exhausted,
-            "dispatch_index": getattr(ctrl.sampler, "dispatch_index", None),
+            "dispatch_index": ctrl.sampler.dispatch_index,
             "sampler": ctrl.cfg.sampler.model_dump(mode="json"),
         }
         state = {"buffer": buffer, "trace": ctrl._trace, "metrics": ctrl._metrics, "evaluations": ctrl._evals}
@@ -227,14 +233,14 @@ def save(ctrl: Any, path: str | Path) -> Path:
         return write(path, meta, ctrl.cfg.model_dump(mode="json"), state, tensors)
 
 
-def restore(cls: Any, path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Any:
+def restore(cls: type[Controller], path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Controller:
     """``Controller.restore`` (its docstring says what a sampler change does). Every check that can fail runs
     before anything is loaded."""
     import asyncrl
     from asyncrl.data import GenerationRequest, GroupRollouts
     from asyncrl.buffer import ReplayBuffer
     from asyncrl.config import Config, check_sampler_fits
-    from asyncrl.samplers import build_sampler
+    from asyncrl.samplers import build_sampler, sampler_config
     from asyncrl.tasks import Prompt
 
     if on_sampler_change not in ("rejudge", "drop"):
@@ -243,7 +249,7 @@ def restore(cls: Any, path: str | Path, sampler: Any, config: Any, on_sampler_ch
     where = repr(str(ckpt.path))
     data = (config if config is not None else Config.model_validate(ckpt.config)).model_dump(mode="json")
     if sampler is not None:
-        data["sampler"] = sampler.model_dump(mode="json") if hasattr(sampler, "model_dump") else dict(sampler)
+        data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)
     check_model(ckpt.meta["model"], cfg.model.model_dump(mode="json"), where)
     ctrl = cls.from_config(cfg)
@@ -275,19 +281,18 @@ def restore(cls: Any, path: str | Path, sampler: Any, config: Any, on_sampler_ch
     ctrl.sampler.set_dispatch_index(T)
     with ctrl._lock:
         if meta["sampler"] == cfg.sampler.model_dump(mode="json"):
-            if meta["dispatch_index"] is not None:  # exact, including batches admitted ahead of T
-                ctrl.sampler.dispatch_index = meta["dispatch_index"]
+            ctrl.sampler.dispatch_index = meta["dispatch_index"]  # exact, including batches admitted ahead of T
         else:
             _rejudge(ctrl, meta["sampler"], on_sampler_change)
         ctrl._flush_unsent()
     return ctrl
 
 
-def _rejudge(ctrl: Any, old: dict, how: str) -> None:
+def _rejudge(ctrl: Controller, old: dict, how: str) -> None:
     """Restore under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
     T, N, new = ctrl.trainer_version, ctrl.cfg.groups_per_step, ctrl.cfg.sampler.name
     change = f"restored under sampler {new} (was {old.get('name')})"
-    stamps = getattr(ctrl.sampler, "stamps_target", False)
+    stamps = isinstance(ctrl.sampler, TargetStamping) and ctrl.sampler.stamps_target
     for slot in ctrl.buffer.slots():
         if how == "drop":
             ctrl._skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)

@@ -36,6 +36,7 @@ import pandas as pd
 import torch
 
 from asyncrl.algorithms import make_train_batch
+from asyncrl.backends.base import StepMetrics
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.data import GenerationRequest, GroupRollouts
@@ -79,8 +80,8 @@ class TickReport:
 
     def __str__(self) -> str:
         parts = [f"{self.kind} T={self.trainer_version}"]
-        for name in ("dispatched", "committed", "evicted", "selected", "aborted", "skipped"):
-            ids = getattr(self, name)
+        for name, ids in (("dispatched", self.dispatched), ("committed", self.committed), ("evicted", self.evicted),
+                          ("selected", self.selected), ("aborted", self.aborted), ("skipped", self.skipped)):
             if ids:
                 parts.append(f"{name} {len(ids)} {_ids(ids)}")
         if self.step_finished:
@@ -141,7 +142,7 @@ class Controller(FaultContainment):
         self.sampler = sampler if sampler is not None else build_sampler(cfg.sampler, self.buffer)
         check_sampler_fits(self.sampler, cfg)
         if not task.train_prompts:
-            raise ValueError(f"task {getattr(task, 'name', task)!r} has no training prompts; a run needs at least one")
+            raise ValueError(f"task {task.name!r} has no training prompts; a run needs at least one")
         self.capacity = cfg.buffer_capacity(self.sampler.required_buffer_capacity(cfg.groups_per_step))
         self.stream = PromptStream(task.train_prompts, seed=cfg.seed, max_epochs=cfg.max_epochs)
         self.trainer_version = 0
@@ -174,7 +175,7 @@ class Controller(FaultContainment):
         if self.cfg.model.hf_path is not None:
             return
         context, new = self.cfg.model.max_position_embeddings, self.cfg.generation.max_new_tokens
-        prompts = list(self.task.train_prompts) + list(getattr(self.task, "eval_prompts", []))
+        prompts = list(self.task.train_prompts) + list(self.task.eval_prompts)
         longest = max(prompts, key=lambda p: len(self._encode(p.text)))
         n = len(self._encode(longest.text))
         if n + new > context:
@@ -401,7 +402,7 @@ class Controller(FaultContainment):
             M.INFLIGHT.name: len(self.inflight),
         }
         row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
-        if hasattr(self.generator, "step_metrics"):  # optional: e.g. a replica set's tokens and busy time per replica
+        if isinstance(self.generator, StepMetrics):  # e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()

@@ -37,6 +37,7 @@ import math
 import numbers
 import sys
 import time
+from typing import Protocol, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -90,13 +91,29 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
+@runtime_checkable
+class ActorBackend(Protocol):
+    """Optional for a backend: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``). Only such a
+    backend can die as an actor and be restarted; in-process, child-process, replica-set and rank-group backends
+    are not one actor and do not have these members."""
+
+    @property
+    def actor_id(self) -> str:
+        """The actor's id (hex), as ``ray.exceptions.RayActorError.actor_id`` names a dead one."""
+        ...
+
+    def restart(self) -> None:
+        """Replace the dead actor with a fresh one built the same way (it starts from its constructor's state)."""
+        ...
+
+
 def is_dead_actor(exc: BaseException, backend: object) -> bool:
-    """Is ``exc`` Ray saying that ``backend``'s actor died? (False without Ray or for an in-process backend.)"""
+    """Is ``exc`` Ray saying that ``backend``'s actor died? (False without Ray or for a backend that is not one
+    actor.)"""
     errors = sys.modules.get("ray.exceptions")
-    actor_id = getattr(backend, "actor_id", None)
-    if errors is None or actor_id is None or not isinstance(exc, errors.RayActorError):
+    if errors is None or not isinstance(backend, ActorBackend) or not isinstance(exc, errors.RayActorError):
         return False
-    return exc.actor_id in (None, actor_id)
+    return exc.actor_id in (None, backend.actor_id)
 
 
 def reward_problem(value: object) -> str | None:
@@ -195,7 +212,7 @@ class FaultContainment:
     def _restart_generator(self, what: str, exc: Exception, version: int) -> None:
         """A dead generator actor: a fresh one with the trainer's weights ``version``; its groups re-dispatched."""
         f, lost = self.cfg.faults, list(self.inflight)
-        possible = hasattr(self.generator, "restart") and self.cfg.generation.weight_sync == "driver"
+        possible = isinstance(self.generator, ActorBackend) and self.cfg.generation.weight_sync == "driver"
         if not (f.restart_generator and possible and self._restarts < f.max_generator_restarts):
             why = ("faults.restart_generator is off" if not f.restart_generator else
                    "only a Ray generator with weight_sync 'driver' can be restarted" if not possible else
@@ -267,11 +284,11 @@ class FaultContainment:
     def _fault(self, gid: int | None, error: str, reason: str) -> None:
         with self._lock:
             slot = self.buffer[gid] if gid is not None and gid in self.buffer else None
-            self._event("fault", gid, getattr(slot, "weight_version", None), getattr(slot, "target_step", None),
-                        None, error, reason)
+            version, target = (slot.weight_version, slot.target_step) if slot is not None else (None, None)
+            self._event("fault", gid, version, target, None, error, reason)
 
     def _backend_name(self, section: str) -> str:
-        part = getattr(self.cfg, "generation" if section == "generation" else "trainer")
+        part = self.cfg.generation if section == "generation" else self.cfg.trainer
         return f"{part.backend}, placement {part.placement}"
 
     def _score(self, group: GroupRollouts, prompt) -> str | None:

@@ -72,8 +72,7 @@ def build_backends(cfg):
         else:
             generator = generator_cls(*generator_args)
     except BaseException:
-        if hasattr(policy, "close"):
-            policy.close()  # no actor outlives a failed start
+        policy.close()  # no actor outlives a failed start (PolicyBackend.close)
         raise
     return policy, generator, tokenizer
 

@@ -109,4 +109,14 @@ class PolicyBackend(Protocol):
         ...
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "GenerationRequest", "GroupRollouts", "TrainBatch"]
+@runtime_checkable
+class StepMetrics(Protocol):
+    """Optional for a generation backend: more columns for each step's row of ``Controller.metrics`` (a replica
+    set's tokens and busy seconds per replica: asyncrl/backends/replicas.py)."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """After each optimizer step: the columns, measured since the previous call."""
+        ...
+
+
+__all__ = ["GenerationBackend", "PolicyBackend", "StepMetrics", "GenerationRequest", "GroupRollouts", "TrainBatch"]

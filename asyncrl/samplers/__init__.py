@@ -21,6 +21,7 @@ from asyncrl.samplers.base import (
     PromptGroupSampler,
     SamplerBase,
     StalenessWindow,
+    TargetStamping,
     Verdict,
 )
 from asyncrl.samplers.custom import CustomConfig, build_custom
@@ -68,7 +69,7 @@ def explain_frame(verdicts: list[Verdict]):
 
 
 __all__ = [
-    "Admission", "PromptGroupSampler", "StalenessWindow", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
+    "Admission", "PromptGroupSampler", "StalenessWindow", "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
     "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),
 ]

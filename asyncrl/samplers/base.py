@@ -105,6 +105,15 @@ class StalenessWindow(Protocol):
     def lower_bound(self, trainer_version: int) -> int: ...
 
 
+@runtime_checkable
+class TargetStamping(Protocol):
+    """Optional: whether the sampler's admissions stamp ``target_step`` (``in_order``: batch ``k`` is for step
+    ``k``, and only groups stamped ``T`` train at ``T``). A restore under another sampler reads it: unstamped
+    groups cannot be trained by a stamping sampler, and its dispatch index follows the stamps. Without it: False."""
+
+    stamps_target: bool
+
+
 class KnobModel(BaseModel):
     """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 
