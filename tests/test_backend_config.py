@@ -39,7 +39,7 @@ def test_the_backend_picks_the_section_and_torch_is_the_default():
 @pytest.mark.parametrize("section, override, allowed", [
     ("generation", {"backend": "vllm", "backgrund": True}, "background"),
     ("generation", {"prefill_s": 0.1}, "max_new_tokens"),  # a simulated knob on the torch generator
-    ("trainer", {"backend": "megatron", "options": {"optimizer": "torch"}}, "optimizer"),
+    ("trainer", {"backend": "megatron", "options": {"optimizer": "torch"}}, "optimizer"),  # no options dict
     ("trainer", {"backend": "megatron", "adam_epsilon": 1e-6}, "adam_eps"),
 ])
 def test_unknown_keys_are_rejected_with_the_allowed_ones_listed(section, override, allowed):

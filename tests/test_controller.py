@@ -128,7 +128,7 @@ def test_windowed_evicts_and_aborts_stale_groups_with_reasons_and_loses_none():
 def test_buffer_and_inflight_permits_hold_with_slow_simulated_generation():
     cfg = load_config(
         "quickstart", sampler={"name": "windowed", "max_staleness_versions": 2}, max_buffered_groups=40,
-        max_inflight_groups=16, generation={"backend": "simulated", "options": {"prefill_s": 2.5}},
+        max_inflight_groups=16, generation={"backend": "simulated", "prefill_s": 2.5},
         trainer={"backend": "simulated"}, eval_every=None,
     )
     ctrl = Controller.from_config(cfg)
@@ -245,7 +245,7 @@ def test_a_refused_admission_says_why_in_the_samplers_words_and_is_traced_once()
 def test_a_running_pump_traces_each_refusal_once():
     ctrl = Controller.from_config(load_config(
         "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, max_buffered_groups=48,
-        generation={"backend": "simulated", "options": {"prefill_s": 2.5}}, trainer={"backend": "simulated"},
+        generation={"backend": "simulated", "prefill_s": 2.5}, trainer={"backend": "simulated"},
         eval_every=None,
     ))
     ctrl.run(8, progress=False)

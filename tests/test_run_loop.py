@@ -40,8 +40,8 @@ def simulated(sampler=None, latency_s=0.005, train_s_per_token=2e-5, **overrides
     """A controller on the simulated backends: generation takes ~latency_s a group, training ~1 ms a step."""
     cfg = load_config(
         "quickstart", eval_every=None,
-        generation={"backend": "simulated", "options": {"clock": "wall", "prefill_s": latency_s}},
-        trainer={"backend": "simulated", "options": {"clock": "wall", "train_s_per_token": train_s_per_token}},
+        generation={"backend": "simulated", "clock": "wall", "prefill_s": latency_s},
+        trainer={"backend": "simulated", "clock": "wall", "train_s_per_token": train_s_per_token},
         **({"sampler": sampler} if sampler else {}), **overrides,
     )
     return Controller.from_config(cfg)
@@ -268,8 +268,8 @@ def test_cli_ctrl_c_stops_cleanly_with_every_finished_step_written(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "100000", "--out", str(out), "--quiet",
-         "--set", "generation.backend=simulated", "--set", "generation.options.clock=wall",
-         "--set", "generation.options.prefill_s=0.01",
+         "--set", "generation.backend=simulated", "--set", "generation.clock=wall",
+         "--set", "generation.prefill_s=0.01",
          "--set", "trainer.backend=simulated", "--set", "eval_every=null"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
