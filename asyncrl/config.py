@@ -394,7 +394,8 @@ def check_importance_correction(sampler: Any, importance_correction: str) -> Non
 
 
 def _check_scale(cfg: Config) -> None:
-    """Replicas and ranks are Ray actors; what is not built yet says so by its knob."""
+    """Replicas and ranks are Ray actors (Megatron ranks may also come from torchrun, with placement 'local');
+    what is not built yet says so by its knob."""
     gen, trainer = cfg.generation, cfg.trainer
     if gen.replicas > 1 and gen.placement != "ray":
         raise ValueError(f"generation.replicas {gen.replicas} starts each replica in a Ray actor: set "
@@ -403,13 +404,6 @@ def _check_scale(cfg: Config) -> None:
     if trainer.backend == "torch" and ranks > 1 and trainer.placement != "ray":
         raise ValueError(f"trainer.data_parallel {trainer.data_parallel} starts each rank in a Ray actor: set "
                          f"trainer.placement 'ray' (got {trainer.placement!r})")
-    if trainer.backend == "megatron" and ranks > 1 and trainer.placement == "ray":
-        raise ValueError(
-            f"trainer.data_parallel {trainer.data_parallel} x tensor_parallel {trainer.tensor_parallel} with "
-            "trainer.backend 'megatron' and placement 'ray' is not built yet (Megatron ranks as Ray actors); run "
-            "Megatron with more than one rank under torchrun with placement 'local', or use the torch backend's "
-            "data_parallel"
-        )
     if gen.weight_sync == "collective" and (gen.replicas > 1 or ranks > 1):
         raise ValueError(
             f"generation.weight_sync 'collective' joins one policy actor and one generator actor; with "

@@ -22,7 +22,8 @@ TIERS = [
     ["asyncrl.config", "asyncrl.tasks"],
     # what the engines share: the Protocols, HF helpers, placements, Megatron's weight map and process groups
     ["asyncrl.backends.base", "asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
-     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock"],
+     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
+     "asyncrl.backends.data_parallel"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],

@@ -5,8 +5,9 @@ actors (``placement: ray``) or, the generator, in a child process (``placement: 
 configuration, not code.
 Layout: ``base`` (the Protocols), ``hf`` (Hugging Face helpers every engine shares), one module per engine
 (``torch``, ``megatron`` with ``megatron_weights`` and ``megatron_parallel``, ``vllm``, ``simulated``), the
-placements (``ray``, ``process``), ``replicas`` (K generation engines as one backend), ``ranks`` (a data-parallel
-trainer as one backend) and ``weight_sync`` (how weights reach the generator). Engines never import each other.
+placements (``ray``, ``process``), ``replicas`` (K generation engines as one backend), ``ranks`` (a multi-rank
+trainer as one backend; its ranks reduce with ``data_parallel``) and ``weight_sync`` (how weights reach the
+generator). Engines never import each other.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def build_backends(cfg):
         from asyncrl.backends.ray import ensure_ray
 
         ensure_ray(cfg.ray.num_cpus, cfg.ray.address)
-    if getattr(cfg.trainer, "data_parallel", 1) > 1 and cfg.trainer.placement == "ray":
+    ranks = getattr(cfg.trainer, "data_parallel", 1) * getattr(cfg.trainer, "tensor_parallel", 1)
+    if ranks > 1 and cfg.trainer.placement == "ray":
         from asyncrl.backends.ranks import RankGroupPolicy
 
         policy = RankGroupPolicy.start(policy_cls, policy_args, cfg)

@@ -14,16 +14,20 @@
   the step's normaliser (all-reduced over data-parallel ranks), clips and steps. The result does not depend on
   how the step was split into chunks or micro-batches.
 - Parallelism through ``megatron.core.parallel_state``: ``trainer_cfg.tensor_parallel`` x ``data_parallel`` must
-  equal the world size (setup in ``megatron_parallel``). Data-parallel ranks train on their share of
-  each batch's rows; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
+  equal the world size (setup in ``megatron_parallel``). The process group comes from torchrun (one controller per
+  rank: every rank is given the whole batch and keeps its data-parallel share of the rows) or from a Ray rank group
+  (``asyncrl/backends/ranks.py`` builds each rank after joining it and hands it only its share:
+  ``keeps_own_rows = False``). Before the step's one division the data-parallel ranks sum their gradients (Megatron's
+  DDP, or ``DataParallel`` with the torch optimizer) and their step totals (``DataParallel``), so every rank takes
+  the same step; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
 
 - Micro-batches: ``micro_batch_size`` sequences, or by default as many as fit ``micro_batch_tokens`` at the batch's
   padded length, so a realistic chunk (512 sequences of hundreds of tokens) never goes through in one piece.
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
-Megatron-core is imported lazily (inside functions), so ``asyncrl`` imports without it. Megatron-core on a CPU
-needs workarounds that live in the tests (see ``tests/test_megatron_backend.py``), not here.
+Megatron-core is imported lazily (inside functions), so ``asyncrl`` imports without it. On a machine without CUDA
+``megatron_parallel.init_parallel`` applies the two workarounds Megatron-core needs there.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 
 from asyncrl.algorithms import Loss, token_entropy, token_logprobs
+from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
@@ -55,6 +60,9 @@ __all__ = ["MegatronPolicy"]
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
+    # A Ray rank group builds it only after its actor joined torch.distributed's default group (ranks.py).
+    needs_process_group = True
+
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,
                  tokenizer: Any = None):
         from megatron.core import parallel_state
@@ -69,6 +77,9 @@ class MegatronPolicy:
         init_parallel(self.tp, self.dp, self.device, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.keeps_own_rows = True  # torchrun: the whole batch comes to every rank (ranks.py sets False)
+        self.data_parallel = DataParallel(
+            parallel_state.get_data_parallel_group(), self.dp_rank, self.dp, self.device) if self.dp > 1 else None
 
         self.hf_config = build_hf_config(model_cfg, tokenizer)
         self.spec = ArchSpec(self.hf_config)
@@ -303,8 +314,8 @@ class MegatronPolicy:
     @holds_device
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """[B, S] float32 logprobs of ``batch.input_ids`` (0 off ``loss_mask``), on the CPU. Every DP rank computes
-        the whole batch."""
+        """[B, S] float32 logprobs of ``batch.input_ids`` (0 off ``loss_mask``), on the CPU: of the whole batch it
+        is given (under torchrun every DP rank gets and computes the whole batch)."""
         self.model.eval()
         out = []
         for mb in self._micro_batches(batch):
@@ -324,7 +335,7 @@ class MegatronPolicy:
         self._in_step = True
 
     def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
-        if self.dp == 1:
+        if self.dp == 1 or not self.keeps_own_rows:
             return batch
         B = batch.num_sequences
         lo, hi = B * self.dp_rank // self.dp, B * (self.dp_rank + 1) // self.dp
@@ -361,22 +372,13 @@ class MegatronPolicy:
         self._step.add({"loss": chunk_loss, "normaliser": chunk_norm, "sequences": local.num_sequences})
         return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(local.num_sequences)}
 
-    def _dp_sum(self, values: list[float]) -> list[float]:
-        if self.dp == 1:
-            return values
-        import torch.distributed as dist
-        from megatron.core import parallel_state
-
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return t.tolist()
-
     @holds_device
     def finish_train_step(self) -> dict[str, float]:
         """Divide the accumulated gradients by the step's normaliser, clip, take one optimizer step."""
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
-        self._step.sum_across(self._dp_sum)  # every DP rank normalises by the whole step's tokens
+        if self.data_parallel is not None:  # every DP rank normalises by the whole step's tokens
+            self.data_parallel.reduce_step(self._step)
         normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
         lr = float(self.optimizer.param_groups[0]["lr"])
@@ -401,11 +403,10 @@ class MegatronPolicy:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.dp > 1:
-            group = parallel_state.get_data_parallel_group()
-            for p in params:
-                dist.all_reduce(p.grad, group=group)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if self.data_parallel is not None:  # a rank that sat the step out adds zeros
+            self.data_parallel.reduce_grads(params)
+        params = [p for p in params if p.grad is not None]
         for p in params:
             p.grad.mul_(scale)
         sharded = torch.zeros((), dtype=torch.float32, device=self.device)

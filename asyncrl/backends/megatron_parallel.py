@@ -1,5 +1,9 @@
 """Megatron-core's distributed setup: ``torch.distributed`` and the model-parallel groups, created only if nobody
-did yet (a lone process gets a world of one on a free local port), and the training device."""
+did yet (a lone process gets a world of one on a free local port), and the training device.
+
+Who makes the process group: ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, one controller per rank),
+a Ray rank group (``asyncrl/backends/ranks.py`` joins every rank actor into one group before it builds the
+policy), or, for a single rank, ``init_parallel`` itself."""
 
 from __future__ import annotations
 
@@ -11,12 +15,16 @@ import torch
 __all__ = ["init_parallel", "resolve_device"]
 
 
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+# Megatron-core on a machine without CUDA runs with two workarounds (measured; shared facts): several of its
+# modules ask ``torch.cuda.current_device()`` for the device, which raises without CUDA, so it answers "cpu"; and
+# the model-parallel RNG tracker is the inference one (dropout is 0, so it is never asked for randomness). Only a
+# CPU trainer on a machine without CUDA gets them; on GPUs the library runs unpatched.
 
 
 def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device, seed: int) -> None:
@@ -27,6 +35,8 @@ def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device
     import torch.distributed as dist
     from megatron.core import parallel_state
 
+    if device.type != "cuda" and not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
@@ -52,6 +62,10 @@ def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed)
+    else:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def resolve_device(spec: str) -> torch.device:

@@ -33,8 +33,9 @@ NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST":
 class _Host:
     """Runs inside the actor: owns the backend object."""
 
-    def __init__(self, cls: type, args: tuple) -> None:
-        self.obj = cls(*args)
+    def __init__(self, cls: type, args: tuple, deferred: bool = False) -> None:
+        self._cls, self._args = cls, args
+        self.obj = None if deferred else cls(*args)
         self.times: dict[str, list] = defaultdict(lambda: [0.0, 0])  # method -> [seconds, calls]
 
     def _timed(self, name: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -45,6 +46,11 @@ class _Host:
             entry = self.times[name]
             entry[0] += time.perf_counter() - start
             entry[1] += 1
+
+    def build(self) -> None:
+        """Construct the backend now (an actor started with ``deferred``: e.g. a Megatron rank, built only once
+        its process joined the rank group's ``torch.distributed`` group)."""
+        self.obj = self._cls(*self._args)
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         return self._timed(name, getattr(self.obj, name), *args, **kwargs)
@@ -60,7 +66,7 @@ class _Host:
         return getattr(self.obj, name)
 
     def close(self) -> None:
-        if hasattr(self.obj, "close"):
+        if self.obj is not None and hasattr(self.obj, "close"):
             self.obj.close()
 
 
@@ -219,9 +225,11 @@ def _resources(res: dict[str, float]) -> dict[str, float]:
     return {k: v for k, v in sorted(res.items()) if not k.startswith(("node:", "memory", "object_store"))}
 
 
-def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int | None = None) -> RemoteBackend:
+def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int | None = None,
+           deferred: bool = False) -> RemoteBackend:
     """Start ``cls(*args)`` in a Ray actor placed by ``section`` (a trainer or generation config), in bundle
-    ``bundle`` of placement group ``group`` when given (``reserve``)."""
+    ``bundle`` of placement group ``group`` when given (``reserve``). ``deferred``: the actor starts empty and
+    builds the backend when ``apply_remote``'d code calls ``host.build()`` (after setting up its process)."""
     import ray
 
     ensure_ray()
@@ -233,7 +241,7 @@ def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int 
     # One call at a time, unless the hosted class says it is safe with more (``ray_max_concurrency``: the vLLM
     # generator, so a weight receive runs during a wave; its own locks keep engine use serial).
     concurrency = int(getattr(cls, "ray_max_concurrency", 1))
-    actor = ray.remote(_Host).options(max_concurrency=concurrency, **options).remote(cls, args)
+    actor = ray.remote(_Host).options(max_concurrency=concurrency, **options).remote(cls, args, deferred)
     ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:
         ray.kill(actor)
@@ -242,4 +250,4 @@ def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int 
             f"{options} and the cluster has {ray.available_resources()} free; free resources or set ray_options"
         )
     ray.get(ready[0])  # surfaces a constructor error here, not at the first call
-    return proxy_class(cls)(actor, start=lambda: remote(cls, args, section, group, bundle)._actor)
+    return proxy_class(cls)(actor, start=lambda: remote(cls, args, section, group, bundle, deferred)._actor)
