@@ -1,9 +1,11 @@
-"""Scale-out on CPU: a data-parallel torch trainer (Ray rank actors over gloo) trains like one rank, generation
-replicas (Ray actors) all generate behind one backend and the run learns, aborts reach the replica that holds the
-group, and save/restore with 2 ranks and 2 replicas resumes exactly. Actors ask half a CPU each, so two ranks and
-two replicas fit a 2-CPU Ray."""
+"""Scale-out on CPU: a data-parallel torch trainer (Ray rank actors over gloo) trains like one rank, and so does a
+Megatron trainer with data_parallel 2 or tensor_parallel 2; generation replicas (Ray actors) all generate behind one
+backend and the run learns, aborts reach the replica that holds the group, and save/restore with 2 ranks and 2
+replicas resumes exactly. Actors ask half a CPU each, so two ranks and two replicas fit a 2-CPU Ray."""
 
 from __future__ import annotations
+
+import importlib.util
 
 import pandas as pd
 import pytest
@@ -53,6 +55,38 @@ def test_two_data_parallel_ranks_train_like_one(ray_cluster):
         w1 = two.policy.ranks[1].export_weights()
         assert all(torch.equal(wb[k], w1[k]) for k in wb)
         assert one.trace.equals(two.trace)
+
+
+MEGATRON = {"backend": "megatron", "placement": "ray", **HALF}
+MEGATRON_COLUMNS = ["loss", "grad_norm", "normaliser", "sequences", "reward_mean", "tokens", "is_weight_mean"]
+
+
+def _megatron_run(steps: int = 3, **trainer) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
+    cfg = load_config("quickstart", seed=5, sampler=SYNC, eval_every=None, trainer={**MEGATRON, **trainer})
+    with Controller.from_config(cfg) as ctrl:
+        _steps(ctrl, steps)
+        return ctrl.metrics[MEGATRON_COLUMNS], ctrl.policy.export_weights(), ctrl.trace
+
+
+@pytest.fixture(scope="module")
+def megatron_one_rank(ray_cluster):
+    if importlib.util.find_spec("megatron") is None:  # (not imported here: only the rank actors need it)
+        pytest.skip("megatron-core is not installed (pip install 'asyncrl[megatron]')")
+    return _megatron_run()  # one Megatron actor: a world of one
+
+
+@pytest.mark.parametrize("layout", [{"data_parallel": 2}, {"tensor_parallel": 2}], ids=["dp2", "tp2"])
+def test_megatron_ranks_train_like_one(megatron_one_rank, layout):
+    """Megatron ranks as Ray actors in one gloo group, 3 synchronous steps through the controller: each chunk's
+    groups split over the 2 data-parallel ranks (gradients and step sums reduced before the one division), or one
+    model split over 2 tensor-parallel ranks (weights exported once, gathered over them), train like one rank."""
+    a, wa, trace_a = megatron_one_rank
+    b, wb, trace_b = _megatron_run(**layout)
+    for column in MEGATRON_COLUMNS:
+        assert b[column].tolist() == pytest.approx(a[column].tolist(), rel=1e-4, abs=1e-7), column
+    assert list(wb) == list(wa)
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    assert trace_a.equals(trace_b)
 
 
 def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
@@ -122,5 +156,9 @@ def test_scale_knobs_say_what_they_need():
         load_config("quickstart", trainer={"data_parallel": 2})
     with pytest.raises(ValueError, match="tensor_parallel 2: the torch backend"):
         load_config("quickstart", trainer={"tensor_parallel": 2, "placement": "ray"})
-    with pytest.raises(ValueError, match="not built yet"):
-        load_config("quickstart", trainer={"backend": "megatron", "placement": "ray", "data_parallel": 2})
+    megatron = load_config("quickstart", trainer={"backend": "megatron", "placement": "ray", "data_parallel": 2,
+                                                  "tensor_parallel": 2})
+    assert (megatron.trainer.data_parallel, megatron.trainer.tensor_parallel) == (2, 2)
+    with pytest.raises(ValueError, match="weight_sync 'collective' joins one policy actor"):
+        load_config("quickstart", trainer={"backend": "megatron", "placement": "ray", "tensor_parallel": 2},
+                    generation={"placement": "ray", "weight_sync": "collective"})
