@@ -149,6 +149,26 @@ def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path)
         pd.testing.assert_frame_equal(restored.trace, expected_trace)
 
 
+def test_a_dead_trainer_rank_stops_the_run_naming_it(ray_cluster):
+    from asyncrl.faults import TrainerFailed
+
+    with Controller.from_config(load_config("quickstart", eval_every=None, sampler=SYNC, trainer=RANKS)) as ctrl:
+        _steps(ctrl, 1)
+        ray.kill(ctrl.policy.ranks[1]._actor)
+        with pytest.raises(TrainerFailed, match=r"trainer rank 1 of 2 \(data-parallel rank 1, tensor-parallel rank "
+                                                 r"0\) died during \w+.*restore the last checkpoint"):
+            _steps(ctrl, 2)
+        faults = ctrl.trace[ctrl.trace.event == "fault"]
+        assert faults.reason.tolist() == ["not retried: step 1 failed in the trainer"]
+        assert "trainer rank 1 of 2" in faults.detail.iloc[0]
+        assert ctrl.trainer_version == 1
+        with pytest.raises(TrainerFailed, match="trainer rank 1 of 2"):  # the group stays ended: no call hangs
+            ctrl.policy.export_weights()
+        survivor = ctrl.policy.ranks[0]._actor
+        with pytest.raises(ray.exceptions.RayActorError):  # its collectives were broken: it was ended too
+            ray.get(survivor.call_times.remote(), timeout=60)
+
+
 def test_scale_knobs_say_what_they_need():
     with pytest.raises(ValueError, match="generation.replicas 2 starts each replica in a Ray actor"):
         load_config("quickstart", generation={"replicas": 2})
