@@ -35,7 +35,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from asyncrl.algorithms import make_train_batch
+from asyncrl.algorithms import Loss, make_train_batch
 from asyncrl.backends.base import StepMetrics
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
@@ -186,14 +186,16 @@ class Controller(FaultContainment):
             )
 
     def _encode(self, text: str) -> list[int]:
-        """Prompt token ids, cached per controller: prompts repeat every epoch and HF encode costs ~0.1 ms."""
+        """Prompt token ids, cached per controller: prompts repeat every epoch, and encoding is slow next to a lookup."""
         ids = self._prompt_ids.get(text)
         if ids is None:
             ids = self._prompt_ids[text] = self.tokenizer.encode(text)  # the tokenizer adds <bos>
         return ids
 
     @classmethod
-    def from_config(cls, cfg: Config) -> Controller:
+    def from_config(cls, cfg: Config, loss: Loss | None = None) -> Controller:
+        """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
+        a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``)."""
         from asyncrl.backends import build_backends
         from asyncrl.tasks import build_task
 
@@ -201,7 +203,7 @@ class Controller(FaultContainment):
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         task = build_task(cfg.task)
-        policy, generator, tokenizer = build_backends(cfg)
+        policy, generator, tokenizer = build_backends(cfg, loss)
         return cls(cfg, task, policy, generator, tokenizer)
 
     # ------------------------------------------------------------------------------------------ rollout pump

@@ -41,6 +41,7 @@ from asyncrl.backends.simulated import (
 )
 from asyncrl.config import Config, load_config
 from asyncrl.controller import Controller
+from asyncrl.samplers import SAMPLERS
 
 WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s")  # the controller measures these in wall time
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
@@ -308,10 +309,6 @@ def simulate(preset: str | Path | Config = "what_if", steps: int = 200, **overri
     return run(Controller.from_config(cfg), steps)
 
 
-def window_knob(sampler: str) -> str:
-    return "max_lookahead_versions" if sampler == "in_order" else "max_staleness_versions"
-
-
 def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "ready_first"),
           windows: Iterable[int] = (0, 1, 2), latencies: Mapping[str, Mapping] | None = None,
           preset: str = "what_if", steps: int = 200, seeds: Iterable[int] = (0,), **overrides: Any) -> pd.DataFrame:
@@ -326,7 +323,7 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
         for name in samplers:
             for window in windows:
                 for seed in seeds:
-                    sampler = {"name": name, window_knob(name): window}
+                    sampler = {"name": name, SAMPLERS[name].window_knob: window}
                     cfg = load_config(preset, **_merge(_merge(dict(overrides), dict(latency)),
                                                        {"sampler": sampler, "seed": seed}))
                     sim = simulate(cfg, steps)

@@ -20,6 +20,7 @@ from asyncrl.algorithms import (
 )
 from asyncrl.config import ModelConfig, TorchTrainerConfig
 from asyncrl.data import GroupRollouts, TrainBatch
+from asyncrl.metrics import Metric
 
 NO_IS = dict(importance_correction="none", truncation="none")
 
@@ -269,3 +270,35 @@ def test_a_step_does_not_depend_on_chunking_or_micro_batching(loss_cfg):
                 assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (chunks, mbs, key)
     assert whole_m[0]["tokens"] > 0 and whole_m[0]["grad_norm"] > 0 and whole_m[1]["grad_norm"] > 0
     assert 0 < whole_m[0]["is_truncated_frac"] < 1
+
+
+# ------------------------------------------------------------------------------------------- a loss of your own
+class Reinforce:
+    """A loss of one's own, in one class: REINFORCE on the group advantages, with a metric of its own."""
+
+    metrics = (Metric("advantage_abs", "mean", "mean |advantage| per sequence trained", over="sequences"),)
+    needs_reference = False
+    entropy_grad = False
+
+    def __call__(self, logprobs, batch, entropy=None):
+        per_sequence = (logprobs * batch.loss_mask).sum(-1)
+        loss_sum = -(batch.advantages * per_sequence).sum()
+        return loss_sum, float(batch.num_sequences), {"advantage_abs": float(batch.advantages.abs().sum())}
+
+
+def test_a_new_loss_is_one_class_and_its_metric_reaches_the_step_row():
+    from asyncrl import Controller, load_config
+    from asyncrl.algorithms import Loss
+
+    assert isinstance(Reinforce(), Loss)
+    cfg = load_config("quickstart", groups_per_step=2, group_size=4, eval_every=None)
+    ctrl = Controller.from_config(cfg, loss=Reinforce())
+    try:
+        for _ in range(2):
+            ctrl.tick()
+        metrics = ctrl.metrics
+        assert len(metrics) == 2 and "is_weight_mean" not in metrics  # GRPO's metrics are GRPOLoss's, not the engine's
+        assert (metrics.advantage_abs >= 0).all() and metrics.loss.notna().all()
+        assert (metrics.sequences == 2 * 4).all()  # ENGINE_METRICS still come with any loss
+    finally:
+        ctrl.close()

@@ -13,8 +13,12 @@ generator). Engines never import each other.
 from __future__ import annotations
 
 from importlib import import_module
+from typing import TYPE_CHECKING
 
 from asyncrl.backends.base import GenerationBackend, PolicyBackend
+
+if TYPE_CHECKING:
+    from asyncrl.algorithms import Loss
 
 POLICIES = {
     "torch": "asyncrl.backends.torch:TorchPolicy",
@@ -33,15 +37,16 @@ def _load(target: str) -> type:
     return getattr(import_module(module), name)
 
 
-def build_backends(cfg):
-    """``(policy, generator, tokenizer)`` for a ``Config``; the policy trains with ``GRPOLoss(cfg.loss)``."""
+def build_backends(cfg, loss: Loss | None = None):
+    """``(policy, generator, tokenizer)`` for a ``Config``; the policy trains with ``loss`` (default
+    ``GRPOLoss(cfg.loss)``)."""
     from asyncrl.algorithms import GRPOLoss
     from asyncrl.backends.hf import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
     policy_cls = _load(POLICIES[cfg.trainer.backend])
     generator_cls = _load(GENERATORS[cfg.generation.backend])
-    policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tokenizer)
+    policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss) if loss is None else loss, cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
     if "ray" in (cfg.trainer.placement, cfg.generation.placement):
         from asyncrl.backends.ray import ensure_ray

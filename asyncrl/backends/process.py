@@ -2,9 +2,9 @@
 
 Why: on a CPU box, generating and training a small model are both bound by Python and the torch dispatcher, so the
 two pump threads of ``Controller.run`` take turns on one interpreter lock instead of overlapping (measured in
-``benchmarks/README.md``). A child process has its own interpreter lock. Ray actors give that too, but cost about
-1 ms a call plus object-store copies, which at this size outweighed the gain; here a call is one message over a
-pipe and the weights go through shared memory.
+``benchmarks/README.md``). A child process has its own interpreter lock. Ray actors give that too, but each call is a
+round trip through Ray plus object-store copies, which at this size outweighed the gain; here a call is one message
+over a pipe and the weights go through shared memory.
 
 How:
 - The child (started with ``spawn``: no forked threads or OpenMP state) builds ``cls(*args)`` with the parent's
