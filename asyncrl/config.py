@@ -195,6 +195,11 @@ class _Trainer(_Placement):
     micro_batch_size: int | None = Field(
         None, ge=1, description="sequences per forward/backward; None: a whole chunk")
 
+    @property
+    def ranks(self) -> int:
+        """Trainer ranks (the world size): data_parallel x tensor_parallel for an engine that has ranks, else 1."""
+        return 1
+
 
 class TorchTrainerConfig(_Trainer):
     """Training with the embedded torch engine (asyncrl/backends/torch.py)."""
@@ -213,6 +218,10 @@ class TorchTrainerConfig(_Trainer):
                              "data_parallel, or trainer.backend 'megatron' for tensor parallelism")
         return tp
 
+    @property
+    def ranks(self) -> int:
+        return self.data_parallel
+
 
 class MegatronTrainerConfig(_Trainer):
     """Training with Megatron-core (asyncrl/backends/megatron.py)."""
@@ -229,6 +238,10 @@ class MegatronTrainerConfig(_Trainer):
     micro_batch_tokens: int = Field(
         16384, ge=1, description="when micro_batch_size is None: sequences per forward/backward = this token "
         "budget // the padded sequence length (at least 1), so a large chunk never meets the GPU in one piece")
+
+    @property
+    def ranks(self) -> int:
+        return self.data_parallel * self.tensor_parallel
 
 
 class SimulatedTraining(_Knobs):
@@ -400,7 +413,7 @@ def _check_scale(cfg: Config) -> None:
     if gen.replicas > 1 and gen.placement != "ray":
         raise ValueError(f"generation.replicas {gen.replicas} starts each replica in a Ray actor: set "
                          f"generation.placement 'ray' (got {gen.placement!r})")
-    ranks = getattr(trainer, "data_parallel", 1) * getattr(trainer, "tensor_parallel", 1)
+    ranks = trainer.ranks
     if trainer.backend == "torch" and ranks > 1 and trainer.placement != "ray":
         raise ValueError(f"trainer.data_parallel {trainer.data_parallel} starts each rank in a Ray actor: set "
                          f"trainer.placement 'ray' (got {trainer.placement!r})")

@@ -64,3 +64,11 @@ def test_a_config_round_trips_through_its_dump():
     cfg = load_config("gpu_quickstart")
     assert Config.model_validate(cfg.model_dump(mode="json")) == cfg
 
+
+
+def test_trainer_ranks_are_a_typed_property_of_every_trainer_section():
+    assert load_config("quickstart", trainer={"backend": "megatron", "data_parallel": 2, "tensor_parallel": 3}
+                       ).trainer.ranks == 6
+    assert load_config("quickstart", trainer={"backend": "torch", "data_parallel": 2, "placement": "ray"}
+                       ).trainer.ranks == 2
+    assert load_config("what_if").trainer.ranks == 1  # the simulated trainer has no ranks

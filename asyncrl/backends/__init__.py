@@ -52,8 +52,7 @@ def build_backends(cfg, loss: Loss | None = None):
         from asyncrl.backends.ray import ensure_ray
 
         ensure_ray(cfg.ray.num_cpus, cfg.ray.address)
-    ranks = getattr(cfg.trainer, "data_parallel", 1) * getattr(cfg.trainer, "tensor_parallel", 1)
-    if ranks > 1 and cfg.trainer.placement == "ray":
+    if cfg.trainer.ranks > 1 and cfg.trainer.placement == "ray":
         from asyncrl.backends.ranks import RankGroupPolicy
 
         policy = RankGroupPolicy.start(policy_cls, policy_args, cfg)

@@ -131,7 +131,7 @@ class RankGroupPolicy:
         from asyncrl.backends.ray import actor_options, remote, reserve
 
         section = cfg.trainer
-        world = section.data_parallel * getattr(section, "tensor_parallel", 1)
+        world = section.ranks
         deferred = bool(getattr(policy_cls, "needs_process_group", False))
         group = reserve(actor_options(section), world, "PACK", f"{world} trainer ranks", cfg.ray.placement_timeout_s)
         ranks: list[Any] = []
