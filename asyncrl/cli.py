@@ -21,6 +21,8 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY
+
 
 def _overrides(pairs: list[str]) -> dict:
     out: dict = {}
@@ -176,8 +178,10 @@ def _learning(ctrl, final: dict) -> str:
     """One line a person reads: held-out accuracy before training (when ``eval_every`` evaluated the untrained
     model), after the run, and the bar it is judged against."""
     start = ctrl.evaluations.iloc[0]
-    before = f"{start.accuracy:.2f} untrained -> " if start.weight_version == 0 < ctrl.trainer_version else ""
-    return (f"held-out greedy accuracy: {before}{final['accuracy']:.2f} after {ctrl.trainer_version} steps; "
+    accuracy, version = start[HELD_OUT_ACCURACY.name], start[EVALUATED_VERSION.name]
+    before = f"{accuracy:.2f} untrained -> " if version == 0 < ctrl.trainer_version else ""
+    after = final[HELD_OUT_ACCURACY.name]
+    return (f"held-out greedy accuracy: {before}{after:.2f} after {ctrl.trainer_version} steps; "
             f"the best constant answer scores {ctrl.task.constant_answer_accuracy:.2f}")
 
 
