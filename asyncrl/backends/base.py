@@ -119,4 +119,16 @@ class StepMetrics(Protocol):
         ...
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "StepMetrics", "GenerationRequest", "GroupRollouts", "TrainBatch"]
+@runtime_checkable
+class StagesWeights(Protocol):
+    """Optional for a generation backend that generates in waves in a thread of its own (vLLM with ``background``):
+    the collective weight sync hands it the weights to swap in at its next wave boundary instead of loading them
+    now (asyncrl/backends/weight_sync.py)."""
+
+    def stage_weights(self, weights: Mapping[str, torch.Tensor], version: int, fill: Any = None) -> None:
+        """``fill()`` (if given) writes ``weights`` first; the backend swaps them in as ``version`` when no wave
+        runs. ``weights`` stay untouched by the caller until the next call."""
+        ...
+
+
+__all__ = ["GenerationBackend", "PolicyBackend", "StepMetrics", "StagesWeights", "GenerationRequest", "GroupRollouts", "TrainBatch"]

@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.base import StagesWeights
 from asyncrl.backends.ray import NO_MULTICAST_ENV, RemoteBackend
 
 GROUP_TIMEOUT_S = 300.0  # a broadcast waits at most this long for the other side
@@ -236,9 +237,8 @@ def _receive(host: Any, version: int) -> float:
             raise RuntimeError(
                 f"weight sync: the policy sent version {sent_version}, the controller asked for {version}")
 
-    stage = getattr(host.obj, "stage_weights", None)
-    if stage is not None:
-        stage(ep.buffers, version, fill)
+    if isinstance(host.obj, StagesWeights):
+        host.obj.stage_weights(ep.buffers, version, fill)
     else:
         fill()
         host.obj.load_weights(ep.buffers, version)
