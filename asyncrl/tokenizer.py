@@ -1,8 +1,8 @@
 """The embedded tokenizer: byte-level, no merges, built in code (no downloads).
 
 Ids 0–255 are the bytes themselves (so a token id *is* the byte it stands for), then three special tokens:
-``<pad>`` = 256, ``<bos>`` = 257, ``<eos>`` = 258 — a vocabulary of 259 (small vocabularies keep a CPU model fast;
-see ``shared/FACTS.md``).
+``<pad>`` = 256, ``<bos>`` = 257, ``<eos>`` = 258 — a vocabulary of 259 (a small vocabulary keeps a CPU model fast:
+the embedding and output layers scale with it).
 
 ``tokenizer.encode(text)`` (``add_special_tokens=True``, the default) prepends ``<bos>``; that is how prompts are
 encoded. ``tokenizer.decode(ids, skip_special_tokens=True)`` turns completions back into text (``<eos>`` dropped).

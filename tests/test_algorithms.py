@@ -1,4 +1,4 @@
-"""GRPO maths (DESIGN.md §6): advantages, the clipped importance-corrected loss and its variants, KL estimators,
+"""GRPO maths (asyncrl/algorithms.py): advantages, the clipped importance-corrected loss and its variants, KL estimators,
 and whole-step normalisation — a step's update must not depend on how it was chunked or micro-batched."""
 
 from __future__ import annotations

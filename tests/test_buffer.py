@@ -1,4 +1,4 @@
-"""ReplayBuffer (DESIGN.md §2): reserve / commit / atomic remove, ordered views, counts, summary, indexes."""
+"""ReplayBuffer (asyncrl/buffer.py): reserve / commit / atomic remove, ordered views, counts, summary, indexes."""
 
 from __future__ import annotations
 

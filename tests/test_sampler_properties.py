@@ -1,5 +1,5 @@
 """Property-based tests: random sequences of reserve / commit / admit / select / evict / version bumps / aborts,
-for every policy, against a brute-force model of DESIGN.md §3.
+for every policy, against a brute-force model of the rules in docs/samplers.md.
 
 A small controller drives the sampler the way ``asyncrl.Controller`` does: an admission reserves one batch of
 ``N`` groups at the generation version ``G`` (stamped when the policy stamps); a train tick runs

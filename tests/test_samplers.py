@@ -1,4 +1,4 @@
-"""The samplers (DESIGN.md §3): every shared rule, every policy's rule, every configuration error, ``explain``."""
+"""The samplers (docs/samplers.md): every shared rule, every policy's rule, every configuration error, ``explain``."""
 
 from __future__ import annotations
 
