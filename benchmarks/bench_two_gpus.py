@@ -5,6 +5,7 @@ the two-stage bound, and reward against wall-clock seconds.
     python benchmarks/bench_two_gpus.py --preset gpu_two_devices_gen_heavy --steps 8 --warmup 2   # throughput
     python benchmarks/bench_two_gpus.py --preset gpu_gen_heavy   # one GPU, colocated (CUDA_VISIBLE_DEVICES=0)
     python benchmarks/bench_two_gpus.py --cpu-dry-run            # the same code on CPU: torch backends, 2 actors, gloo
+    python benchmarks/bench_two_gpus.py --preset gpu_two_devices --probe group_size=8 --probe group_size=12  # balance
 
 Two modes, the same preset, model, task and seed, from fresh weights each run:
 - ``sync``:  ``in_order`` with no lookahead (L=0): synchronous GRPO, generation and training take turns;
@@ -32,6 +33,14 @@ Reported per run, and per mode as the median with the spread (min..max) over rep
   run's final reward (mean of its last 5 steps) compared with the sync run's whole wall time.
 With ``placement: local`` (one GPU, both engines in this process) the same is measured, and the device lock's wait
 times say where the asynchronous run's overlap is lost.
+
+``--set KEY=VALUE`` overrides the preset (dotted key, YAML value: ``--set model.num_hidden_layers=32``).
+``--probe KEY=VALUE[,KEY=VALUE...]`` (repeatable) first runs one short synchronous run per candidate on the engine
+already built, prints each candidate's stage times, and measures the candidate whose two stage times are closest
+(smallest ``|gen - train| / max(gen, train)``); this is how a balanced preset's batch shape was chosen. Candidates
+may change only what does not rebuild the engine (no ``model.*`` or ``generation.*`` key).
+``--async-steps`` lets the asynchronous runs go on for more steps than the synchronous ones (same wall time, so the
+reward curves show where each stands when the other stops).
 Files under ``--out`` (default ``$OUT`` or ``runs/bench_two_gpus``): ``results.json``, ``runs.csv``,
 ``reward_curves.csv``, ``reward_vs_time.png``.
 """
@@ -117,12 +126,43 @@ class StampedPolicy:
         return getattr(self._policy, name)
 
 
-def configs(preset: str, dry: bool):
+def parse_overrides(items) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
+    import yaml
+
+    out: dict = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"an override is KEY=VALUE (dotted key), got {item!r}")
+        node = out
+        *parents, last = key.strip().split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = yaml.safe_load(value)
+    return out
+
+
+def _deep_merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def configs(preset: str, dry: bool, overrides: dict | None = None):
+    overrides = overrides or {}
     if dry:
         base = dict(trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": "collective"},
                     eval_every=None)
-        return {m: load_config("quickstart", sampler=s, **base) for m, s in SAMPLERS.items()}
-    return {m: load_config(preset, sampler=s, eval_every=None) for m, s in SAMPLERS.items()}
+        return {m: load_config("quickstart", sampler=s, **_deep_merge(base, overrides)) for m, s in SAMPLERS.items()}
+    return {m: load_config(preset, sampler=s, **_deep_merge({"eval_every": None}, overrides))
+            for m, s in SAMPLERS.items()}
+
+
+def imbalance(gen_s: float, train_s: float) -> float:
+    """How far apart two stage times are: ``|gen - train| / max(gen, train)`` (0: equal)."""
+    return abs(gen_s - train_s) / max(gen_s, train_s, 1e-12)
 
 
 def build(cls_name: str, table: dict, args: tuple, section):
@@ -237,7 +277,7 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
                 label=f"{mode}" if repeat == 0 else None)
     ax.set_xlabel("wall-clock seconds since the run began (warm-up included)")
     ax.set_ylabel("train reward (5-step rolling mean)")
-    ax.set_title(title)
+    ax.set_title(title, fontsize=8)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -262,34 +302,62 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=None, help="timed steps per run (default 40; dry run 4)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; dry run 1)")
+    parser.add_argument("--async-steps", type=int, default=None, help="timed steps of the async runs (default --steps)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override the preset (dotted key, YAML value); repeatable")
+    parser.add_argument("--probe", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
+                        help="a candidate batch shape: one short sync run each, the most balanced one is measured")
+    parser.add_argument("--probe-steps", type=int, default=10, help="timed steps of each probe run (after --warmup)")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/bench_two_gpus"))
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args()
     dry = args.cpu_dry_run
     steps = args.steps or (4 if dry else 40)
+    async_steps = args.async_steps or steps
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
-    cfgs = configs(args.preset, dry)
+    overrides = parse_overrides(args.overrides)
+    probes = [parse_overrides(p.split(",")) for p in args.probe]
+    for probe in probes:
+        if {"model", "generation"} & set(probe):
+            raise SystemExit(f"a probe may not change the engine (model.* / generation.*): {probe}")
+    cfgs = configs(args.preset, dry, overrides)
+    for probe in probes:  # validate every candidate before anything is built
+        configs(args.preset, dry, _deep_merge(overrides, probe))
     cfg = cfgs["sync"]
     if "ray" in (cfg.trainer.placement, cfg.generation.placement):
         ensure_ray()
     env = environment(dry)
-    label = "quickstart (CPU dry run)" if dry else args.preset
+    label = ("quickstart (CPU dry run)" if dry else args.preset) + "".join(f" {o}" for o in args.overrides)
     say(f"bench_two_gpus {label}: {env}")
     t0 = time.perf_counter()
     task, tok = build_task(cfg.task), load_tokenizer(cfg.model)
     generator = build(cfg.generation.backend, GENERATORS, (cfg.model, cfg.generation, cfg.seed, tok), cfg.generation)
     say(f"generator built in {time.perf_counter() - t0:.1f} s")
-    rows, curves, policy = [], [], None
+    rows, curves, policy, probed, chosen = [], [], None, [], {}
     if cfg.trainer.placement == "ray":
         policy = build(cfg.trainer.backend, POLICIES, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok),
                        cfg.trainer)
     try:
+        for i, probe in enumerate(probes):
+            pcfg = configs(args.preset, dry, _deep_merge(overrides, probe))["sync"]
+            row, _, policy = one_run(pcfg, "sync", -1 - i, generator, policy, task, tok, warmup, args.probe_steps)
+            probed.append({"probe": probe, "steps_per_s": row["steps_per_s"], "gen_s": row["gen_busy_per_step_s"],
+                           "train_s": row["train_busy_per_step_s"],
+                           "imbalance": imbalance(row["gen_busy_per_step_s"], row["train_busy_per_step_s"])})
+            say(f"  probe {probe}: sync {row['steps_per_s']:.4g} steps/s, generation {row['gen_busy_per_step_s']:.4g} s,"
+                f" training {row['train_busy_per_step_s']:.4g} s a step, imbalance {probed[-1]['imbalance']:.2f}")
+        if probed:
+            chosen = min(probed, key=lambda p: p["imbalance"])["probe"]
+            cfgs = configs(args.preset, dry, _deep_merge(overrides, chosen))
+            say(f"measuring the most balanced probe: {chosen}")
+            label += " " + ",".join(args.probe[[p["probe"] for p in probed].index(chosen)].split(","))
         for r in range(args.repeats):
             for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
-                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, steps)
+                n = async_steps if mode == "async" else steps
+                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n)
                 rows.append(row)
                 curves.append(curve)
                 say(f"  {row['run']}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -319,15 +387,18 @@ def main() -> int:
         f"{summary.loc['async', ('steps_per_s', 'max')]:.4g})")
     say(f"async/sync: {ratio:.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
     say(f"stage times in the sync runs: generation {sync_gen:.4g} s, training {sync_train:.4g} s a step "
-        f"(train/gen {sync_train / sync_gen:.2f}); two-stage bound {bound:.3f}; async/sync = {ratio / bound:.0%} of it")
+        f"(train/gen {sync_train / sync_gen:.2f}, imbalance {imbalance(sync_gen, sync_train):.2f}); two-stage bound "
+        f"{bound:.3f}; async/sync = {ratio / bound:.0%} of it")
     say(f"time to the sync run's final reward: {json.dumps(reach)}")
     runs.to_csv(out / "runs.csv", index=False)
     curves.to_csv(out / "reward_curves.csv", index=False)
     plot(curves, out / "reward_vs_time.png", f"{label}: sync (in_order L=0) vs async (weight_fifo W=1)")
     (out / "results.json").write_text(json.dumps({
-        "environment": env, "preset": label, "steps": steps, "warmup": warmup, "repeats": args.repeats,
+        "environment": env, "preset": label, "overrides": overrides, "probes": probed, "chosen_probe": chosen,
+        "steps": steps, "async_steps": async_steps, "warmup": warmup, "repeats": args.repeats,
         "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "two_stage_bound": bound,
         "fraction_of_bound": ratio / bound, "stage_gen_s": sync_gen, "stage_train_s": sync_train,
+        "stage_imbalance": imbalance(sync_gen, sync_train),
         "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json()),
         "runs": runs.to_dict(orient="records")}, indent=1, default=str))
     say(f"wrote {out}/results.json, runs.csv, reward_curves.csv, reward_vs_time.png"
