@@ -11,9 +11,9 @@ Two modes, the same preset, model, task and seed, from fresh weights each run:
 - ``sync``:  ``in_order`` with no lookahead (L=0): synchronous GRPO, generation and training take turns;
 - ``async``: ``weight_fifo`` W=1: generation runs one weight version ahead.
 The generator (the vLLM engine, the slow part to build) is built once per preset, and so is a policy actor and the
-NCCL group between the two; every run rebuilds the policy object (in its actor: fresh weights and optimizer, same
-seed, so the same version 0) and a fresh ``Controller`` around the two, whose first sync loads version 0 into the
-generator. Runs alternate sync/async, ``--repeats`` times each; each run is
+NCCL group between the two; every run after the first rebuilds the policy object (in its actor: fresh weights and
+optimizer, same seed, so the same version 0) and a fresh ``Controller`` around the two, whose first sync loads
+version 0 into the generator. Runs alternate sync/async, ``--repeats`` times each; each run is
 ``ctrl.run(warmup)`` then the timed ``ctrl.run(steps)``, no evaluation inside.
 
 Reported per run, and per mode as the median with the spread (min..max) over repeats:
@@ -206,9 +206,10 @@ _build_weight_sync = _weight_sync.build_weight_sync
 _weight_sync.build_weight_sync = _one_weight_sync_per_pair
 
 
-def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: int, steps: int):
+def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: int, steps: int, rebuild: bool):
     t_build = time.perf_counter()
-    policy = fresh_policy(cfg, tok, policy)
+    if rebuild:  # else the policy is the one just built, as this run's config asks
+        policy = fresh_policy(cfg, tok, policy)
     generator.poll(0.0)  # nothing of an earlier run may come back under a reused group id
     ctrl = Controller(cfg, task, policy, generator, tok)  # its first sync loads version 0 into the generator
     build_s = time.perf_counter() - t_build
@@ -332,23 +333,27 @@ def main() -> int:
     env = environment(dry)
     label = ("quickstart (CPU dry run)" if dry else args.preset) + "".join(f" {o}" for o in args.overrides)
     say(f"bench_two_gpus {label}: {env}")
-    t0 = time.perf_counter()
     task, tok = build_task(cfg.task), load_tokenizer(cfg.model)
+    rows, curves, probed, chosen = [], [], [], {}
+    # The policy first, then the engine: the order Controller.from_config builds a colocated pair in. The first run
+    # uses this policy as built; every later run rebuilds it (fresh weights and optimizer).
+    t0 = time.perf_counter()
+    policy = build(cfg.trainer.backend, POLICIES, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok),
+                   cfg.trainer)
+    say(f"policy built in {time.perf_counter() - t0:.1f} s")
+    t0 = time.perf_counter()
     generator = build(cfg.generation.backend, GENERATORS, (cfg.model, cfg.generation, cfg.seed, tok), cfg.generation)
     say(f"generator built in {time.perf_counter() - t0:.1f} s")
-    rows, curves, policy, probed, chosen = [], [], None, [], {}
-    if cfg.trainer.placement == "ray":
-        policy = build(cfg.trainer.backend, POLICIES, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok),
-                       cfg.trainer)
     try:
         for i, probe in enumerate(probes):
             pcfg = configs(args.preset, dry, _deep_merge(overrides, probe))["sync"]
-            row, _, policy = one_run(pcfg, "sync", -1 - i, generator, policy, task, tok, warmup, args.probe_steps)
+            row, _, policy = one_run(pcfg, "sync", -1 - i, generator, policy, task, tok, warmup, args.probe_steps,
+                                     rebuild=i > 0 or pcfg.trainer != cfg.trainer)
             probed.append({"probe": probe, "steps_per_s": row["steps_per_s"], "gen_s": row["gen_busy_per_step_s"],
                            "train_s": row["train_busy_per_step_s"],
                            "imbalance": imbalance(row["gen_busy_per_step_s"], row["train_busy_per_step_s"])})
-            say(f"  probe {probe}: sync {row['steps_per_s']:.4g} steps/s, generation {row['gen_busy_per_step_s']:.4g} s,"
-                f" training {row['train_busy_per_step_s']:.4g} s a step, imbalance {probed[-1]['imbalance']:.2f}")
+            say(f"  probe {probe}: sync {row['steps_per_s']:.4g} steps/s, generation "
+                f"{row['gen_busy_per_step_s']:.4g} s, training {row['train_busy_per_step_s']:.4g} s a step, imbalance {probed[-1]['imbalance']:.2f}")
         if probed:
             chosen = min(probed, key=lambda p: p["imbalance"])["probe"]
             cfgs = configs(args.preset, dry, _deep_merge(overrides, chosen))
@@ -357,7 +362,8 @@ def main() -> int:
         for r in range(args.repeats):
             for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
                 n = async_steps if mode == "async" else steps
-                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n)
+                rebuild = bool(probed or rows) or cfgs[mode].trainer != cfg.trainer
+                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n, rebuild)
                 rows.append(row)
                 curves.append(curve)
                 say(f"  {row['run']}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
