@@ -113,3 +113,7 @@ def test_two_device_preset_validates():
     assert (heavy.trainer.placement, heavy.generation.placement, heavy.generation.weight_sync) == (
         "ray", "ray", "collective")
     assert heavy.model == load_config("gpu_gen_heavy").model and heavy.groups_per_step * heavy.group_size >= 256
+    # the balanced preset is gpu_two_devices with fewer completions a step (its stage times measured within 25%)
+    balanced = load_config("gpu_two_devices_balanced")
+    assert balanced.group_size < cfg.group_size
+    assert balanced.model_dump(exclude={"group_size"}) == cfg.model_dump(exclude={"group_size"})
