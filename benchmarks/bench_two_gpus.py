@@ -38,7 +38,9 @@ times say where the asynchronous run's overlap is lost.
 ``--probe KEY=VALUE[,KEY=VALUE...]`` (repeatable) first runs one short synchronous run per candidate on the engine
 already built, prints each candidate's stage times, and measures the candidate whose two stage times are closest
 (smallest ``|gen - train| / max(gen, train)``); this is how a balanced preset's batch shape was chosen. Candidates
-may change only what does not rebuild the engine (no ``model.*`` or ``generation.*`` key).
+may change only what does not rebuild the engine: batch shape, ``trainer.*``, and of ``generation.*`` only the
+per-request sampling settings (``SAMPLING_KEYS``: completion lengths, temperature), which each run hands to the
+generator already built.
 ``--async-steps`` lets the asynchronous runs go on for more steps than the synchronous ones (same wall time, so the
 reward curves show where each stands when the other stops).
 Files under ``--out`` (default ``$OUT`` or ``runs/bench_two_gpus``): ``results.json``, ``runs.csv``,
@@ -75,6 +77,9 @@ SAMPLERS = {
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
 TRAIN_CALLS = ("logprobs", "begin_train_step", "train_microbatches", "finish_train_step", "export_weights")
+
+
+SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens_tail", "length_sigma", "temperature", "top_p"}
 
 
 def say(*args) -> None:
@@ -170,6 +175,21 @@ def build(cls_name: str, table: dict, args: tuple, section):
     return remote(cls, args, section) if section.placement == "ray" else cls(*args)
 
 
+def _set_gen_cfg(host, gen_cfg) -> None:  # runs in the generator actor
+    host.obj.gen_cfg = gen_cfg
+
+
+def use_sampling(generator, gen_cfg) -> None:
+    """Give the built generator this run's generation section: its per-request sampling settings (``SAMPLING_KEYS``)
+    are read from it at every wave; the engine itself is unchanged."""
+    if isinstance(generator, RemoteBackend):
+        import ray
+
+        ray.get(generator.apply_remote(_set_gen_cfg, gen_cfg))
+    else:
+        generator.gen_cfg = gen_cfg
+
+
 def _rebuild(host, cls, args) -> None:  # runs in the policy actor: a fresh policy object, same actor and group
     host.obj.close()
     host.obj = cls(*args)
@@ -211,6 +231,7 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     if rebuild:  # else the policy is the one just built, as this run's config asks
         policy = fresh_policy(cfg, tok, policy)
     generator.poll(0.0)  # nothing of an earlier run may come back under a reused group id
+    use_sampling(generator, cfg.generation)
     ctrl = Controller(cfg, task, policy, generator, tok)  # its first sync loads version 0 into the generator
     build_s = time.perf_counter() - t_build
     gen, train = Engine(generator, GEN_ENGINE, GEN_CALLS), Engine(policy, TRAIN_ENGINE, TRAIN_CALLS)
@@ -322,8 +343,9 @@ def main() -> int:
     overrides = parse_overrides(args.overrides)
     probes = [parse_overrides(p.split(",")) for p in args.probe]
     for probe in probes:
-        if {"model", "generation"} & set(probe):
-            raise SystemExit(f"a probe may not change the engine (model.* / generation.*): {probe}")
+        if "model" in probe or set(probe.get("generation", {})) - SAMPLING_KEYS:
+            raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
+                             f"{sorted(SAMPLING_KEYS)}): {probe}")
     cfgs = configs(args.preset, dry, overrides)
     for probe in probes:  # validate every candidate before anything is built
         configs(args.preset, dry, _deep_merge(overrides, probe))
