@@ -79,7 +79,11 @@ class Loss(Protocol):
         self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, float, dict[str, float]]:
         """Called once per micro-batch with the [B, S] token logprobs (with grad) under the current weights:
-        ``(loss_sum, normaliser, contributions)``. The engine back-propagates ``loss_sum``, divides the step's
+        ``(loss_sum, normaliser, contributions)``. ``batch.prev_logprobs`` is always set: from a separate no-grad
+        pass, or, by an engine with ``prev_logprobs_from_forward`` (``PolicyBackend``), from this very forward,
+        detached. Both are the weights before this step's update; with one optimizer step per batch they equal
+        ``logprobs`` bit for bit, so the surrogate ratio is exactly 1 (``clip_frac`` 0) and only the importance
+        weight ``exp(prev - gen)`` differs from 1: staleness and engine mismatch show there. The engine back-propagates ``loss_sum``, divides the step's
         gradients by the step's summed ``normaliser`` in ``finish_train_step``, and adds ``contributions`` (keys
         from ``metrics``) to the step's accumulator."""
         ...

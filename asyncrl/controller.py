@@ -14,6 +14,7 @@ Invariants:
   never exceed ``max_inflight_groups``.
 - ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
   the generator still holds weights ``T``. That is what makes ``in_order`` with no lookahead synchronous GRPO.
+  The optimizer step runs just before, outside the lock (``train_tick`` says why, and when it cannot).
   (A generator that stages weights — vLLM behind the collective sync — swaps them in at its next wave boundary, so
   while a wave runs its version may trail ``T`` by one; a synchronous run has no wave in flight at a sync, so there
   the version moves before the sync returns. Groups carry the version they were really generated with.)
@@ -328,9 +329,18 @@ class Controller(FaultContainment):
                             "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
         try:
             self._train_chunk(chunk, T)
+            finished = self._step.groups == N  # the step's accumulator and the policy are this pump's alone
+            # The optimizer step runs outside the lock: only this pump touches the policy, and the rollout pump
+            # needs the lock to dispatch and commit (it would stall for the update every step). The weights change
+            # meanwhile, but T and the generator's weights do not until the sync, which stays under the lock. Not
+            # when the generator can be restarted (a Ray actor): a restart reloads the trainer's weights as version
+            # T from inside the lock (FaultContainment._restart_generator), so there the update stays under it and
+            # a restart never reads weights half-way through an optimizer step, or ahead of T.
+            restartable = self.cfg.faults.restart_generator and hasattr(self.generator, "restart")
+            update = self._optimizer_step() if finished and not restartable else None
             with self._changed:
-                if self._step.groups == N:
-                    self._finish_step(report)
+                if finished:
+                    self._finish_step(report, update if update is not None else self._optimizer_step())
                     every = self.cfg.checkpoint_every
                     if every and self.trainer_version % every == 0:
                         from asyncrl.checkpoint import save_periodic
@@ -351,7 +361,8 @@ class Controller(FaultContainment):
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
+        if not getattr(self.policy, "prev_logprobs_from_forward", False):  # optional (PolicyBackend's docstring)
+            batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self._step.started:
             self.policy.begin_train_step()
             self._step.started = True
@@ -367,11 +378,16 @@ class Controller(FaultContainment):
         self._event("train", None, None, None, None, f"{len(chunk)} groups, {batch.num_tokens} tokens",
                     f"chunk {chunk_index} of step {T}")
 
-    def _finish_step(self, report: TickReport) -> None:
-        """One optimizer step, ``T += 1``, weight sync, then abort what the sampler no longer wants."""
+    def _optimizer_step(self) -> dict[str, float]:
+        """``policy.finish_train_step()`` (normalise, clip, one optimizer step): the policy's step metrics."""
         train_start = time.perf_counter()
         out = self.policy.finish_train_step()
         self._step.add({"train_time_s": time.perf_counter() - train_start})  # what a simulation calibrates on
+        return out
+
+    def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
+        """Under the lock, after the optimizer step (``out``: its metrics): ``T += 1`` with the weight sync, then
+        abort what the sampler no longer wants, and the step's metrics row."""
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
         self._sync_generator(T)

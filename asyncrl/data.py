@@ -55,8 +55,9 @@ class TrainBatch:
 
     Frozen: each side adds what it computed by making a new batch (``dataclasses.replace``), so a batch the
     controller holds is never changed behind its back. ``make_train_batch`` builds one; the controller adds
-    ``prev_logprobs`` (the policy before this step's update); a policy whose loss needs a reference fills
-    ``ref_logprobs`` in its own copy."""
+    ``prev_logprobs`` (the policy before this step's update), or a policy with ``prev_logprobs_from_forward``
+    fills them from its training forward; a policy whose loss needs a reference fills ``ref_logprobs`` in its own
+    copy. Either way a ``Loss`` always gets ``prev_logprobs``."""
 
     input_ids: torch.Tensor  # [B, S] long, right padded
     attention_mask: torch.Tensor  # [B, S]

@@ -30,6 +30,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 
 import pandas as pd
 import torch
@@ -88,7 +89,9 @@ def stage_times(preset: str, steps: int, work: dict) -> dict[str, float]:
         while not ctrl.train_tick().step_finished:
             pass
         t2 = time.perf_counter()
-        row = dict(spent)
+        # "old logprobs" stays 0 for a policy that takes them from its training forward (prev_logprobs_from_forward)
+        row = {k: spent.get(k, 0.0) for k in ("generation", "scoring + commit", "old logprobs", "forward/backward",
+                                              "optimizer", "weight sync")}
         row["rollout tick, own"] = (t1 - t0) - row["generation"] - row["scoring + commit"]
         row["train tick, own"] = (t2 - t1) - sum(row[k] for k in ("old logprobs", "forward/backward", "optimizer",
                                                                   "weight sync"))
@@ -162,15 +165,17 @@ def gil_probe(preset: str, work: dict, reps: int = 20) -> pd.DataFrame:
         g.rewards = [float(i % 2) for i in range(len(g.completion_ids))]
     batch = make_train_batch(groups, ctrl.cfg.loss, ctrl.tokenizer.pad_token_id)
 
-    def train():  # the train tick's compute: old logprobs, forward/backward, optimizer step (weights change)
-        batch.prev_logprobs = policy.logprobs(batch)
+    def train():  # the train tick's compute: (old logprobs,) forward/backward, optimizer step (weights change)
+        chunk = batch
+        if not getattr(policy, "prev_logprobs_from_forward", False):  # as Controller._train_chunk decides
+            chunk = replace(batch, prev_logprobs=policy.logprobs(batch))
         policy.begin_train_step()
-        policy.train_microbatches(batch)
+        policy.train_microbatches(chunk)
         policy.finish_train_step()
 
     rows = []
     switch = sys.getswitchinterval()
-    for name, fn in (("generation", generate), ("train (logprobs + fwd/bwd + optimizer)", train)):
+    for name, fn in (("generation", generate), ("train (fwd/bwd + optimizer)", train)):
         alone = _ms(fn, reps)
         sys.setswitchinterval(PROBE_SWITCH_S)
         try:

@@ -241,6 +241,37 @@ def test_policy_metrics_and_a_real_update(tok):
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+@pytest.mark.parametrize("loss", [
+    LossConfig(),
+    LossConfig(kl="k3", kl_coef=0.1, entropy_coef=0.03, normalisation="sequence", importance_correction="sequence",
+               truncation="seq-mask-tis"),
+], ids=["token-tis", "kl-entropy-sequence"])
+def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(tok, loss):
+    """The policy takes ``prev_logprobs`` from its training forward when a batch has none (the controller then
+    skips the no-grad pass): over steps of two chunks in micro-batches of 3, with generator logprobs off the
+    policy's (importance weights away from 1), the weights and every step metric equal those of a policy given
+    the separate pass's logprobs, bit for bit."""
+    assert TorchPolicy.prev_logprobs_from_forward
+    trainer = TorchTrainerConfig(lr=1e-2, micro_batch_size=3)
+    (given, gen), (forward, _) = make(tok, loss=loss, trainer=trainer), make(tok, loss=loss, trainer=trainer)
+    for step in range(3):
+        chunks = []
+        for c in range(2):
+            gen.submit(requests(tok, ["abc=", "cab=", "b="], n=4, start=10 * step + 3 * c))
+            batch = make_train_batch(scored(gen.poll(), value=c), loss, tok.pad_token_id)
+            chunks.append(replace(batch, gen_logprobs=(batch.gen_logprobs - 0.05 * (c + 1)) * batch.loss_mask))
+        given.begin_train_step(), forward.begin_train_step()
+        for batch in chunks:
+            given.train_microbatches(replace(batch, prev_logprobs=given.logprobs(batch)))
+            forward.train_microbatches(batch)
+        a, b = given.finish_train_step(), forward.finish_train_step()
+        assert a == b
+        assert b["is_weight_mean"] != 1.0 and b["clip_frac"] == 0.0  # ratio exactly 1: one update per batch
+        gen.load_weights(given.export_weights(), step + 1)
+    wa, wb = given.export_weights(), forward.export_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
 def test_train_before_begin_is_an_error(tok):
     policy, _ = make(tok)
     with pytest.raises(RuntimeError):

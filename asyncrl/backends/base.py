@@ -72,9 +72,17 @@ class GenerationBackend(Protocol):
 
 @runtime_checkable
 class PolicyBackend(Protocol):
+    """A training engine. Optional: a class attribute ``prev_logprobs_from_forward = True`` says the engine fills
+    a chunk's ``prev_logprobs`` itself, from its training forward's detached logprobs, when the batch comes
+    without them; the controller then skips the separate ``logprobs`` pass. Only true of an engine whose weights
+    do not change within an RL step (one optimizer step, in ``finish_train_step``) and whose training forward
+    computes what ``logprobs`` does (``TorchPolicy``). Without it (Megatron: its ``logprobs`` runs in eval mode,
+    its training forward in train mode), the controller calls ``logprobs`` on every chunk."""
+
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights (0 off ``loss_mask``), no grad. Called
-        on every chunk before it is trained: these are the loss's ``prev_logprobs``."""
+        on every chunk before it is trained, unless ``prev_logprobs_from_forward``: these are the loss's
+        ``prev_logprobs``."""
         ...
 
     def begin_train_step(self) -> None:
