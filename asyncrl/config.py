@@ -251,6 +251,10 @@ class SimulatedTraining(_Knobs):
     train_s_per_token: float = Field(0.0, ge=0, description="seconds of training per completion token")
     train_s_per_step: float = Field(0.0, ge=0, description="fixed seconds per optimizer step (optimizer, overhead)")
     sync_s: float = Field(0.0, ge=0, description="seconds per weight sync; the generator stops decoding meanwhile")
+    overlap_slowdown: float = Field(
+        1.0, ge=1, le=4, description="how much slower training and generation each run while the other runs too: "
+        "1 on separate hardware (full overlap), 2 when they share one resource (overlap gains nothing); a real "
+        "machine's value comes from timing the two alone and at once (asyncrl.simulate.measure_overlap)")
     clock: Literal["ticks", "wall"] = Field(
         "ticks", description="wall: training and the sync sleep their seconds (for real-time runs); ticks: they "
         "take no wall time, and asyncrl.simulate books them in virtual time")

@@ -17,12 +17,15 @@ Invariants (kept in ``Simulation``):
   planned if rollouts committed meanwhile change a sampler's choice; the trainer's time then follows the chunk it
   trained, and ``summary()["train_ticks_replanned"]`` counts such ticks.)
 - After a step the sync takes ``sync_s``: the trainer waits and the generator pauses for it.
+- While a chunk trains and a group decodes, both run ``overlap_slowdown`` times slower (``_contend``): the trainer's
+  tick and the generator's groups in flight end later by the same stretch, booked as busy time of both.
 - Virtual time never goes back; busy + idle = elapsed for each side, by construction of the two timelines.
 - Everything written to files is a function of the config and seed: no wall-clock value goes in them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -70,6 +73,7 @@ class Simulation:
         self.first_step = ctrl.trainer_version
         self.steps: list[dict] = []  # per finished step: when it ended (sync done), its train and sync seconds
         self._step_train = 0.0
+        self._stretch = 0.0  # this train tick's extra seconds from decoding beside it (overlap_slowdown)
         self._times: dict[str, list[float]] = defaultdict(list)  # per trace event kind, times in trace order
         self._seen = ctrl.trace.event.value_counts().to_dict()  # events before the simulation: no time
         self._drawn = list(self.gen.drawn)
@@ -105,11 +109,31 @@ class Simulation:
                         f"simulation stalled at T={ctrl.trainer_version}, t={now:.3f}s: nothing in flight, "
                         f"{ctrl.last_report}; verdicts:\n{ctrl.explain().to_string(max_rows=20)}"
                     )
-                clock.now = max(now, min(events))
+                later = max(now, min(events))
+                if tick_at is not None:
+                    later, tick_at = self._contend(now, later, tick_at)
+                clock.now = later
         finally:
             clock.stepping = True
             self.wall_s += time.perf_counter() - wall
         return self.metrics.iloc[rows:]
+
+    def _contend(self, now: float, until: float, tick_at: float) -> tuple[float, float]:
+        """The trainer trains until ``tick_at``; the next event is at ``until``, at full speed. Where a group
+        decodes meanwhile, both sides go ``overlap_slowdown`` times slower: the interval they share stretches,
+        and every later finish of both moves by the stretch (the generator's as a ``pause`` of that length, which
+        is what a slower decode amounts to). Returns the new time to jump to and the tick's new end."""
+        slowdown = self.policy.model.overlap_slowdown
+        if slowdown == 1 or until <= now:
+            return until, tick_at
+        flights = self.gen._flights.values()
+        if not any(f.start <= now < f.finish for f in flights):
+            # nothing decodes now: a group that starts before ``until`` (after a sync) is where overlap begins
+            return min([until] + [f.start for f in flights if now < f.start < until]), tick_at
+        stretch = (slowdown - 1) * (until - now)  # decoding lasts until the next finish >= until: all shared
+        self.gen.pause(stretch)
+        self._stretch += stretch
+        return until + stretch, tick_at + stretch
 
     def _rollout(self, now: float) -> None:
         """Rollout ticks at ``now`` until one neither dispatches nor commits."""
@@ -154,6 +178,7 @@ class Simulation:
         report = self.ctrl.train_tick()
         self._record_train(report, start, now)
         took = self.policy.train_seconds(self.policy.last_tokens, report.step_finished) if report.selected else 0.0
+        took, self._stretch = took + self._stretch, 0.0  # slowed by decoding beside it (_contend)
         self.replanned += not math.isclose(took, now - start)
         self.train_busy += took
         self._step_train += took
@@ -363,7 +388,8 @@ class Calibration:
         return simulate(self.config_for(sampler, **overrides), steps).summary()
 
 
-def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip: int = 3) -> Calibration:
+def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip: int = 3,
+              overlap_slowdown: float = 1.0) -> Calibration:
     """Fit the simulated backends' latency model to a real **synchronous** run (``in_order`` with
     ``max_lookahead_versions`` 0): its directory (``metrics.csv`` + ``config.yaml``, as ``asyncrl run`` writes
     them), or its metrics DataFrame and config. The first ``skip`` steps (warm-up) are left out.
@@ -372,7 +398,13 @@ def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip
     sync_time_s`` (scoring and the controller's own time included). Training is fitted as ``train_s_per_step +
     train_s_per_token x tokens`` (least squares; proportional when the token counts hardly vary), the sync as its
     mean, the completion lengths as a lognormal with the measured mean, and the decode time per token so that a
-    batch (all its groups decoding at once, as the torch and vLLM generators do) takes the measured time."""
+    batch (all its groups decoding at once, as the torch and vLLM generators do) takes the measured time.
+
+    A synchronous run never runs the two stages at once, so it cannot tell how much they slow each other when
+    they do: ``overlap_slowdown`` (the ``SimulatedTraining`` knob) comes from a separate measurement of the same
+    machine and workload, ``measure_overlap(config)``, which times a generation and a training call alone and at
+    once in two threads, outside the controller. It is never fitted to an asynchronous run (that is what the
+    calibration predicts). The default 1 assumes full overlap (separate devices)."""
     if isinstance(run, (str, Path)):
         config = config or load_config(Path(run) / "config.yaml")
         run = pd.read_csv(Path(run) / "metrics.csv")
@@ -401,10 +433,72 @@ def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip
         if slope >= 0 and intercept >= 0:
             per_step, per_token = float(intercept), float(slope)
     training = SimulatedTraining(train_s_per_token=per_token, train_s_per_step=per_step,
-                                 sync_s=float(m.sync_time_s.mean()))
+                                 sync_s=float(m.sync_time_s.mean()), overlap_slowdown=overlap_slowdown)
     measured = {"steps": len(m), "step_s": float(m.step_time_s.mean()), "gen_s": float(gen.mean()),
                 "train_s": float(train.mean()), "sync_s": float(m.sync_time_s.mean()), "tokens": float(tokens.mean())}
     return Calibration(config, generation, training, measured)
+
+
+def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str, float]:
+    """How much a generation call and a training call slow each other down when they run at once, on this
+    machine, for ``config``'s workload (real backends, in-process): each timed alone (``gen_s``, ``train_s``, per
+    call), then both at once in two threads, ``reps`` calls each (``together_s`` per pair). The controller is not
+    involved: the calls are the backends' own (``submit`` + ``poll`` of a batch; ``begin_train_step``,
+    ``train_microbatches``, ``finish_train_step`` on it, with the old-policy logprobs pass if the policy needs one).
+
+    ``overlap_slowdown`` is the rate model's factor: while both run, each goes ``s`` times slower, so the shorter
+    call (``a``) ends after ``s * a`` and the longer (``b``) has ``b - a`` left to do alone: ``together = s * a + b -
+    a``, ``s = 1 + (together - b) / a``, clipped to ``[1, 4]``. 1 is full overlap, 2 no gain over one after the
+    other."""
+    import threading
+
+    from asyncrl.algorithms import make_train_batch
+    from asyncrl.data import GenerationRequest
+
+    ctrl = Controller.from_config(config)
+    try:
+        for _ in range(warmup):
+            ctrl.tick()
+        gen, policy, N, G = ctrl.generator, ctrl.policy, config.groups_per_step, config.group_size
+        prompts = [ctrl._encode(ctrl.stream.get(i).text) for i in range(N)]
+
+        def generate():
+            gen.submit([GenerationRequest(i, prompts[i], G) for i in range(N)])
+            return gen.poll(None)
+
+        groups = generate()
+        for g in groups:
+            g.rewards = [float(i % 2) for i in range(len(g.completion_ids))]
+        batch = make_train_batch(groups, config.loss, ctrl.tokenizer.pad_token_id)
+
+        def train():  # what Controller._train_chunk and the step's end ask of the policy
+            chunk = batch
+            if not getattr(policy, "prev_logprobs_from_forward", False):
+                chunk = dataclasses.replace(batch, prev_logprobs=policy.logprobs(batch))
+            policy.begin_train_step()
+            policy.train_microbatches(chunk)
+            policy.finish_train_step()
+
+        def per_call(fn) -> float:
+            fn()
+            start = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            return (time.perf_counter() - start) / reps
+
+        gen_s, train_s = per_call(generate), per_call(train)
+        other = threading.Thread(target=lambda: [generate() for _ in range(reps)], name="measure-overlap")
+        start = time.perf_counter()
+        other.start()
+        for _ in range(reps):
+            train()
+        other.join()
+        together = (time.perf_counter() - start) / reps
+    finally:
+        ctrl.close()
+    short, long = sorted((gen_s, train_s))
+    slowdown = min(4.0, max(1.0, 1 + (together - long) / short)) if short > 0 else 1.0
+    return {"gen_s": gen_s, "train_s": train_s, "together_s": together, "overlap_slowdown": slowdown}
 
 
 def _fit_lengths(mean: float, cap: int, sigma: float = 0.5) -> SimulatedGeneration:

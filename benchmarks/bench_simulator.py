@@ -1,6 +1,6 @@
 """The what-if simulator: its numbers, its speed, its determinism, and one calibrated prediction checked for real.
 
-    python benchmarks/bench_simulator.py [--steps 1000] [--real-steps 150] [--skip-real]
+    python benchmarks/bench_simulator.py [--steps 1000] [--real-steps 150] [--skip-real] [--sections 1,2,3,4]
 
 Prints four tables:
 1. ``equal stages`` — the ``what_if`` preset (mean generation time per batch = training + sync time per step):
@@ -9,9 +9,12 @@ Prints four tables:
 2. ``long tail`` — the same preset with Pareto completion lengths (alpha 1.5, mean 24 tokens, clipped at 128) and
    16 groups decoding at once: what each sampler gains over sync, its lag, and what it drops.
 3. ``determinism`` — two simulations with one seed: sha256 of every file they write.
-4. ``calibration`` — a real synchronous run of the CPU ``quickstart`` preset (4 new tokens, one torch thread per
-   pump, as ``bench_async.py``), the latency model fitted to its metrics, the async/sync ratio the simulator
-   predicts from that fit, and the real asynchronous run's ratio, measured right after (target: within 15%).
+4. ``calibration`` — the overlap probe (``asyncrl.simulate.measure_overlap``: a generation and a training call of
+   the same workload timed alone and at once in two threads, no controller) gives ``overlap_slowdown``; a real
+   synchronous run of the CPU ``quickstart`` preset (4 new tokens, one torch thread per pump, as
+   ``bench_async.py``) gives the rest of the latency model (``calibrate``); the simulator predicts the async/sync
+   ratio, and the real asynchronous run, measured right after, checks it (target: within 15%). The prediction
+   assuming full overlap (``overlap_slowdown`` 1) is printed beside it.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from pathlib import Path
 import pandas as pd
 
 from asyncrl import Controller, load_config
-from asyncrl.simulate import ASYNC, SYNC, calibrate, simulate
+from asyncrl.simulate import ASYNC, SYNC, calibrate, measure_overlap, simulate
 
 LONG_TAIL = {"generation": {"lengths": "pareto", "pareto_alpha": 1.5, "length_mean": 24.0, "concurrency": 16}}
 SAMPLERS = [SYNC, {"name": "in_order", "max_lookahead_versions": 1}, ASYNC,
@@ -77,9 +80,13 @@ def determinism(steps: int) -> pd.DataFrame:
         identical=lambda t: t["run 1"] == t["run 2"])
 
 
-def real_run(sampler: dict, steps: int, out: Path | None = None) -> tuple[float, pd.DataFrame, object]:
-    cfg = load_config("quickstart", sampler=sampler, eval_every=None, torch_threads=1,
-                      generation={"max_new_tokens": 4})
+def real_config(sampler: dict):
+    return load_config("quickstart", sampler=sampler, eval_every=None, torch_threads=1,
+                       generation={"max_new_tokens": 4})
+
+
+def real_run(sampler: dict, steps: int) -> tuple[float, pd.DataFrame, object]:
+    cfg = real_config(sampler)
     ctrl = Controller.from_config(cfg)
     ctrl.run(3, progress=False)  # warm-up, as bench_async.py
     start = time.perf_counter()
@@ -90,11 +97,19 @@ def real_run(sampler: dict, steps: int, out: Path | None = None) -> tuple[float,
 
 
 def calibration(steps: int, sim_steps: int) -> pd.DataFrame:
+    """The overlap probe (``measure_overlap``: the backends' calls alone and at once, no controller), the real
+    synchronous run, the fit with the probe's slowdown, the predictions, then the real asynchronous run: the
+    async/sync ratio being predicted feeds nothing in the model."""
+    probe = measure_overlap(real_config(SYNC))
     sync_rate, metrics, cfg = real_run(SYNC, steps)
-    cal = calibrate(metrics, cfg, skip=3)
+    cal = calibrate(metrics, cfg, skip=3, overlap_slowdown=probe["overlap_slowdown"])
+    full = calibrate(metrics, cfg, skip=3)  # the same fit, assuming the stages overlap fully
     predicted = {label(s): cal.predict(s, sim_steps)["sim_steps_per_hour"] / 3600 for s in (SYNC, ASYNC)}
+    full_async = full.predict(ASYNC, sim_steps)["sim_steps_per_hour"] / 3600
     async_rate, _, _ = real_run(ASYNC, steps)
     m = cal.measured
+    print(f"overlap probe: generation {1e3 * probe['gen_s']:.1f} ms, training {1e3 * probe['train_s']:.1f} ms alone, "
+          f"{1e3 * probe['together_s']:.1f} ms a pair at once -> overlap_slowdown {probe['overlap_slowdown']:.3f}")
     print(f"fitted from {m['steps']} synchronous steps: generation {1e3 * m['gen_s']:.1f} ms, training "
           f"{1e3 * m['train_s']:.1f} ms, sync {1e3 * m['sync_s']:.2f} ms a step, {m['tokens']:.0f} tokens; knobs "
           f"decode_s_per_token={cal.generation.decode_s_per_token:.3g}, length_mean={cal.generation.length_mean:.3g}, "
@@ -102,6 +117,8 @@ def calibration(steps: int, sim_steps: int) -> pd.DataFrame:
     rows = [{"what": "sync steps/s", "predicted": predicted[label(SYNC)], "measured": sync_rate},
             {"what": "async steps/s", "predicted": predicted[label(ASYNC)], "measured": async_rate},
             {"what": "async/sync", "predicted": predicted[label(ASYNC)] / predicted[label(SYNC)],
+             "measured": async_rate / sync_rate},
+            {"what": "async/sync, full overlap assumed", "predicted": full_async / predicted[label(SYNC)],
              "measured": async_rate / sync_rate}]
     table = pd.DataFrame(rows)
     table["error"] = table.predicted / table.measured - 1
@@ -114,15 +131,20 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="simulated steps per run")
     parser.add_argument("--real-steps", type=int, default=150, help="real CPU steps per run in the calibration")
     parser.add_argument("--skip-real", action="store_true", help="leave out the real runs (section 4)")
+    parser.add_argument("--sections", default="1,2,3,4", help="which sections to run, e.g. 4 for the calibration")
     args = parser.parse_args()
+    sections = {int(x) for x in args.sections.split(",")}
     pd.set_option("display.width", 200)
-    print("1. equal stage times (what_if preset)")
-    print(equal_stages(args.steps).round(3).to_string(index=False))
-    print("\n2. long-tailed lengths (pareto alpha 1.5, mean 24, max 128; concurrency 16)")
-    print(long_tail(args.steps).round(3).to_string(index=False))
-    print("\n3. two runs with one seed")
-    print(determinism(min(args.steps, 300)).to_string(index=False))
-    if not args.skip_real:
+    if 1 in sections:
+        print("1. equal stage times (what_if preset)")
+        print(equal_stages(args.steps).round(3).to_string(index=False))
+    if 2 in sections:
+        print("\n2. long-tailed lengths (pareto alpha 1.5, mean 24, max 128; concurrency 16)")
+        print(long_tail(args.steps).round(3).to_string(index=False))
+    if 3 in sections:
+        print("\n3. two runs with one seed")
+        print(determinism(min(args.steps, 300)).to_string(index=False))
+    if 4 in sections and not args.skip_real:
         print("\n4. calibrated on a real synchronous CPU run, checked against the real asynchronous run")
         print(calibration(args.real_steps, min(args.steps, 300)).round(3).to_string(index=False))
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from asyncrl import Controller, load_config
-from asyncrl.simulate import ASYNC, SYNC, Simulation, calibrate, run, simulate, sweep
+from asyncrl.simulate import ASYNC, SYNC, Simulation, calibrate, measure_overlap, run, simulate, sweep
 
 SIM = {"generation": {"backend": "simulated"}, "trainer": {"backend": "simulated"}, "eval_every": None}
 
@@ -221,6 +221,38 @@ def test_calibration_from_a_real_synchronous_run():
         calibrate(metrics, load_config("quickstart", sampler=ASYNC))
     with pytest.raises(ValueError, match=r"lack \['train_time_s'\]"):
         calibrate(metrics.drop(columns="train_time_s"), cfg)
+
+
+def overlapped(sampler, slowdown: float, steps: int = 150) -> dict:
+    return simulate("what_if", steps, sampler=sampler, trainer={"overlap_slowdown": slowdown}).summary()
+
+
+def test_overlap_slowdown_slows_both_stages_while_they_run_at_once():
+    """At equal stage times, overlap can gain at most 2 / s when each stage runs s times slower beside the other:
+    with s = 2 (one shared resource) asynchronous gains nothing. Synchronous never overlaps: unchanged."""
+    sync = overlapped(SYNC, 1.0)["sim_steps_per_hour"]
+    assert overlapped(SYNC, 2.0)["sim_steps_per_hour"] == sync
+    assert overlapped(ASYNC, 1.0)["sim_steps_per_hour"] / sync == pytest.approx(1.93, rel=0.03)
+    for slowdown in (1.5, 2.0):
+        summary = overlapped(ASYNC, slowdown)
+        assert summary["sim_steps_per_hour"] / sync == pytest.approx(2 / slowdown, rel=0.03)
+        assert summary["train_busy_frac"] + summary["train_idle_frac"] == pytest.approx(1)
+        assert summary["train_ticks_replanned"] == 0  # the stretch is booked to the tick it slowed
+
+
+def test_calibration_takes_the_overlap_slowdown_from_a_separate_measurement(tmp_path):
+    simulate("what_if", 40, sampler=SYNC).write(tmp_path / "sync", plots=False)
+    cal = calibrate(tmp_path / "sync", overlap_slowdown=1.5)
+    assert cal.training.overlap_slowdown == 1.5
+    assert cal.predict(ASYNC, 60)["sim_steps_per_hour"] == pytest.approx(
+        overlapped(ASYNC, 1.5, 60)["sim_steps_per_hour"], rel=0.05)
+    with pytest.raises(ValueError, match="overlap_slowdown"):
+        calibrate(tmp_path / "sync", overlap_slowdown=0.5)
+    # the measurement: the real backends' calls alone and at once, outside the controller
+    m = measure_overlap(load_config("quickstart", sampler=SYNC, eval_every=None, torch_threads=1), reps=2)
+    assert m["gen_s"] > 0 and m["train_s"] > 0 and m["together_s"] > 0
+    short, long = sorted((m["gen_s"], m["train_s"]))
+    assert m["overlap_slowdown"] == pytest.approx(min(4.0, max(1.0, 1 + (m["together_s"] - long) / short)))
 
 
 def test_the_wall_clock_makes_the_same_seconds_real_and_is_refused_by_a_simulation():

@@ -7,7 +7,8 @@ modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section'
   longest completion, whose lengths come from a (long-tailed, if asked) distribution clipped to
   ``[1, max_new_tokens]``. At most ``concurrency`` groups decode at once; the rest wait, first in first out.
   Training a chunk takes ``train_s_per_token`` per completion token, a step adds ``train_s_per_step``, and a weight
-  sync takes ``sync_s``, during which the generator stops decoding.
+  sync takes ``sync_s``, during which the generator stops decoding. While a chunk trains and a group decodes at
+  the same time, both go ``overlap_slowdown`` times slower (they share cores, memory bandwidth or an interpreter).
 - **Reward.** The policy accumulates *progress*: a step on fresh data adds ``reward_gain``, a step on data ``L``
   versions stale adds ``reward_gain * stale_progress ** L``. Progress travels to the generator with the weights; a
   group generated at version ``v`` succeeds with probability ``min(reward_max, reward_base + progress(v))``.
