@@ -37,11 +37,11 @@ import pandas as pd
 import torch
 
 from asyncrl.algorithms import Loss, make_train_batch
-from asyncrl.backends.base import StepMetrics
+from asyncrl.backends.base import PrevLogprobsFromForward, StepMetrics
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.data import GenerationRequest, GroupRollouts
-from asyncrl.faults import _FAILED, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
+from asyncrl.faults import _FAILED, ActorBackend, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
 from asyncrl import metrics as M
 from asyncrl.metrics import StepAccumulator
 from asyncrl.run_loop import ActiveClock, RunHandle
@@ -336,7 +336,7 @@ class Controller(FaultContainment):
             # when the generator can be restarted (a Ray actor): a restart reloads the trainer's weights as version
             # T from inside the lock (FaultContainment._restart_generator), so there the update stays under it and
             # a restart never reads weights half-way through an optimizer step, or ahead of T.
-            restartable = self.cfg.faults.restart_generator and hasattr(self.generator, "restart")
+            restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
             update = self._optimizer_step() if finished and not restartable else None
             with self._changed:
                 if finished:
@@ -361,7 +361,7 @@ class Controller(FaultContainment):
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        if not getattr(self.policy, "prev_logprobs_from_forward", False):  # optional (PolicyBackend's docstring)
+        if not isinstance(self.policy, PrevLogprobsFromForward):  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self._step.started:
             self.policy.begin_train_step()

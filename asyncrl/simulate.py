@@ -453,6 +453,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
     import threading
 
     from asyncrl.algorithms import make_train_batch
+    from asyncrl.backends.base import PrevLogprobsFromForward
     from asyncrl.data import GenerationRequest
 
     ctrl = Controller.from_config(config)
@@ -473,7 +474,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
 
         def train():  # what Controller._train_chunk and the step's end ask of the policy
             chunk = batch
-            if not getattr(policy, "prev_logprobs_from_forward", False):
+            if not isinstance(policy, PrevLogprobsFromForward):
                 chunk = dataclasses.replace(batch, prev_logprobs=policy.logprobs(batch))
             policy.begin_train_step()
             policy.train_microbatches(chunk)

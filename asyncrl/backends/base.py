@@ -12,7 +12,7 @@ Each method says when the controller calls it.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 
@@ -72,17 +72,10 @@ class GenerationBackend(Protocol):
 
 @runtime_checkable
 class PolicyBackend(Protocol):
-    """A training engine. Optional: a class attribute ``prev_logprobs_from_forward = True`` says the engine fills
-    a chunk's ``prev_logprobs`` itself, from its training forward's detached logprobs, when the batch comes
-    without them; the controller then skips the separate ``logprobs`` pass. Only true of an engine whose weights
-    do not change within an RL step (one optimizer step, in ``finish_train_step``) and whose training forward
-    computes what ``logprobs`` does (``TorchPolicy``). Without it (Megatron: its ``logprobs`` runs in eval mode,
-    its training forward in train mode), the controller calls ``logprobs`` on every chunk."""
-
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights (0 off ``loss_mask``), no grad. Called
-        on every chunk before it is trained, unless ``prev_logprobs_from_forward``: these are the loss's
-        ``prev_logprobs``."""
+        on every chunk before it is trained, unless the policy is a ``PrevLogprobsFromForward``: these are the
+        loss's ``prev_logprobs``."""
         ...
 
     def begin_train_step(self) -> None:
@@ -139,4 +132,17 @@ class StagesWeights(Protocol):
         ...
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "StepMetrics", "StagesWeights", "GenerationRequest", "GroupRollouts", "TrainBatch"]
+@runtime_checkable
+class PrevLogprobsFromForward(Protocol):
+    """Optional for a policy backend: it fills a chunk's ``prev_logprobs`` itself, from its training forward's
+    detached logprobs, when the batch comes without them, so the controller skips the separate ``logprobs`` pass.
+    Only right for an engine whose weights do not change within an RL step (one optimizer step, in
+    ``finish_train_step``) and whose training forward computes what ``logprobs`` does (``TorchPolicy``). Megatron
+    is not one (its ``logprobs`` runs in eval mode, its training forward in train mode), nor is a Ray proxy or a
+    rank group (their members are the hosted engine's methods): the controller calls their ``logprobs``."""
+
+    prev_logprobs_from_forward: Literal[True]
+
+
+__all__ = ["GenerationBackend", "PolicyBackend", "PrevLogprobsFromForward", "StepMetrics", "StagesWeights",
+           "GenerationRequest", "GroupRollouts", "TrainBatch"]

@@ -31,7 +31,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -207,22 +207,22 @@ class TorchPolicy:
     order). The loss is the ``Loss`` object given at construction; its metrics and ``ENGINE_METRICS`` are
     reduced over the step by one ``Accumulator``.
 
-    Previous-policy logprobs: ``prev_logprobs_from_forward`` is true, so the controller leaves a chunk's
-    ``prev_logprobs`` unset and ``train_microbatches`` takes them from its own forward (detached, 0 off the mask).
-    That is exact: the weights change only in ``finish_train_step`` (one AdamW step per RL step, never between a
-    step's chunks), so during a step the current weights *are* the policy before this step's update, and the
-    training forward computes bit for bit what a separate no-grad pass would (same micro-batches, same kernels on
-    CPU; checked in ``tests/test_torch_backend.py``). It saves that pass (about a quarter of a CPU train step). A
+    Previous-policy logprobs: a ``PrevLogprobsFromForward`` (``asyncrl/backends/base.py``): the controller leaves
+    a chunk's ``prev_logprobs`` unset and ``train_microbatches`` takes them from its own forward (detached, 0 off
+    the mask). That is exact: the weights change only in ``finish_train_step`` (one AdamW step per RL step, never
+    between a step's chunks), so during a step the current weights *are* the policy before this step's update, and
+    the training forward computes bit for bit what a separate no-grad pass would (same micro-batches, same kernels
+    on CPU; ``tests/test_torch_backend.py`` checks it). It saves that pass (about a quarter of a CPU train step). A
     batch that comes with ``prev_logprobs`` (a caller that computed them) is trained against those. Were this
-    policy ever to take more than one optimizer step per batch, the flag would have to go: after the first update
-    the forward is no longer the previous policy.
+    policy ever to take more than one optimizer step per batch, it would have to stop being one: after the first
+    update the forward is no longer the previous policy.
 
     Reference: when ``loss.needs_reference`` a frozen copy of the initial weights is the reference; a batch that
     comes without ``ref_logprobs`` gets them from it (in this policy's copy of the batch; ``ref_logprobs(batch)``
     is public too).
     """
 
-    prev_logprobs_from_forward = True  # see the class docstring: one optimizer step per RL step makes it exact
+    prev_logprobs_from_forward: Literal[True] = True  # one optimizer step per RL step makes it exact (docstring)
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
