@@ -330,12 +330,10 @@ class Controller(FaultContainment):
         try:
             self._train_chunk(chunk, T)
             finished = self._step.groups == N  # the step's accumulator and the policy are this pump's alone
-            # The optimizer step runs outside the lock: only this pump touches the policy, and the rollout pump
-            # needs the lock to dispatch and commit (it would stall for the update every step). The weights change
-            # meanwhile, but T and the generator's weights do not until the sync, which stays under the lock. Not
-            # when the generator can be restarted (a Ray actor): a restart reloads the trainer's weights as version
-            # T from inside the lock (FaultContainment._restart_generator), so there the update stays under it and
-            # a restart never reads weights half-way through an optimizer step, or ahead of T.
+            # The optimizer step runs outside the lock (only this pump touches the policy; the rollout pump needs the
+            # lock to dispatch and commit); T and the generator's weights move only at the sync, under it. Not when
+            # the generator can be restarted: a restart reloads the trainer's weights as T under the lock
+            # (_restart_generator), and must never read them half-way through an update, or ahead of T.
             restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
             update = self._optimizer_step() if finished and not restartable else None
             with self._changed:
