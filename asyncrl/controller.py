@@ -14,7 +14,6 @@ Invariants:
   never exceed ``max_inflight_groups``.
 - ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
   the generator still holds weights ``T``. That is what makes ``in_order`` with no lookahead synchronous GRPO.
-  The optimizer step runs just before, outside the lock (``train_tick`` says why, and when it cannot).
   (A generator that stages weights — vLLM behind the collective sync — swaps them in at its next wave boundary, so
   while a wave runs its version may trail ``T`` by one; a synchronous run has no wave in flight at a sync, so there
   the version moves before the sync returns. Groups carry the version they were really generated with.)
@@ -330,10 +329,9 @@ class Controller(FaultContainment):
         try:
             self._train_chunk(chunk, T)
             finished = self._step.groups == N  # the step's accumulator and the policy are this pump's alone
-            # The optimizer step runs outside the lock (only this pump touches the policy; the rollout pump needs the
-            # lock to dispatch and commit); T and the generator's weights move only at the sync, under it. Not when
-            # the generator can be restarted: a restart reloads the trainer's weights as T under the lock
-            # (_restart_generator), and must never read them half-way through an update, or ahead of T.
+            # The optimizer step runs outside the lock (only this pump touches the policy; the rollout pump needs it
+            # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
+            # reload the trainer's weights as T under the lock (_restart_generator): never mid-update or ahead of T.
             restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
             update = self._optimizer_step() if finished and not restartable else None
             with self._changed:
@@ -384,8 +382,7 @@ class Controller(FaultContainment):
         return out
 
     def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
-        """Under the lock, after the optimizer step (``out``: its metrics): ``T += 1`` with the weight sync, then
-        abort what the sampler no longer wants, and the step's metrics row."""
+        """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row."""
         T = self.trainer_version + 1
         sync_start = time.perf_counter()
         self._sync_generator(T)
