@@ -79,6 +79,7 @@ GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no devic
 TRAIN_CALLS = ("logprobs", "begin_train_step", "train_microbatches", "finish_train_step", "export_weights")
 
 
+CURVE_EXTRAS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "lag_mean")
 SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens_tail", "length_sigma", "temperature", "top_p"}
 
 
@@ -267,6 +268,9 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     curve = pd.DataFrame({"run": row["run"], "mode": mode, "repeat": repeat,
                           "step": ctrl.metrics.step.to_numpy(), "wall_s": stamped.stamps[:len(ctrl.metrics)],
                           "reward": ctrl.metrics.reward_mean.to_numpy()})
+    for col in CURVE_EXTRAS:  # what a learning curve's shape is read against (entropy collapse, clipped weights)
+        if col in ctrl.metrics:
+            curve[col] = ctrl.metrics[col].to_numpy()
     return row, curve, policy
 
 
