@@ -121,6 +121,62 @@ def test_aborts_reach_the_replica_that_holds_the_group(ray_cluster):
         assert replicas.num_inflight() == 0
 
 
+def _events_after(trace: pd.DataFrame, row: int, event: str) -> pd.DataFrame:
+    return trace.iloc[row + 1:][trace.iloc[row + 1:].event == event]
+
+
+def test_a_dead_replica_is_restarted_with_the_current_weights_and_loses_nothing(ray_cluster):
+    from tests.faults import check_accounting
+
+    with Controller.from_config(load_config("quickstart", seed=1, eval_every=None, sampler=SYNC,
+                                            generation=REPLICAS)) as ctrl:
+        replicas = ctrl.generator
+        _steps(ctrl, 2)
+        first = replicas.replicas[1].actor_id
+        ray.kill(replicas.replicas[1]._actor, no_restart=True)  # dies before the next batch is submitted to it
+        _steps(ctrl, 3)
+        while ctrl.buffer.num_ready < 8:
+            ctrl.rollout_tick()  # step 3's batch is buffered
+        ray.kill(replicas.replicas[0]._actor, no_restart=True)  # dies before step 3's weights reach it
+        ctrl.train_tick()
+        _steps(ctrl, 5)
+        assert replicas.replicas[1].actor_id != first and ctrl.trainer_version == 5
+        trace = ctrl.trace
+        faults = trace[trace.event == "fault"]
+        assert len(faults) == 2, faults
+        one, zero = faults.detail.tolist()
+        assert one.startswith("ReplicaFault: generation replica 1 died during submit") and "re-submitted to replica 1" in one
+        assert "restarted with weights 2 (2 restart(s) left)" in one
+        assert zero.startswith("ReplicaFault: generation replica 0 died during load_weights")
+        assert "restarted with weights 4 (1 restart(s) left)" in zero
+        assert faults.reason.str.startswith("retried: poll failure 1 of").all()
+        assert replicas.version == 5
+        commits = _events_after(trace, faults.index[-1], "commit").reason  # both replicas generate again
+        assert commits.str.endswith("on replica 0").any() and commits.str.endswith("on replica 1").any()
+        ends = check_accounting(ctrl)  # every dispatched group ended exactly once, or is live
+        assert ends["select"] == 5 * 8 and not ends["skip"] and not ends["abort"]
+
+
+def test_a_dead_replica_past_the_restart_budget_is_retired_and_the_others_go_on(ray_cluster):
+    from tests.faults import check_accounting
+
+    cfg = load_config("quickstart", seed=1, eval_every=None, sampler=SYNC, generation=REPLICAS,
+                      faults={"max_generator_restarts": 0})
+    with Controller.from_config(cfg) as ctrl:
+        _steps(ctrl, 1)
+        ray.kill(ctrl.generator.replicas[0]._actor, no_restart=True)
+        _steps(ctrl, 3)
+        trace = ctrl.trace
+        faults = trace[trace.event == "fault"]
+        assert len(faults) == 1 and "generation replica 0 died during submit" in faults.detail.iloc[0]
+        assert "retired (faults.max_generator_restarts spent)" in faults.detail.iloc[0]
+        assert "re-submitted to replica 1" in faults.detail.iloc[0]
+        commits = _events_after(trace, faults.index[0], "commit").reason
+        assert len(commits) == 16 and commits.str.endswith("on replica 1").all()
+        assert ctrl.metrics.tokens_replica_0.iloc[-1] == 0 and ctrl.metrics.tokens_replica_1.iloc[-1] > 0
+        check_accounting(ctrl)
+
+
 def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path):
     cfg = load_config("quickstart", seed=3, sampler=SYNC, eval_every=None, trainer=RANKS, generation=REPLICAS)
     columns = ["step", "reward_mean", "loss", "grad_norm", "tokens_replica_0", "tokens_replica_1"]
