@@ -25,6 +25,9 @@ from collections import defaultdict
 from typing import Any
 
 PLACEMENT_TIMEOUT_S = 120.0
+# Ray gives a new local node's raylet a fixed 30 s to register with its GCS; on a loaded machine it can miss that
+# ("The current node timed out during startup"), so a local start is tried this many times.
+LOCAL_START_ATTEMPTS = 3
 # NVLink multicast stays off in every CUDA actor: nothing here uses it, and on shared hosts a program that uses it
 # can take the GPUs out of service. ``weight_sync`` sets it again before it makes an NCCL group.
 NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -171,8 +174,14 @@ def ensure_ray(num_cpus: int | None = None, address: str | None = None) -> None:
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = {"include_dashboard": False, "logging_level": logging.ERROR, "log_to_driver": False}
     if address is None:
-        ray.init(address="local", num_cpus=num_cpus, **quiet)  # never joins a cluster by accident
-        return
+        for attempt in range(LOCAL_START_ATTEMPTS):
+            try:
+                ray.init(address="local", num_cpus=num_cpus, **quiet)  # never joins a cluster by accident
+                return
+            except Exception as exc:  # Ray raises a bare Exception for it
+                if "timed out during startup" not in str(exc) or attempt == LOCAL_START_ATTEMPTS - 1:
+                    raise
+                ray.shutdown()  # ends what the failed start left running, then try again
     quiet.pop("include_dashboard")  # the cluster's head decided that
     ray.init(address=address, **quiet)  # a cluster's resources are its own: num_cpus is not ours to set
 
