@@ -508,11 +508,16 @@ class Controller(FaultContainment):
 
     def explain(self) -> pd.DataFrame:
         """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
-        chunk bounds), as a table. Changes nothing."""
+        chunk bounds), as a table; with generation replicas, also which replica generated each group. Changes
+        nothing."""
         with self._lock:
             remaining = self.cfg.groups_per_step - self._step.groups
             lo, hi = self.cfg.chunk_bounds
-            return explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
+            frame = explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
+            if self.cfg.generation.replicas > 1:  # which replica generated each group (empty while it is pending)
+                rollouts = [self.buffer[gid].rollouts for gid in frame.group_id]
+                frame["replica"] = pd.array([None if r is None else r.replica for r in rollouts], dtype="Int64")
+            return frame
 
     def state(self) -> ControllerState:
         """A consistent snapshot for widgets (versions, the buffer by version, the window, the last report).

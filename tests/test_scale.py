@@ -183,12 +183,15 @@ def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path)
     with Controller.from_config(cfg) as ctrl:
         _steps(ctrl, 1)
         ctrl.rollout_tick()  # the next batch buffered: explain, state and the dashboard see it as with one engine
-        assert len(ctrl.explain()) == 8 and ctrl.state().generation_version == 1
+        verdicts = ctrl.explain()
+        assert len(verdicts) == 8 and ctrl.state().generation_version == 1
+        assert sorted(verdicts.replica.tolist()) == [0] * 4 + [1] * 4  # which replica generated each group
         pytest.importorskip("ipywidgets")
         from widgets import Dashboard
 
         board = Dashboard(ctrl)
         board.refresh()
+        assert "<th>replica</th>" in board.verdicts.table.value  # the dashboard's verdict table shows it
         _steps(ctrl, 2)
         ctrl.save(tmp_path / "ckpt")
         _steps(ctrl, 4)
