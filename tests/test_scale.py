@@ -145,7 +145,8 @@ def test_a_dead_replica_is_restarted_with_the_current_weights_and_loses_nothing(
         faults = trace[trace.event == "fault"]
         assert len(faults) == 2, faults
         one, zero = faults.detail.tolist()
-        assert one.startswith("ReplicaFault: generation replica 1 died during submit") and "re-submitted to replica 1" in one
+        assert one.startswith("ReplicaFault: generation replica 1 died during submit")
+        assert "re-submitted to replica 1" in one
         assert "restarted with weights 2 (2 restart(s) left)" in one
         assert zero.startswith("ReplicaFault: generation replica 0 died during load_weights")
         assert "restarted with weights 4 (1 restart(s) left)" in zero

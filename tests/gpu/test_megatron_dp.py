@@ -110,7 +110,8 @@ def compare(one: dict, two: dict) -> dict:
     d1, d2 = (one["end"] - one["start"])[mask], (two["end"] - two["start"])[mask]
     return {
         "loss_dp1": [r["loss"] for r in one["steps"]], "loss_dp2": [r["loss"] for r in two["steps"]],
-        "grad_norm_dp1": [r["grad_norm"] for r in one["steps"]], "grad_norm_dp2": [r["grad_norm"] for r in two["steps"]],
+        "grad_norm_dp1": [r["grad_norm"] for r in one["steps"]],
+        "grad_norm_dp2": [r["grad_norm"] for r in two["steps"]],
         "normaliser_dp1": [r["normaliser"] for r in one["steps"]],
         "normaliser_dp2": [r["normaliser"] for r in two["steps"]],
         "start_logprobs_mean_abs_diff": float((one["start"] - two["start"])[mask].abs().mean()),
