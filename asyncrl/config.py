@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 from asyncrl.algorithms import LossConfig
 from asyncrl.faults import FaultsConfig
 from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
+from asyncrl.tasks import build_task
 from asyncrl.tracking import TrackingConfig
 
 PRESETS = Path(__file__).parent / "presets"
@@ -308,8 +309,16 @@ class RayConfig(_Strict):
 
 
 class TaskConfig(_Strict):
-    name: str = "copy_digit"
-    options: dict[str, Any] = Field(default_factory=dict)
+    """``task:`` — a built-in task (asyncrl/tasks.py) and its options, checked when the config loads."""
+
+    name: str = Field("copy_digit", description="one of asyncrl.tasks.TASKS")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="the task factory's keyword arguments (each task's are its factory's)")
+
+    @model_validator(mode="after")
+    def _builds(self) -> "TaskConfig":
+        build_task(self)  # an unknown task, an unknown option or a bad value is a ValueError naming it
+        return self
 
 
 class Config(_Strict):

@@ -26,10 +26,11 @@ from its position alone.
 
 from __future__ import annotations
 
+import inspect
 import string
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -161,10 +162,10 @@ def addition_task(max_digit: int = 4, partial_credit: float = 0.0) -> ToyTask:
                    well_formed=lambda a: a.isdigit())
 
 
-TASKS: dict[str, Callable[..., ToyTask]] = {
+TASKS: dict[str, Callable[..., ToyTask]] = {  # name -> factory; its keyword arguments are the task's options
     "copy_digit": copy_digit_task,
-    "copy_first": lambda **kw: copy_char_task("first", **kw),
-    "copy_last": lambda **kw: copy_char_task("last", **kw),
+    "copy_first": partial(copy_char_task, "first"),
+    "copy_last": partial(copy_char_task, "last"),
     "successor": successor_task,
     "addition": addition_task,
 }
@@ -181,9 +182,13 @@ def build_task(config: Any) -> Task:
         name, options = config.name, dict(config.options)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; tasks: {sorted(TASKS)}")
+    allowed = list(inspect.signature(TASKS[name]).parameters)
+    unknown = {k: v for k, v in options.items() if k not in allowed}
+    if unknown:
+        raise ValueError(f"bad options {unknown} for task {name!r}: unknown; its options are {allowed}")
     try:
         return TASKS[name](**options)
-    except TypeError as err:
+    except (TypeError, ValueError) as err:
         raise ValueError(f"bad options {options} for task {name!r}: {err}") from None
 
 

@@ -19,7 +19,8 @@ TIERS = [
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault bookkeeping (the controller mixes it in)
     ["asyncrl.samplers"],  # and its submodules (one family)
     ["asyncrl.algorithms"],  # GRPO maths and the Loss: data and metrics only, never the backends
-    ["asyncrl.config", "asyncrl.tasks"],
+    ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
+    ["asyncrl.config"],
     # what the engines share: the Protocols, HF helpers, placements, Megatron's weight map and process groups
     ["asyncrl.backends.base", "asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",

@@ -140,3 +140,16 @@ def test_evaluate_scores_greedy_completions():
     assert right["accuracy"] == 1.0 and right["reward_mean"] == 1.0 and right["n"] == len(task.eval_prompts)
     const = evaluate(_Oracle(tok, lambda text: "a"), task, tok)
     assert const["accuracy"] <= task.constant_answer_accuracy
+
+
+def test_task_options_are_checked_when_the_config_loads():
+    from asyncrl import load_config
+
+    with pytest.raises(ValueError, match=r"bad options \{'max_digits': 3\} for task 'addition': unknown; its "
+                                         r"options are \['max_digit', 'partial_credit'\]"):
+        load_config("quickstart", task={"name": "addition", "options": {"max_digits": 3}})
+    with pytest.raises(ValueError, match="eval_fraction must be in"):
+        load_config("quickstart", task={"name": "copy_first", "options": {"eval_fraction": 1.5}})
+    with pytest.raises(ValueError, match=r"unknown task 'adition'; tasks: \["):
+        load_config("quickstart", task={"name": "adition"})
+    assert load_config("quickstart", task={"name": "copy_last", "options": {"length": 2}}).task.options == {"length": 2}
