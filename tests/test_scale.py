@@ -69,9 +69,13 @@ def _megatron_run(steps: int = 3, **trainer) -> tuple[pd.DataFrame, dict, pd.Dat
 
 
 @pytest.fixture(scope="module")
-def megatron_one_rank(ray_cluster):
+def megatron(ray_cluster):
     if importlib.util.find_spec("megatron") is None:  # (not imported here: only the rank actors need it)
         pytest.skip("megatron-core is not installed (pip install 'asyncrl[megatron]')")
+
+
+@pytest.fixture(scope="module")
+def megatron_one_rank(megatron):
     return _megatron_run()  # one Megatron actor: a world of one
 
 
@@ -87,6 +91,25 @@ def test_megatron_ranks_train_like_one(megatron_one_rank, layout):
     assert list(wb) == list(wa)
     assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
     assert trace_a.equals(trace_b)
+
+
+def test_megatron_tensor_parallel_save_and_restore_resumes_exactly(megatron, tmp_path):
+    """A checkpoint of a tensor_parallel 2 trainer holds each tensor-parallel rank's shard state; restoring it into
+    the same layout resumes exactly."""
+    cfg = load_config("quickstart", seed=2, sampler=SYNC, eval_every=None, trainer={**MEGATRON, "tensor_parallel": 2})
+    with Controller.from_config(cfg) as ctrl:
+        _steps(ctrl, 1)
+        ctrl.save(tmp_path / "ckpt")
+        state = ctrl.policy.state_dict()
+        assert [s["tp_rank"] for s in state["tensor_parallel_states"]] == [0, 1]
+        _steps(ctrl, 3)
+        expected, expected_metrics = ctrl.policy.export_weights(), ctrl.metrics[MEGATRON_COLUMNS]
+    with Controller.restore(tmp_path / "ckpt") as restored:
+        assert restored.policy.tensor_parallel == 2 and restored.trainer_version == 1
+        _steps(restored, 3)
+        weights = restored.policy.export_weights()
+        assert all(torch.equal(weights[k], expected[k]) for k in expected)
+        pd.testing.assert_frame_equal(restored.metrics[MEGATRON_COLUMNS], expected_metrics)
 
 
 def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
