@@ -29,7 +29,8 @@ import pandas as pd
 from asyncrl.trace import TRACE_COLUMNS, TRACE_EVENTS
 
 if TYPE_CHECKING:
-    from asyncrl.controller import Controller, TickReport
+    from asyncrl.controller import Controller
+    from asyncrl.reports import TickReport
 
 POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
 STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call

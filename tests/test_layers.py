@@ -29,6 +29,7 @@ TIERS = [
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
+    ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.run_loop", "asyncrl.checkpoint"],  # the background run and the checkpoint format the controller uses
     ["asyncrl.controller"],
     ["asyncrl.simulate_plots"],
