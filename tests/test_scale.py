@@ -119,10 +119,13 @@ def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
         ctrl.run(120, progress=False)
         after = ctrl.evaluate()["accuracy"]
         m = ctrl.metrics
-        assert (m.tokens_replica_0 > 0).all() and (m.tokens_replica_1 > 0).all()
+        # which replica returns what within one step depends on timing in a run; over the run each did a share
+        total = m.tokens_replica_0.sum() + m.tokens_replica_1.sum()
+        assert m.tokens_replica_0.sum() > total / 4 and m.tokens_replica_1.sum() > total / 4
         assert (m.busy_s_replica_0 > 0).any() and (m.busy_s_replica_1 > 0).any()
         commits = ctrl.trace[ctrl.trace.event == "commit"].reason
-        assert commits.str.endswith("on replica 0").any() and commits.str.endswith("on replica 1").any()
+        assert commits.str.endswith("on replica 0").sum() > len(commits) / 4
+        assert commits.str.endswith("on replica 1").sum() > len(commits) / 4
         bar = ctrl.task.constant_answer_accuracy
         assert after > max(before, bar), (before, after, bar)
 
@@ -144,6 +147,16 @@ def test_aborts_reach_the_replica_that_holds_the_group(ray_cluster):
         assert replicas.num_inflight() == 0
 
 
+def _kill(actor) -> None:
+    """Kill a Ray actor the way a crash would and return once it is dead (``ray.kill`` does not wait)."""
+    ray.kill(actor, no_restart=True)
+    try:
+        while True:
+            ray.get(actor.call_times.remote(), timeout=60)
+    except ray.exceptions.RayActorError:
+        return
+
+
 def _events_after(trace: pd.DataFrame, row: int, event: str) -> pd.DataFrame:
     return trace.iloc[row + 1:][trace.iloc[row + 1:].event == event]
 
@@ -156,11 +169,11 @@ def test_a_dead_replica_is_restarted_with_the_current_weights_and_loses_nothing(
         replicas = ctrl.generator
         _steps(ctrl, 2)
         first = replicas.replicas[1].actor_id
-        ray.kill(replicas.replicas[1]._actor, no_restart=True)  # dies before the next batch is submitted to it
+        _kill(replicas.replicas[1]._actor)  # dies before the next batch is submitted to it
         _steps(ctrl, 3)
         while ctrl.buffer.num_ready < 8:
             ctrl.rollout_tick()  # step 3's batch is buffered
-        ray.kill(replicas.replicas[0]._actor, no_restart=True)  # dies before step 3's weights reach it
+        _kill(replicas.replicas[0]._actor)  # dies before step 3's weights reach it
         ctrl.train_tick()
         _steps(ctrl, 5)
         assert replicas.replicas[1].actor_id != first and ctrl.trainer_version == 5
@@ -188,7 +201,7 @@ def test_a_dead_replica_past_the_restart_budget_is_retired_and_the_others_go_on(
                       faults={"max_generator_restarts": 0})
     with Controller.from_config(cfg) as ctrl:
         _steps(ctrl, 1)
-        ray.kill(ctrl.generator.replicas[0]._actor, no_restart=True)
+        _kill(ctrl.generator.replicas[0]._actor)
         _steps(ctrl, 3)
         trace = ctrl.trace
         faults = trace[trace.event == "fault"]
@@ -237,7 +250,7 @@ def test_a_dead_trainer_rank_stops_the_run_naming_it(ray_cluster):
 
     with Controller.from_config(load_config("quickstart", eval_every=None, sampler=SYNC, trainer=RANKS)) as ctrl:
         _steps(ctrl, 1)
-        ray.kill(ctrl.policy.ranks[1]._actor)
+        _kill(ctrl.policy.ranks[1]._actor)
         with pytest.raises(TrainerFailed, match=r"trainer rank 1 of 2 \(data-parallel rank 1, tensor-parallel rank "
                                                  r"0\) died during \w+.*restore the last checkpoint"):
             _steps(ctrl, 2)

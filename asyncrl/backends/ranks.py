@@ -161,10 +161,15 @@ class RankGroupPolicy:
 
         if self._ended is not None:
             raise TrainerFailed(self._ended)
-        try:
+        pending, error = [ref for _, ref in calls], None
+        while pending and error is None:  # as they finish: a rank that dies shows while others still wait on it
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except Exception as exc:  # noqa: BLE001 - looked at below, with the other ranks' outcomes
+                error = exc
+        if error is None:
             return ray.get([ref for _, ref in calls])
-        except Exception as first:
-            error = first
         ray.wait([ref for _, ref in calls], num_returns=len(calls), timeout=DEATH_GRACE_S)
         for i, ref in calls:
             try:
