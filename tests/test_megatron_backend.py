@@ -1,6 +1,6 @@
 """The Megatron-core policy backend's real code paths on CPU (gloo, world size 1; TP=2 / DP=2 in two processes).
 
-Megatron-core on a CPU needs two workarounds (shared/FACTS.md), applied here and only here:
+Megatron-core on a CPU needs two workarounds, which ``init_parallel`` (asyncrl/backends/megatron_parallel.py) applies:
 ``torch.cuda.current_device`` answering ``"cpu"`` and an inference RNG tracker (dropout is 0, so it is never
 consulted for randomness). The library itself runs unpatched on GPUs (tests/gpu/).
 """

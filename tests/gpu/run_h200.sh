@@ -1,11 +1,12 @@
 #!/bin/bash
-# The GPU backends' checks on a lent H200, once shared/gpu's recipe has installed vLLM + Megatron-core in /tmp/site
+# The GPU backends' checks on an H200, once vLLM and Megatron-core are installed (docs/gpu.md; SITE=DIR adds a
+# `pip install --target DIR` folder to PYTHONPATH)
 # (benchmarks/README.md, "GPU backends (H200)"). From the repo root: bash tests/gpu/run_h200.sh [OUT_DIR]
 # Each test file runs in its own process (one vLLM engine per process); numbers land in OUT_DIR/*.json and *.log.
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
-export PYTHONPATH=/tmp/site:. VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=${SITE:+$SITE:}. VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 ASYNCRL_GPU_RESULTS="$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, megatron.core, vllm, transformers; print('torch', torch.__version__, '| megatron-core',
