@@ -21,7 +21,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# Megatron-core on a machine without CUDA runs with two workarounds (measured; shared facts): several of its
+# Megatron-core on a machine without CUDA runs with two workarounds (measured with 0.16.1): several of its
 # modules ask ``torch.cuda.current_device()`` for the device, which raises without CUDA, so it answers "cpu"; and
 # the model-parallel RNG tracker is the inference one (dropout is 0, so it is never asked for randomness). Only a
 # CPU trainer on a machine without CUDA gets them; on GPUs the library runs unpatched.

@@ -9,9 +9,9 @@ reports, and the logprobs of the batch after the steps (their change from the st
 the gradient sum, so the bounds are bf16-sized (``TOLERANCES``), not exact.
 
 Needs only torch, megatron-core, Ray and the project (with pydantic): no vLLM. Skips without 2 CUDA GPUs.
-On the lent machine (kind nvidia-h200-x2) after shared/gpu's recipe and its Ray part are installed, from the repo
-root: ``PYTHONPATH=/tmp/site:$PWD python3 -m pytest -p no:cacheprovider -q -s tests/gpu/test_megatron_dp.py``
-(an absolute PYTHONPATH: Ray actors inherit it). Prints ``RESULT`` lines; with ``ASYNCRL_GPU_RESULTS`` set, also
+On a machine with two GPUs and the stack of docs/gpu.md, from the repo root:
+``PYTHONPATH=$PWD python -m pytest -q -s tests/gpu/test_megatron_dp.py`` (an absolute PYTHONPATH, plus any
+``--target`` site folder: Ray actors inherit it). Prints ``RESULT`` lines; with ``ASYNCRL_GPU_RESULTS`` set, also
 writes ``megatron_dp.json`` there.
 """
 
