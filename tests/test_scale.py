@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from asyncrl import Controller, load_config
+from asyncrl.backends.replicas import ReplicaFault
 from asyncrl.data import GenerationRequest
 
 ray = pytest.importorskip("ray")
@@ -144,6 +145,15 @@ def test_aborts_reach_the_replica_that_holds_the_group(ray_cluster):
         assert replicas.num_inflight() == 2 and replicas.owner(101) is None
         finished = replicas.poll()
         assert sorted(g.group_id for g in finished) == [100, 102] and {g.replica for g in finished} == {0}
+        assert replicas.num_inflight() == 0
+        # an abort that meets a dead owner: its group counts as cancelled, the owner's other group is re-submitted
+        replicas.submit([GenerationRequest(gid, [1, 2, 3], 2) for gid in (200, 201, 202, 203)])
+        _kill(replicas.replicas[1]._actor)
+        assert sorted(replicas.abort([201, 202])) == [201, 202]
+        with pytest.raises(ReplicaFault, match=r"replica 1 died during abort .*restarted .*\[203\] re-submitted to "
+                                               r"replica 1"):
+            replicas.poll()
+        assert sorted((g.group_id, g.replica) for g in replicas.poll()) == [(200, 0), (203, 1)]
         assert replicas.num_inflight() == 0
 
 
