@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${1:-${OUT:-/tmp/out}}
 mkdir -p "$OUT"
-export PYTHONPATH=${SITE:+$SITE:}. VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
+export PYTHONPATH=${SITE:+$SITE:}$PWD VLLM_ENABLE_V1_MULTIPROCESSING=0 VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 PYTHONUNBUFFERED=1 ASYNCRL_GPU_RESULTS="$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, megatron.core, vllm, transformers; print('torch', torch.__version__, '| megatron-core',

@@ -126,8 +126,14 @@ def check(r: dict) -> None:
     assert r["normaliser_dp2"] == r["normaliser_dp1"]  # both ranks' tokens counted once
     for a, b in zip(r["loss_dp1"], r["loss_dp2"]):
         assert abs(a - b) <= t["loss_rel"] * max(abs(a), 0.1), (r["loss_dp1"], r["loss_dp2"])
-    for a, b in zip(r["grad_norm_dp1"], r["grad_norm_dp2"]):
-        assert abs(a - b) <= t["grad_norm_rel"] * a, (r["grad_norm_dp1"], r["grad_norm_dp2"])
+    # Step 1 starts from identical weights: its gradients must agree to bf16 rounding. Later steps start from weights
+    # that already differ by that rounding, which Adam turns into lr-sized moves of near-zero gradient entries, while
+    # the gradient shrinks as the model fits this one batch (1.85 -> 0.14 on two H200s); so later norms are held to
+    # the first step's scale, not to their own shrinking size (measured: 8.7% and 21% of their own size at steps 3
+    # and 4, 1.4% and 1.6% of step 1's).
+    first = r["grad_norm_dp1"][0]
+    for i, (a, b) in enumerate(zip(r["grad_norm_dp1"], r["grad_norm_dp2"])):
+        assert abs(a - b) <= t["grad_norm_rel"] * (a if i == 0 else first), (r["grad_norm_dp1"], r["grad_norm_dp2"])
     assert r["end_logprobs_mean_abs_diff"] <= t["logprobs_mean_abs"], r
     # the steps moved the logprobs (else the comparison says nothing), the same way in both runs
     assert r["update_mean_abs_dp1"] > 5 * r["end_logprobs_mean_abs_diff"] or r["update_cosine"] > 0.99, r
