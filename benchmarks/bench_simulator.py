@@ -11,8 +11,8 @@ Prints four tables:
 3. ``determinism`` — two simulations with one seed: sha256 of every file they write.
 4. ``calibration`` — the overlap probe (``asyncrl.simulate.measure_overlap``: a generation and a training call of
    the same workload timed alone and at once in two threads, no controller) gives ``overlap_slowdown``; a real
-   synchronous run of the CPU ``quickstart`` preset (4 new tokens, one torch thread per pump, as
-   ``bench_async.py``) gives the rest of the latency model (``calibrate``); the simulator predicts the async/sync
+   synchronous run of the CPU ``quickstart`` preset, stepped (4 new tokens, one torch thread, as ``bench_async.py``'s
+   ``stepped sync``) gives the rest of the latency model (``calibrate``); the simulator predicts the async/sync
    ratio, and the real asynchronous run, measured right after, checks it (target: within 15%). The prediction
    assuming full overlap (``overlap_slowdown`` 1) is printed beside it.
 """
@@ -85,12 +85,16 @@ def real_config(sampler: dict):
                        generation={"max_new_tokens": 4})
 
 
-def real_run(sampler: dict, steps: int) -> tuple[float, pd.DataFrame, object]:
+def real_run(sampler: dict, steps: int, stepped: bool = False) -> tuple[float, pd.DataFrame, object]:
     cfg = real_config(sampler)
     ctrl = Controller.from_config(cfg)
     ctrl.run(3, progress=False)  # warm-up, as bench_async.py
     start = time.perf_counter()
-    ctrl.run(steps, progress=False)
+    if stepped:  # one thread, a tick at a time: bench_async.py's "stepped sync", the reference of its speed-ups
+        for _ in range(steps):
+            ctrl.tick()
+    else:
+        ctrl.run(steps, progress=False)
     elapsed = time.perf_counter() - start
     ctrl.close()
     return steps / elapsed, ctrl.metrics, cfg
@@ -99,9 +103,12 @@ def real_run(sampler: dict, steps: int) -> tuple[float, pd.DataFrame, object]:
 def calibration(steps: int, sim_steps: int) -> pd.DataFrame:
     """The overlap probe (``measure_overlap``: the backends' calls alone and at once, no controller), the real
     synchronous run, the fit with the probe's slowdown, the predictions, then the real asynchronous run: the
-    async/sync ratio being predicted feeds nothing in the model."""
+    async/sync ratio being predicted feeds nothing in the model. The synchronous run is stepped (one thread), as
+    bench_async.py's reference: through ``Controller.run`` the two pumps hand each step over between two threads,
+    which on a 2-core virtual machine measured 1.0-1.4x slower than stepping (benchmarks/README.md), noise the
+    fit would carry into every prediction."""
     probe = measure_overlap(real_config(SYNC))
-    sync_rate, metrics, cfg = real_run(SYNC, steps)
+    sync_rate, metrics, cfg = real_run(SYNC, steps, stepped=True)
     cal = calibrate(metrics, cfg, skip=3, overlap_slowdown=probe["overlap_slowdown"])
     full = calibrate(metrics, cfg, skip=3)  # the same fit, assuming the stages overlap fully
     predicted = {label(s): cal.predict(s, sim_steps)["sim_steps_per_hour"] / 3600 for s in (SYNC, ASYNC)}
