@@ -129,8 +129,8 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("groups", "sum", "prompt groups trained this step (groups_per_step once the step is finished)"),
     Metric("completions", "sum", "completions trained this step"),
     Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s counts these)"),
-    Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs and "
-           "forward/backward, and the optimizer step"),
+    TRAIN_TIME_S := Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs "
+                           "and forward/backward, and the optimizer step"),
 )
 
 STEP = Column("step", "the optimizer step the row reports (T - 1 once it is done)")

@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from asyncrl import metrics as M
 from asyncrl.backends.simulated import (
     SimulatedGeneration, SimulatedGenerator, SimulatedPolicy, SimulatedTraining, draw_length,
 )
@@ -219,10 +220,10 @@ class Simulation:
         if m.empty:
             return m
         ends = sim.sim_time_s.to_numpy()
-        m["step_time_s"] = ends - pd.Series(ends).shift(1, fill_value=self.start).to_numpy()
-        m["train_time_s"] = sim.train_time_s.to_numpy()
-        m["sync_time_s"] = sim.sync_time_s.to_numpy()
-        m["tokens_per_s"] = m.tokens / m.step_time_s if "tokens" in m else math.nan
+        m[M.STEP_TIME_S.name] = ends - pd.Series(ends).shift(1, fill_value=self.start).to_numpy()
+        m[M.TRAIN_TIME_S.name] = sim.train_time_s.to_numpy()
+        m[M.SYNC_TIME_S.name] = sim.sync_time_s.to_numpy()
+        m[M.TOKENS_PER_S.name] = m.tokens / m[M.STEP_TIME_S.name] if "tokens" in m else math.nan
         m["sim_time_s"] = ends
         return m
 
