@@ -128,7 +128,7 @@ class RankGroupPolicy:
         joined in one process group (NCCL when the trainer's device is CUDA, else gloo)."""
         import ray
 
-        from asyncrl.backends.ray import actor_options, remote, reserve
+        from asyncrl.backends.ray import actor_options, release, remote, reserve
 
         section = cfg.trainer
         world = section.ranks
@@ -143,10 +143,7 @@ class RankGroupPolicy:
             layout = ray.get([rank.apply_remote(_join, r, world, address, port, backend, GROUP_TIMEOUT_S)
                               for r, rank in enumerate(ranks)])
         except BaseException:
-            for rank in ranks:
-                ray.kill(rank._actor)
-            if group is not None:
-                ray.util.remove_placement_group(group)
+            release(ranks, group)
             raise
         return cls(ranks, group, [tuple(x) for x in layout])
 
@@ -186,11 +183,9 @@ class RankGroupPolicy:
         raise error
 
     def _end(self, why: str) -> None:
-        import ray
-
         self._ended = why
         for rank in self.ranks:
-            ray.kill(rank._actor)
+            rank.kill()
 
     def _all(self, name: str, *args: Any) -> list[Any]:
         return self._get([(i, rank.call_remote(name, *args)) for i, rank in enumerate(self.ranks)], name)
@@ -265,7 +260,7 @@ class RankGroupPolicy:
             if self._ended is None:
                 rank.close()
             else:
-                ray.kill(rank._actor)
+                rank.kill()
         if self._placement_group is not None:
             ray.util.remove_placement_group(self._placement_group)
             self._placement_group = None

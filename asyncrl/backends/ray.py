@@ -102,6 +102,12 @@ class RemoteBackend:
             pass
         self._actor = self._start()
 
+    def kill(self) -> None:
+        """End the actor without closing the hosted backend: it died, or a start failed half-way."""
+        import ray
+
+        ray.kill(self._actor)
+
     def call_remote(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """Start the hosted method ``name`` and return its ObjectRef without waiting (``ray.get`` it): how a replica
         set or a rank group drives several actors at once."""
@@ -228,6 +234,17 @@ def reserve(options: dict[str, Any], count: int, strategy: str, what: str, timeo
             "the count or the per-actor resources (ray_options), or add nodes (docs/cluster.md)"
         )
     return group
+
+
+def release(actors: list[Any], group: Any) -> None:
+    """Kill ``actors`` (``RemoteBackend``s) and remove their placement ``group``: a multi-actor start (a rank group,
+    a replica set) that failed half-way leaves nothing reserved."""
+    import ray
+
+    for actor in actors:
+        actor.kill()
+    if group is not None:
+        ray.util.remove_placement_group(group)
 
 
 def _resources(res: dict[str, float]) -> dict[str, float]:

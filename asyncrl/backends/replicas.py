@@ -78,9 +78,7 @@ class ReplicaSet:
     @classmethod
     def start(cls, generator_cls: type, args: tuple, cfg: Any) -> ReplicaSet:
         """``cfg.generation.replicas`` actors of ``generator_cls(model, generation, seed_i, tokenizer)``, spread."""
-        import ray
-
-        from asyncrl.backends.ray import actor_options, remote, reserve
+        from asyncrl.backends.ray import actor_options, release, remote, reserve
 
         section, k = cfg.generation, cfg.generation.replicas
         group = reserve(actor_options(section), k, "SPREAD", f"{k} generation replicas", cfg.ray.placement_timeout_s)
@@ -91,10 +89,7 @@ class ReplicaSet:
                 replicas.append(remote(generator_cls, (model, gen, seed + i * REPLICA_SEED_STRIDE, tokenizer),
                                        section, group, i if group is not None else None))
         except BaseException:
-            for replica in replicas:
-                ray.kill(replica._actor)
-            if group is not None:
-                ray.util.remove_placement_group(group)
+            release(replicas, group)
             raise
         restarts = cfg.faults.max_generator_restarts if cfg.faults.restart_generator else 0
         return cls(replicas, 0, group, restarts)
@@ -176,7 +171,7 @@ class ReplicaSet:
                           f"({self._restarts_left} restart(s) left)")
             else:
                 self._retired.add(i)
-                ray.kill(replica._actor)
+                replica.kill()
                 story += "retired (faults.max_generator_restarts spent): the others go on"
             with self._lock:
                 shares: dict[int, list[GenerationRequest]] = {}
@@ -341,7 +336,7 @@ class ReplicaSet:
             try:
                 replica.close()
             except RayActorError:  # died (or was retired): nothing left to close
-                ray.kill(replica._actor)
+                replica.kill()
         if self._placement_group is not None:
             ray.util.remove_placement_group(self._placement_group)
             self._placement_group = None
