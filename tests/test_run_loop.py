@@ -304,3 +304,37 @@ def test_cli_checks_everything_before_writing_anything(tmp_path):
                               capture_output=True, text=True, timeout=HANG_S, cwd=ROOT)
         assert proc.returncode == 2 and message in proc.stderr, (argv, proc.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
+def test_a_pump_never_sleeps_through_a_step_that_came_during_its_tick():
+    """No lost wake-up: the rollout pump's tick finds the gate shut, and before the tick returns the train pump
+    finishes a step (``T`` moves, the gate opens, its ``notify_all`` is spent). The pump must look again instead of
+    waiting a whole ``POLL_S`` with the gate open. The interleaving is forced (such a tick returns only once ``T``
+    moved), so the check needs no timing: the pump must not enter a wait after such a tick."""
+    ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.001, train_s_per_token=2e-4)
+    tick, wait = ctrl.rollout_tick, ctrl._changed.wait
+    straddled, slept = threading.Event(), []
+    forced: list[int] = []
+
+    def straddling_tick(*args, **kwargs):
+        straddled.clear()
+        T = ctrl.trainer_version
+        report = tick(*args, **kwargs)
+        if report.note.startswith("gate closed") and not ctrl.inflight and len(forced) < 5:
+            wait_for(lambda: ctrl.trainer_version > T, "the train pump's step")  # it has all it needs for it
+            forced.append(T)
+            straddled.set()
+        return report
+
+    def watched_wait(timeout=None):
+        if straddled.is_set() and threading.current_thread().name == "asyncrl-rollout-pump":
+            straddled.clear()
+            slept.append(ctrl.trainer_version)
+        return wait(timeout)
+
+    ctrl.rollout_tick, ctrl._changed.wait = straddling_tick, watched_wait
+    _, error = in_thread(ctrl.run, 10, progress=False)
+    assert error is None and ctrl.trainer_version == 10
+    assert forced, "the interleaving was never forced: the check would pass vacuously"
+    assert not slept, f"the rollout pump waited after a step had opened its gate (at T={slept})"
+    accounting(ctrl)
