@@ -14,9 +14,9 @@ Invariants:
   never exceed ``max_inflight_groups``.
 - ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
   the generator still holds weights ``T``. That is what makes ``in_order`` with no lookahead synchronous GRPO.
-  (A generator that stages weights — vLLM behind the collective sync — swaps them in at its next wave boundary, so
-  while a wave runs its version may trail ``T`` by one; a synchronous run has no wave in flight at a sync, so there
-  the version moves before the sync returns. Groups carry the version they were really generated with.)
+  (A generator that stages weights — vLLM behind the collective sync — reports the staged version as soon as the
+  receive completed, before the sync returns, and swaps the weights in before its next wave; a wave already running
+  finishes on the old ones. Groups carry the version they were really generated with.)
 - Stepping is deterministic for a seed: the torch generator consumes its own seeded RNG once per generate call,
   and step mode generates each dispatched batch inside the tick that dispatched it.
 """

@@ -122,6 +122,13 @@ def req(gid, n=4, prompt=(257, 49, 50)):
     return GenerationRequest(group_id=gid, prompt_ids=list(prompt), n=n)
 
 
+def wait_until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
 def run_in_thread(fn, *args):
     box = {}
     t = threading.Thread(target=lambda: box.setdefault("out", fn(*args)), daemon=True)
@@ -253,7 +260,8 @@ def test_staged_weights_arrive_during_a_wave_and_are_swapped_in_between_waves():
     stager, _ = run_in_thread(gen.stage_weights, buffers, 1, fill)
     stager.join(5)
     assert not stager.is_alive() and filled  # the receive did not wait for the wave
-    assert gen.version == 0 and "reload_weights" not in llm.log  # nor touched the engine during it
+    assert "reload_weights" not in llm.log  # nor touched the engine during it
+    assert gen.version == 1  # what a group dispatched now will run with: no wave starts before the swap
     llm.gate.set()
     poller.join(5)
     (g,) = box["out"]
@@ -266,20 +274,29 @@ def test_staged_weights_arrive_during_a_wave_and_are_swapped_in_between_waves():
     assert parts["version"] == 1 and parts["swap_wait_s"] > 0 and parts["reset_s"] == 0
 
 
-def test_staged_weights_swap_in_at_once_when_no_wave_runs_and_a_newer_set_replaces_an_older_one():
-    gen, llm = make_gen()
+@pytest.mark.parametrize("background", [False, True])
+def test_staged_weights_count_at_once_load_before_the_next_wave_and_a_newer_set_replaces_an_older_one(background):
+    """The receive returns without loading (the trainer's sync does not wait for the engine); ``version`` says the
+    staged one at once, and no wave runs before it is loaded: at the next poll, or at once by the wave thread."""
+    gen, llm = make_gen(background=background)
     gen.stage_weights({"scale": torch.tensor(2.0)}, 1)
-    assert gen.version == 1 and llm.scale == 2.0  # idle engine: a synchronous run sees the version move at once
-    llm.gate = threading.Event()
+    assert gen.version == 1  # a synchronous run sees the version move before its sync returns
     gen.submit([req(1)])
-    poller, _ = run_in_thread(gen.poll)
+    (g,) = gen.poll(timeout=5)
+    assert g.gen_start_version == 1 and llm.scale == 2.0 and llm.log == ["reload_weights", "generate"]
+    llm.gate = threading.Event()
+    llm.started.clear()
+    gen.submit([req(2)])
+    poller, _ = run_in_thread(gen.poll, 5)
     assert llm.started.wait(5)
     gen.stage_weights({"scale": torch.tensor(3.0)}, 2)
     gen.stage_weights({"scale": torch.tensor(4.0)}, 3)
-    assert gen.version == 1
+    assert gen.version == 3 and llm.scale == 2.0  # the running wave keeps its weights
     llm.gate.set()
     poller.join(5)
-    assert gen.version == 3 and llm.scale == 4.0 and [p["version"] for p in gen.sync_parts()] == [1, 3]
+    wait_until(lambda: llm.scale == 4.0)
+    assert [p["version"] for p in gen.sync_parts()] == [1, 3]
+    gen.close()
 
 
 def test_a_failed_staged_receive_keeps_the_old_weights_and_version():

@@ -27,8 +27,9 @@ and ``receive`` on the generator actor, both ``.remote()`` before either ``ray.g
   - a generator with ``stage_weights`` (vLLM) runs the receive *inside* ``stage_weights(buffers, version, fill)``,
     under its staging lock, while a wave may be running (its actor serves two calls at once,
     ``ray_max_concurrency``): the trainer never waits for a wave. The transfer runs on a CUDA stream of its own, so
-    it neither waits for nor delays the engine's kernels; the generator swaps the buffers in between waves and
-    moves its version only then (``asyncrl/backends/vllm.py``);
+    it neither waits for nor delays the engine's kernels; the receive returns once the buffers are full (the
+    generator's ``version`` says the new one from then on) and the generator swaps them in before its next wave
+    (``asyncrl/backends/vllm.py``);
   - any other generator: ``load_weights(received, version)`` after the receive (its actor serves one call at a
     time, so that waits for a running ``poll``).
   Either way the version is set only after the whole receive completed, and the generator must copy out of the
