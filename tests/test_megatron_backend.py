@@ -428,3 +428,28 @@ def test_tensor_and_data_parallel_match_a_single_process(megatron_cpu, tok, tmp_
         assert torch.equal(par["initial"][k], v), k  # sharding and gathering move bits, they do not round them
     for k, v in ref["delta"].items():
         torch.testing.assert_close(par["delta"][k], v, atol=1e-6, rtol=1e-4, msg=k)
+
+
+def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatron_cpu, tok):
+    """Megatron takes ``prev_logprobs`` from its training forward when a chunk has none (the controller then skips
+    the separate pass, also through a Ray proxy): over steps of two chunks in micro-batches of 3, with generator
+    logprobs off the policy's, weights and step metrics equal those of a policy given ``logprobs()``' values."""
+    from asyncrl.backends.base import PrevLogprobsFromForward
+    from asyncrl.backends.ray import proxy_class
+
+    loss = LossConfig(entropy_coef=0.03)
+    given, forward = (make_policy(tok, lr=1e-2, micro_batch_size=3, loss=loss) for _ in range(2))
+    assert isinstance(forward, PrevLogprobsFromForward)
+    assert proxy_class(MegatronPolicy).prev_logprobs_from_forward is True  # a proxy is one too, without a call
+    for step in range(3):
+        chunks = [make_batch(B=7, seed=10 * step + c) for c in range(2)]
+        given.begin_train_step(), forward.begin_train_step()
+        for c, batch in enumerate(chunks):
+            gen = (given.logprobs(batch) - 0.05 * (c + 1)) * batch.loss_mask
+            given.train_microbatches(replace(batch, gen_logprobs=gen, prev_logprobs=given.logprobs(batch)))
+            forward.train_microbatches(replace(batch, gen_logprobs=gen))
+        a, b = given.finish_train_step(), forward.finish_train_step()
+        assert a == b
+        assert b["is_weight_mean"] != 1.0
+    wa, wb = given.export_weights(), forward.export_weights()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

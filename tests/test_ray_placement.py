@@ -39,6 +39,27 @@ def test_backends_in_ray_actors_match_in_process_bit_for_bit(ray_cluster):
     remote.close()  # frees the actors' CPUs for the next test
 
 
+def test_pipelined_training_calls_return_at_once_and_their_error_comes_with_the_next_call(ray_cluster):
+    """``begin_train_step``/``train_microbatches`` through the proxy do not wait for the actor (the bit-for-bit test
+    above shows they train the same); a failure among them is raised by the proxy's next call, then it is spent."""
+    from asyncrl.backends.hf import load_tokenizer
+    from asyncrl.backends.ray import remote
+    from asyncrl.backends.torch import TorchPolicy
+    from asyncrl.algorithms import GRPOLoss
+
+    cfg = load_config("quickstart", trainer={"placement": "ray"})
+    policy = remote(TorchPolicy, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, load_tokenizer(cfg.model)),
+                    cfg.trainer)
+    try:
+        assert policy.train_microbatches(None) is None  # before begin_train_step: fails in the actor, later
+        with pytest.raises(RuntimeError, match="train_microbatches before begin_train_step"):
+            policy.export_weights()
+        assert policy.begin_train_step() is None
+        assert policy.export_weights()  # the failure was raised once; the next call is answered as usual
+    finally:
+        policy.close()
+
+
 def test_async_run_through_ray_actors(ray_cluster):
     ctrl = Controller.from_config(load_config(
         "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, eval_every=3,

@@ -30,8 +30,8 @@ def test_collective_sync_matches_in_process_and_bypasses_the_driver(ray_cluster,
     driver_calls: list[str] = []  # every backend method the controller calls through a proxy
     make_method = placement._remote_method
 
-    def recording(name, doc):
-        call = make_method(name, doc)
+    def recording(name, doc, *flags):
+        call = make_method(name, doc, *flags)
         return lambda self, *args, **kwargs: driver_calls.append(name) or call(self, *args, **kwargs)
 
     monkeypatch.setattr(placement, "_remote_method", recording)

@@ -84,7 +84,9 @@ class PolicyBackend(Protocol):
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         """Forward/backward over one chunk in micro-batches with the backend's ``Loss``, accumulating
-        un-normalised gradients. Returns this chunk's ``loss_sum``, ``normaliser`` and ``sequences``."""
+        un-normalised gradients. Returns this chunk's ``loss_sum``, ``normaliser`` and ``sequences`` (for its
+        caller's information only: a Ray proxy pipelines this call and returns ``None``, and the step's metrics come
+        from ``finish_train_step``)."""
         ...
 
     def finish_train_step(self) -> dict[str, float]:
@@ -137,9 +139,9 @@ class PrevLogprobsFromForward(Protocol):
     """Optional for a policy backend: it fills a chunk's ``prev_logprobs`` itself, from its training forward's
     detached logprobs, when the batch comes without them, so the controller skips the separate ``logprobs`` pass.
     Only right for an engine whose weights do not change within an RL step (one optimizer step, in
-    ``finish_train_step``) and whose training forward computes what ``logprobs`` does (``TorchPolicy``). Megatron
-    is not one (its ``logprobs`` runs in eval mode, its training forward in train mode), nor is a Ray proxy or a
-    rank group (their members are the hosted engine's methods): the controller calls their ``logprobs``."""
+    ``finish_train_step``) and whose training forward computes what ``logprobs`` does (``TorchPolicy``, and
+    ``MegatronPolicy`` with its dropout off). A Ray proxy of such a class and a rank group of its actors are ones
+    too (``asyncrl/backends/ray.py``, ``ranks.py``): the marker is a class constant, read without a call."""
 
     prev_logprobs_from_forward: Literal[True]
 

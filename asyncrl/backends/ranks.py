@@ -121,6 +121,8 @@ class RankGroupPolicy:
         self.data_parallel = 1 + max(d for d, _ in self.layout)
         self.tensor_parallel = 1 + max(t for _, t in self.layout)
         self._ended: str | None = None  # why the group ended (a rank died), once it did
+        if getattr(ranks[0], "prev_logprobs_from_forward", False):  # each rank takes its rows' from its forward
+            self.prev_logprobs_from_forward = True  # PrevLogprobsFromForward: the controller skips logprobs
 
     @classmethod
     def start(cls, policy_cls: type, args: tuple, cfg: Any) -> RankGroupPolicy:

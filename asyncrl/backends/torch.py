@@ -223,6 +223,9 @@ class TorchPolicy:
     """
 
     prev_logprobs_from_forward: Literal[True] = True  # one optimizer step per RL step makes it exact (docstring)
+    # Through a Ray proxy these return at once and the proxy's next call waits for them (asyncrl/backends/ray.py):
+    # nothing reads what they return, and a step's calls reach the actor back to back.
+    ray_pipelined = frozenset({"begin_train_step", "train_microbatches"})
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
