@@ -41,6 +41,9 @@ already built, prints each candidate's stage times, and measures the candidate w
 may change only what does not rebuild the engine: batch shape, ``trainer.*``, and of ``generation.*`` only the
 per-request sampling settings (``SAMPLING_KEYS``: completion lengths, temperature), which each run hands to the
 generator already built.
+``--timeline`` records, in repeat 0 of each mode, every driver-side call of both pumps and each GPU's busy blocks on
+one clock: a table of milliseconds a step per call, ``timeline_<mode>.csv`` and a picture of six steps
+(``timeline_<mode>.png``). It is how the time a step spends on neither GPU was found.
 ``--async-steps`` lets the asynchronous runs go on for more steps than the synchronous ones (same wall time, so the
 reward curves show where each stands when the other stops).
 Files under ``--out`` (default ``$OUT`` or ``runs/bench_two_gpus``): ``results.json``, ``runs.csv``,
@@ -65,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl import Controller, load_config  # noqa: E402
 from asyncrl.algorithms import GRPOLoss  # noqa: E402
 from asyncrl.backends import GENERATORS, POLICIES, _load  # noqa: E402
+from asyncrl.backends.base import PrevLogprobsFromForward  # noqa: E402
 from asyncrl.backends.device_lock import device_lock_stats  # noqa: E402
 from asyncrl.backends.hf import load_tokenizer  # noqa: E402
 from asyncrl.backends.ray import RemoteBackend, ensure_ray, remote  # noqa: E402
@@ -122,6 +126,8 @@ class StampedPolicy:
 
     def __init__(self, policy, t0: float) -> None:
         self._policy, self.t0, self.stamps = policy, t0, []
+        if isinstance(policy, PrevLogprobsFromForward):  # an instance attribute: Python 3.12's isinstance on a
+            self.prev_logprobs_from_forward = True  # Protocol reads members statically, not through __getattr__
 
     def finish_train_step(self, *args, **kwargs):
         out = self._policy.finish_train_step(*args, **kwargs)
@@ -130,6 +136,103 @@ class StampedPolicy:
 
     def __getattr__(self, name):
         return getattr(self._policy, name)
+
+
+class Timeline:
+    """``--timeline``: where a step's wall time goes. Spans ``(lane, name, start, end)`` in perf_counter seconds
+    (CLOCK_MONOTONIC: one clock for the driver and the actors of this host): the driver's calls by pump thread
+    (ticks, dispatch, collect, every generation-backend call, every policy call, the weight sync) and each actor's
+    GPU blocks (``device_lock_spans``)."""
+
+    def __init__(self) -> None:
+        self.spans: list[tuple[str, str, float, float]] = []
+
+    def timed(self, name: str, fn):
+        import threading
+
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                lane = threading.current_thread().name.replace("asyncrl-", "").replace("-pump", "")
+                self.spans.append((lane, name, start, time.perf_counter()))
+        return call
+
+    def instrument(self, ctrl, stamped: StampedPolicy) -> None:
+        for name in ("rollout_tick", "train_tick", "_dispatch", "_collect", "_optimizer_step", "_finish_step"):
+            setattr(ctrl, name, self.timed(name.strip("_"), getattr(ctrl, name)))
+        generation_call = ctrl._generation_call
+        ctrl._generation_call = lambda what, fn, *a: self.timed(f"gen.{what}", generation_call)(what, fn, *a)
+        ctrl.sync_weights = self.timed("weight_sync", ctrl.sync_weights)
+        for name in ("begin_train_step", "train_microbatches", "finish_train_step", "logprobs"):
+            setattr(stamped, name, self.timed(f"policy.{name}", getattr(stamped, name)))
+
+    def add_gpu(self, lane: str, spans) -> None:
+        self.spans.extend((lane, name, start, end) for name, start, end in spans)
+
+    def frame(self, t0: float, t1: float) -> pd.DataFrame:
+        f = pd.DataFrame(self.spans, columns=["lane", "name", "start", "end"])
+        f = f[(f.start >= t0) & (f.end <= t1)].copy()
+        f["ms"] = 1e3 * (f.end - f.start)
+        return f
+
+
+def _gpu_spans(host) -> list:  # runs in an actor (RemoteBackend.apply_remote)
+    from asyncrl.backends.device_lock import device_lock_spans
+
+    return device_lock_spans()
+
+
+def timeline_report(timeline: Timeline, generator, policy, t0: float, t1: float, steps: int, mode: str,
+                    out: Path) -> pd.DataFrame:
+    """Per step: milliseconds in each (lane, call), and the share of the window each lane was inside a tick or a
+    GPU block; the spans of the window go to ``timeline_<mode>.csv`` and a picture of 6 steps to
+    ``timeline_<mode>.png``."""
+    import ray
+
+    for lane, backend in (("gen GPU", generator), ("train GPU", policy)):
+        if isinstance(backend, RemoteBackend):
+            timeline.add_gpu(lane, ray.get(backend.apply_remote(_gpu_spans)))
+    f = timeline.frame(t0, t1)
+    f.assign(start=f.start - t0, end=f.end - t0).to_csv(out / f"timeline_{mode}.csv", index=False)
+    table = f.groupby(["lane", "name"]).ms.agg(["count", "sum", "median", "max"])
+    table["ms_per_step"] = table["sum"] / steps
+    say(f"\ntimeline of one {mode} run ({steps} steps, {1e3 * (t1 - t0) / steps:.1f} ms a step):")
+    say(table[["count", "ms_per_step", "median", "max"]].to_string(float_format=lambda x: f"{x:.2f}"))
+    _plot_timeline(f, t0, out / f"timeline_{mode}.png", mode)
+    return table.reset_index().assign(mode=mode)
+
+
+def _plot_timeline(f: pd.DataFrame, t0: float, path: Path, mode: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = f[f.name == "finish_step"].sort_values("end")
+    if len(steps) < 8:
+        return
+    lo, hi = steps.end.iloc[1], steps.end.iloc[7]  # six whole steps after the first of the window
+    part = f[(f.end > lo) & (f.start < hi)]
+    names = sorted(part.name.unique())
+    colours = {n: plt.cm.tab20(i % 20) for i, n in enumerate(names)}
+    lanes = ["rollout", "train", "gen GPU", "train GPU"]
+    fig, ax = plt.subplots(figsize=(12, 4))
+    for y, lane in enumerate(lanes):
+        rows = part[part.lane == lane].sort_values("ms", ascending=False)  # enclosing spans first, calls on top
+        for r in rows.itertuples():
+            h = 0.8 if r.name.endswith("_tick") else 0.5 if "." not in r.name else 0.3
+            ax.broken_barh([(1e3 * (r.start - lo), 1e3 * (r.end - r.start))], (y - h / 2, h),
+                           color=colours[r.name], edgecolor="black", linewidth=0.2)
+    ax.set_yticks(range(len(lanes)), lanes)
+    ax.set_xlabel("ms")
+    ax.set_title(f"{mode}: six steps (driver pumps and each GPU's busy blocks)", fontsize=9)
+    ax.legend(handles=[plt.Rectangle((0, 0), 1, 1, color=colours[n]) for n in names], labels=names, fontsize=6,
+              ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.18))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def parse_overrides(items) -> dict:
@@ -227,7 +330,8 @@ _build_weight_sync = _weight_sync.build_weight_sync
 _weight_sync.build_weight_sync = _one_weight_sync_per_pair
 
 
-def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: int, steps: int, rebuild: bool):
+def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: int, steps: int, rebuild: bool,
+            timeline_out: Path | None = None):
     t_build = time.perf_counter()
     if rebuild:  # else the policy is the one just built, as this run's config asks
         policy = fresh_policy(cfg, tok, policy)
@@ -239,15 +343,21 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     parts0 = len(generator.sync_parts()) if hasattr(generator, "sync_parts") else 0
     t0 = time.perf_counter()
     stamped = ctrl.policy = StampedPolicy(policy, t0)
+    timeline = Timeline() if timeline_out is not None else None
+    if timeline is not None:
+        timeline.instrument(ctrl, stamped)
     if warmup:
         ctrl.run(warmup, progress=False)
     g0, tr0, w0 = gen.busy(), train.busy(), gen.waited() + train.waited()
     rows0 = len(ctrl.metrics)
     t1 = time.perf_counter()
     ctrl.run(steps, progress=False)
-    wall = time.perf_counter() - t1
+    t2 = time.perf_counter()
+    wall = t2 - t1
     g1, tr1, w1 = gen.busy(), train.busy(), gen.waited() + train.waited()
     m = ctrl.metrics.iloc[rows0:]
+    if timeline is not None:
+        timeline_report(timeline, generator, policy, t1, t2, len(m), mode, timeline_out)
     parts = pd.DataFrame(generator.sync_parts()[parts0:] if hasattr(generator, "sync_parts") else [])
     parts = parts[parts.version > warmup] if len(parts) else parts
     n = len(m)
@@ -260,6 +370,7 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         "push_wait_s_median": float(m.sync_time_s.median()), "push_wait_s_max": float(m.sync_time_s.max()),
         "completion_tokens_per_step": float(m.completion_tokens.mean()),
         "lag_mean": float(m.lag_mean.mean()), "lag_max": int(m.lag_max.max()),
+        "groups_evicted": int(m.groups_evicted.sum()) if "groups_evicted" in m else 0,  # generated, never trained
         "reward_last5": float(ctrl.metrics.reward_mean.tail(5).mean()),
         "build_s": build_s,
     }
@@ -335,6 +446,8 @@ def main() -> int:
                         help="a candidate batch shape: one short sync run each, the most balanced one is measured")
     parser.add_argument("--probe-steps", type=int, default=10, help="timed steps of each probe run (after --warmup)")
     parser.add_argument("--out", default=os.environ.get("OUT", "runs/bench_two_gpus"))
+    parser.add_argument("--timeline", action="store_true",
+                        help="repeat 0 of each mode also records where each step's time goes (Timeline)")
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args()
     dry = args.cpu_dry_run
@@ -389,7 +502,8 @@ def main() -> int:
             for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")):
                 n = async_steps if mode == "async" else steps
                 rebuild = bool(probed or rows) or cfgs[mode].trainer != cfg.trainer
-                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n, rebuild)
+                row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n, rebuild,
+                                             out if args.timeline and r == 0 else None)
                 rows.append(row)
                 curves.append(curve)
                 say(f"  {row['run']}: " + ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -403,7 +517,7 @@ def main() -> int:
     cols = ["steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "gen_gpu_idle", "train_gpu_idle",
             "device_lock_wait_per_step_s", "push_wait_s_median", "push_wait_s_max", "sync_receive_s_median",
             "sync_swap_wait_s_median", "sync_load_s_median", "sync_reset_s_median", "completion_tokens_per_step",
-            "lag_max", "reward_last5"]
+            "lag_max", "groups_evicted", "reward_last5"]
     summary = runs.groupby("mode")[cols].agg(["median", "min", "max"])
     med = runs.groupby("mode")[cols].median()
     sync_gen, sync_train = med.loc["sync", "gen_busy_per_step_s"], med.loc["sync", "train_busy_per_step_s"]

@@ -23,18 +23,21 @@ from __future__ import annotations
 import functools
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from contextlib import contextmanager
 from typing import Any, Iterator
 
 import torch
 
-__all__ = ["exclusive_device", "holds_device", "device_lock_stats"]
+__all__ = ["exclusive_device", "holds_device", "device_lock_stats", "device_lock_spans"]
 
 _GUARD = threading.Lock()
 _LOCKS: dict[int, threading.RLock] = {}
 _STATS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # name -> [held_s, waited_s, blocks]
 _DEPTH = threading.local()
+# The latest blocks as (name, start, end) in time.perf_counter() seconds: CLOCK_MONOTONIC on Linux, one clock for
+# every process of the host, so a benchmark can lay the GPU blocks of two actors beside the driver's calls.
+_SPANS: deque[tuple[str, float, float]] = deque(maxlen=20_000)
 
 
 @contextmanager
@@ -60,8 +63,11 @@ def exclusive_device(device: Any, name: str = "engine") -> Iterator[None]:
             finally:
                 _DEPTH.n -= 1
                 if outer:
+                    end = time.perf_counter()
+                    with _GUARD:  # read by device_lock_spans() from another thread
+                        _SPANS.append((name, got, end))
                     entry = _STATS[name]
-                    entry[0] += time.perf_counter() - got
+                    entry[0] += end - got
                     entry[1] += got - asked
                     entry[2] += 1
 
@@ -84,3 +90,10 @@ def device_lock_stats(reset: bool = False) -> dict[str, dict[str, float]]:
         if reset:
             _STATS.clear()
     return out
+
+
+def device_lock_spans() -> list[tuple[str, float, float]]:
+    """The latest blocks of GPU work in this process (at most 20,000): ``(engine, start, end)``, perf_counter
+    seconds, oldest first."""
+    with _GUARD:
+        return list(_SPANS)
