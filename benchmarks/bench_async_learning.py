@@ -122,7 +122,8 @@ def summarise(curves: pd.DataFrame) -> pd.DataFrame:
             "sync_first_0.6": int(sync06[0]) if len(sync06) else None,
             "async_reaches_sync_final_at": reach,
             "async_steps_over_sync": round(reach / len(s), 2) if reach is not None else None,
-            "async_min_after": round(low, 3), "async_final": round(float(a.reward_mean.tail(5).mean()), 3),
+            "async_min_after": round(low, 3), "async_peak": round(float(a5.max()), 3),
+            "async_final": round(float(a.reward_mean.tail(5).mean()), 3),
             "collapsed": bool(low < 0.5 * target),
         })
     return pd.DataFrame(rows)

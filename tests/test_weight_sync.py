@@ -114,8 +114,6 @@ def test_two_device_preset_validates():
         "ray", "ray", "collective")
     assert heavy.model == load_config("gpu_gen_heavy").model and heavy.groups_per_step * heavy.group_size >= 256
     # the balanced preset is gpu_two_devices with fewer completions a step (its stage times measured within 25%)
-    # and a lower learning rate (asynchronous runs at 1e-3 collapsed: benchmarks/bench_async_learning.py)
     balanced = load_config("gpu_two_devices_balanced")
-    assert balanced.group_size < cfg.group_size and balanced.trainer.lr < cfg.trainer.lr
-    assert balanced.model_dump(exclude={"group_size", "trainer"}) == cfg.model_dump(exclude={"group_size", "trainer"})
-    assert balanced.trainer.model_dump(exclude={"lr"}) == cfg.trainer.model_dump(exclude={"lr"})
+    assert balanced.group_size < cfg.group_size
+    assert balanced.model_dump(exclude={"group_size"}) == cfg.model_dump(exclude={"group_size"})
