@@ -24,7 +24,8 @@ from pydantic import BaseModel, ValidationError
 from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY
 
 
-def _overrides(pairs: list[str]) -> dict:
+def parse_overrides(pairs: list[str]) -> dict:
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``: ``--set`` values, dotted keys, YAML values."""
     out: dict = {}
     for pair in pairs:
         if "=" not in pair:
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # nothing is written before the config, the output directory and the controller are known to be good
         if args.out is None and args.resume is None:
             raise ValueError("give --out DIR (or --resume DIR to continue a run)")
-        out, overrides = Path(args.out or args.resume), _overrides(args.set)
+        out, overrides = Path(args.out or args.resume), parse_overrides(args.set)
         resume = resolve(args.resume) if args.resume else None  # its newest complete checkpoint
         every = args.checkpoint_every
         if every is None and resume is not None:  # a resumed run keeps checkpointing as it did
@@ -244,7 +245,7 @@ def simulate(args: argparse.Namespace) -> int:
     from asyncrl.controller import Controller
 
     try:
-        cfg = load_config(args.config, **_overrides(args.set))
+        cfg = load_config(args.config, **parse_overrides(args.set))
         _check_writable(Path(args.out))
         sim = sim_module.Simulation(Controller.from_config(cfg))
     except (ValueError, TypeError, ImportError, OSError) as exc:  # pydantic's ValidationError is a ValueError

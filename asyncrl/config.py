@@ -456,7 +456,8 @@ def _check_collective_weight_sync(cfg: Config) -> None:
 _VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
 
 
-def _merge(base: dict, overrides: dict) -> dict:
+def merge_overrides(base: dict, overrides: dict) -> dict:
+    """``base`` with nested ``overrides`` applied, as ``load_config(preset, **overrides)`` applies them to a preset."""
     out = dict(base)
     for key, value in overrides.items():
         # A new sampler name replaces the sampler block: knobs of one policy are errors for another.
@@ -469,7 +470,7 @@ def _merge(base: dict, overrides: dict) -> dict:
             fields = _VARIANTS[key].get(value["backend"], _Knobs).model_fields
             out[key] = {**{k: v for k, v in out[key].items() if k in fields}, **value}
         elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_overrides(out[key], value)
         else:
             out[key] = value
     return out
@@ -492,4 +493,4 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
         elif not path.exists():
             raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
         data = yaml.safe_load(path.read_text()) or {}
-    return Config.model_validate(_merge(data, overrides))
+    return Config.model_validate(merge_overrides(data, overrides))

@@ -341,7 +341,7 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
     """One simulation per sampler x window x latency setting x seed: a DataFrame with one row each (the
     summary's numbers). ``latencies`` maps a label to config overrides, e.g.
     ``{"long tail": {"generation": {"lengths": "pareto", "pareto_alpha": 1.5}}}``."""
-    from asyncrl.config import _merge
+    from asyncrl.config import merge_overrides
 
     latencies = dict(latencies or {"preset": {}})
     rows = []
@@ -350,7 +350,7 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
             for window in windows:
                 for seed in seeds:
                     sampler = {"name": name, SAMPLERS[name].window_knob: window}
-                    cfg = load_config(preset, **_merge(_merge(dict(overrides), dict(latency)),
+                    cfg = load_config(preset, **merge_overrides(merge_overrides(dict(overrides), dict(latency)),
                                                        {"sampler": sampler, "seed": seed}))
                     sim = simulate(cfg, steps)
                     s = sim.summary()
@@ -374,7 +374,7 @@ class Calibration:
 
     def config_for(self, sampler: Mapping, **overrides: Any) -> Config:
         """The real run's config on the simulated backends with the fitted knobs and ``sampler``."""
-        from asyncrl.config import _merge
+        from asyncrl.config import merge_overrides
 
         sim = {
             "generation": {"backend": "simulated", "placement": "local", "weight_sync": "driver",
@@ -382,7 +382,7 @@ class Calibration:
             "trainer": {"backend": "simulated", "placement": "local", **self.training.model_dump()},
             "eval_every": None, "sampler": dict(sampler),
         }
-        return Config.model_validate(_merge(_merge(self.config.model_dump(mode="json"), sim), overrides))
+        return Config.model_validate(merge_overrides(merge_overrides(self.config.model_dump(mode="json"), sim), overrides))
 
     def predict(self, sampler: Mapping, steps: int = 300, **overrides: Any) -> dict[str, Any]:
         """The summary of a simulation of ``steps`` steps under ``sampler``."""

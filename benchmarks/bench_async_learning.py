@@ -37,9 +37,11 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import pandas as pd
-import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl.cli import parse_overrides  # noqa: E402
+from asyncrl.config import merge_overrides  # noqa: E402
 
 OLD = {"trainer": {"lr": 1.0e-3}, "loss": {"truncation": "tis", "is_cap": 2.0, "entropy_coef": 0.03}}
 MODES = {"sync": {"name": "in_order", "max_lookahead_versions": 0},
@@ -63,36 +65,11 @@ def cpu_overrides(preset: str) -> dict:
     }
 
 
-def nested(assignments: str) -> dict:
-    """``a.b=1;c=x`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
-    out: dict = {}
-    for item in filter(None, assignments.split(";")):
-        key, _, value = item.partition("=")
-        *parents, leaf = key.strip().split(".")
-        node = out
-        for p in parents:
-            node = node.setdefault(p, {})
-        parsed = yaml.safe_load(value)
-        try:  # YAML 1.1 reads 3e-4 (no dot) as a string
-            parsed = float(parsed) if isinstance(parsed, str) else parsed
-        except ValueError:
-            pass
-        node[leaf] = parsed
-    return out
-
-
-def merge(a: dict, b: dict) -> dict:
-    out = dict(a)
-    for k, v in b.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
 def one_run(job: tuple) -> pd.DataFrame:
     preset, setting, overrides, seed, mode, steps = job
     from asyncrl import Controller, load_config
 
-    cfg = load_config(preset, **merge(merge(cpu_overrides(preset), overrides), {"seed": seed, "sampler": MODES[mode]}))
+    cfg = load_config(preset, **merge_overrides(merge_overrides(cpu_overrides(preset), overrides), {"seed": seed, "sampler": MODES[mode]}))
     with Controller.from_config(cfg) as ctrl:
         if mode == "async":
             ctrl.rollout_tick()  # one batch ahead: from here on each step trains rollouts one version old
@@ -150,7 +127,7 @@ def main() -> None:
     settings = {}
     for spec in args.settings.split(","):
         name, _, assignments = spec.partition(":")
-        settings[name] = {"preset": {}, "old": OLD}.get(name, None) if not assignments else nested(assignments)
+        settings[name] = {"preset": {}, "old": OLD}.get(name, None) if not assignments else parse_overrides(filter(None, assignments.split(";")))
         if settings[name] is None:
             raise SystemExit(f"unknown setting {name!r}: 'preset', 'old' or NAME:KEY=VALUE[;KEY=VALUE]")
     seeds = parse_seeds(args.seeds)

@@ -65,8 +65,9 @@ import pandas as pd
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl import Controller, load_config  # noqa: E402
+from asyncrl import Controller, cli, load_config  # noqa: E402
 from asyncrl.algorithms import GRPOLoss  # noqa: E402
+from asyncrl.config import merge_overrides  # noqa: E402
 from asyncrl.backends import GENERATORS, POLICIES, _load  # noqa: E402
 from asyncrl.backends.base import PrevLogprobsFromForward  # noqa: E402
 from asyncrl.backends.device_lock import device_lock_stats  # noqa: E402
@@ -236,27 +237,11 @@ def _plot_timeline(f: pd.DataFrame, t0: float, path: Path, mode: str) -> None:
 
 
 def parse_overrides(items) -> dict:
-    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}`` (values parsed as YAML)."""
-    import yaml
-
-    out: dict = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"an override is KEY=VALUE (dotted key), got {item!r}")
-        node = out
-        *parents, last = key.strip().split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[last] = yaml.safe_load(value)
-    return out
-
-
-def _deep_merge(base: dict, extra: dict) -> dict:
-    out = dict(base)
-    for k, v in extra.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``: the CLI's ``--set``."""
+    try:
+        return cli.parse_overrides(items)
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def configs(preset: str, dry: bool, overrides: dict | None = None):
@@ -264,8 +249,8 @@ def configs(preset: str, dry: bool, overrides: dict | None = None):
     if dry:
         base = dict(trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": "collective"},
                     eval_every=None)
-        return {m: load_config("quickstart", sampler=s, **_deep_merge(base, overrides)) for m, s in SAMPLERS.items()}
-    return {m: load_config(preset, sampler=s, **_deep_merge({"eval_every": None}, overrides))
+        return {m: load_config("quickstart", sampler=s, **merge_overrides(base, overrides)) for m, s in SAMPLERS.items()}
+    return {m: load_config(preset, sampler=s, **merge_overrides({"eval_every": None}, overrides))
             for m, s in SAMPLERS.items()}
 
 
@@ -465,7 +450,7 @@ def main() -> int:
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
     cfgs = configs(args.preset, dry, overrides)
     for probe in probes:  # validate every candidate before anything is built
-        configs(args.preset, dry, _deep_merge(overrides, probe))
+        configs(args.preset, dry, merge_overrides(overrides, probe))
     cfg = cfgs["sync"]
     if "ray" in (cfg.trainer.placement, cfg.generation.placement):
         ensure_ray()
@@ -485,7 +470,7 @@ def main() -> int:
     say(f"generator built in {time.perf_counter() - t0:.1f} s")
     try:
         for i, probe in enumerate(probes):
-            pcfg = configs(args.preset, dry, _deep_merge(overrides, probe))["sync"]
+            pcfg = configs(args.preset, dry, merge_overrides(overrides, probe))["sync"]
             row, _, policy = one_run(pcfg, "sync", -1 - i, generator, policy, task, tok, warmup, args.probe_steps,
                                      rebuild=i > 0 or pcfg.trainer != cfg.trainer)
             probed.append({"probe": probe, "steps_per_s": row["steps_per_s"], "gen_s": row["gen_busy_per_step_s"],
@@ -495,7 +480,7 @@ def main() -> int:
                 f"{row['gen_busy_per_step_s']:.4g} s, training {row['train_busy_per_step_s']:.4g} s a step, imbalance {probed[-1]['imbalance']:.2f}")
         if probed:
             chosen = min(probed, key=lambda p: p["imbalance"])["probe"]
-            cfgs = configs(args.preset, dry, _deep_merge(overrides, chosen))
+            cfgs = configs(args.preset, dry, merge_overrides(overrides, chosen))
             say(f"measuring the most balanced probe: {chosen}")
             label += " " + ",".join(args.probe[[p["probe"] for p in probed].index(chosen)].split(","))
         for r in range(args.repeats):
