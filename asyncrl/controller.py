@@ -148,7 +148,7 @@ class Controller(FaultContainment):
         ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self._lock:
             report = self._dispatch()
-        self._collect(self._poll(wait_s if self.inflight else 0.0), report)
+        self._collect(self._poll(wait_s), report)
         self.last_report = report
         return report
 

@@ -164,7 +164,10 @@ class FaultContainment:
             self._flush_unsent()
             if self._unsent:
                 return []
-        finished = self._generation_call("poll", self.generator.poll, timeout)
+        # The backend waits for a group only if one is in flight; the backoff above applies either way, so a run
+        # spaces its retries even while nothing is in flight (a failing tick writes a trace row, so the pump looks
+        # again at once instead of waiting on the controller: the backoff is what paces it).
+        finished = self._generation_call("poll", self.generator.poll, timeout if self.inflight else 0.0)
         if finished is _FAILED or not finished:
             # Lost groups: after a poll that failed or returned nothing (so no result awaits collection), a
             # backend with nothing in flight will never return the groups we sent it.

@@ -338,3 +338,29 @@ def test_a_pump_never_sleeps_through_a_step_that_came_during_its_tick():
     assert forced, "the interleaving was never forced: the check would pass vacuously"
     assert not slept, f"the rollout pump waited after a step had opened its gate (at T={slept})"
     accounting(ctrl)
+
+
+def test_a_run_spaces_generation_retries_by_the_backoff():
+    """A generation backend that keeps failing is retried after ``faults.backoff(n)`` seconds each time, also while
+    nothing is in flight (the gate shut during a long step), until ``generation_retries`` are spent: a run must
+    not burn its retry budget in a few milliseconds (the pumps look again at once after a tick that wrote a trace
+    row; the backoff is what paces them)."""
+    ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.002,
+                     faults={"generation_retries": 4, "backoff_s": 0.05, "max_backoff_s": 0.2})
+    ctrl.run(2, progress=False)
+    finish, poll, attempts = ctrl.policy.finish_train_step, ctrl.generator.poll, []
+    ctrl.policy.finish_train_step = lambda: time.sleep(2.0) or finish()  # a long step: the gate stays shut
+
+    def failing(timeout=0.0):
+        if ctrl.inflight:
+            return poll(timeout)
+        attempts.append(time.monotonic())
+        raise RuntimeError("the generation server went away")
+
+    ctrl.generator.poll = failing
+    _, error = in_thread(ctrl.run, 100, progress=False)
+    assert isinstance(error, GenerationFailed), repr(error)
+    assert len(attempts) == 5  # the first failure and 4 retries
+    gaps = [b - a for a, b in zip(attempts, attempts[1:])]
+    assert all(gap >= 0.95 * ctrl.cfg.faults.backoff(n) for n, gap in enumerate(gaps, start=1)), gaps
+    accounting(ctrl)
