@@ -299,6 +299,10 @@ class ReplayBuffer:
         buf._next_id = state["next_group_id"]
         return buf
 
+    def load_state_dict(self, state: dict) -> None:
+        """Become the buffer ``state`` describes, in place (a sampler built on this buffer keeps judging it)."""
+        self.__dict__.update(ReplayBuffer.from_state_dict(state).__dict__)
+
     def __repr__(self) -> str:
         return f"ReplayBuffer({len(self)} slots: {self.num_ready} ready, {self.num_pending} pending)"
 

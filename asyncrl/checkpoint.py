@@ -1,4 +1,6 @@
-"""Checkpoints on disk: atomic directories that load without unpickling code.
+"""Checkpoints on disk: atomic directories that load without unpickling code. The format is a file layout around
+``Controller.state_dict()`` (``save``) and ``Controller.load_state_dict()`` (``restore``); the controller is never
+built here and then overwritten.
 
 One checkpoint is a directory:
 
@@ -39,16 +41,11 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import yaml
-
-from asyncrl.samplers import TargetStamping
-
-if TYPE_CHECKING:
-    from asyncrl.controller import Controller
 
 FORMAT = 1
 PREFIX = "step-"
@@ -144,7 +141,7 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_periodic(ctrl: Controller, directory: str | Path, keep: int) -> Path:
+def save_periodic(ctrl: Any, directory: str | Path, keep: int) -> Path:
     """``checkpoint_every``: ``directory/step-XXXXXX``, then delete all but the newest ``keep`` complete ones."""
     directory = Path(directory)
     path = ctrl.save(directory / f"{PREFIX}{ctrl.trainer_version:06d}")
@@ -201,47 +198,53 @@ def shapes(policy_state: dict) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
-# --- the controller's side -------------------------------------------------------------------------------------
-def save(ctrl: Controller, path: str | Path) -> Path:
-    """``Controller.save``: gather the state under the controller's lock and ``write`` it."""
+# --- the controller's side: a file format around ``Controller.state_dict`` / ``load_state_dict`` --------------
+def save(ctrl: Any, path: str | Path) -> Path:
+    """``Controller.save`` (which holds the controller's lock): ``ctrl.state_dict()`` split into the four files."""
     import asyncrl
 
-    with ctrl._lock:
-        if ctrl._step.started:
-            raise RuntimeError(
-                f"cannot save in the middle of step {ctrl.trainer_version}: {ctrl._step.groups} of "
-                f"{ctrl.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
-            )
-        policy = ctrl.policy.state_dict()
-        generator = ctrl.generator.state_dict()
-        buffer = ctrl.buffer.state_dict()
-        for row in buffer["slots"]:  # dataclasses (Prompt, GroupRollouts) become plain JSON objects
-            row["prompt"] = _jsonable(row["prompt"]) if row["prompt"] is not None else None
-            row["rollouts"] = _jsonable(row["rollouts"]) if row["rollouts"] is not None else None
-        meta = {
-            "asyncrl_version": asyncrl.__version__,
-            "model": ctrl.cfg.model.model_dump(mode="json"),
-            "shapes": shapes(policy),
-            "trainer_version": ctrl.trainer_version,
-            "data_position": ctrl.data_position,
-            "exhausted": ctrl.exhausted,
-            "dispatch_index": ctrl.sampler.dispatch_index,
-            "sampler": ctrl.cfg.sampler.model_dump(mode="json"),
-        }
-        state = {"buffer": buffer, "trace": ctrl._trace, "metrics": ctrl._metrics, "evaluations": ctrl._evals}
-        tensors = {"policy": policy, "generator": generator, "torch_rng": torch.get_rng_state()}
-        return write(path, meta, ctrl.cfg.model_dump(mode="json"), state, tensors)
+    state = ctrl.state_dict()
+    buffer = state["buffer"]
+    for row in buffer["slots"]:  # dataclasses (Prompt, GroupRollouts) become plain JSON objects
+        row["prompt"] = _jsonable(row["prompt"]) if row["prompt"] is not None else None
+        row["rollouts"] = _jsonable(row["rollouts"]) if row["rollouts"] is not None else None
+    meta = {
+        "asyncrl_version": asyncrl.__version__,
+        "model": ctrl.cfg.model.model_dump(mode="json"),
+        "shapes": shapes(state["policy"]),
+        **{key: state[key] for key in META_KEYS},
+    }
+    files = {key: state[key] for key in STATE_KEYS}
+    tensors = {key: state[key] for key in TENSOR_KEYS}
+    return write(path, meta, ctrl.cfg.model_dump(mode="json"), files, tensors)
 
 
-def restore(cls: type[Controller], path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Controller:
-    """``Controller.restore`` (its docstring says what a sampler change does). Every check that can fail runs
-    before anything is loaded."""
-    import asyncrl
-    from asyncrl.data import GenerationRequest, GroupRollouts
-    from asyncrl.buffer import ReplayBuffer
-    from asyncrl.config import Config, check_sampler_fits
-    from asyncrl.samplers import build_sampler, sampler_config
+# Where each key of ``Controller.state_dict()`` is stored: meta.json, state.json, tensors.pt.
+META_KEYS = ("trainer_version", "data_position", "exhausted", "dispatch_index", "sampler")
+STATE_KEYS = ("buffer", "trace", "metrics", "evaluations")
+TENSOR_KEYS = ("policy", "generator", "torch_rng")
+
+
+def state_dict(ckpt: Checkpoint) -> dict:
+    """A checkpoint's files as ``Controller.load_state_dict`` takes them (buffer slots as ``Prompt`` and
+    ``GroupRollouts`` again)."""
+    from asyncrl.data import GroupRollouts
     from asyncrl.tasks import Prompt
+
+    state = {**{key: ckpt.meta[key] for key in META_KEYS}, **{key: ckpt.state[key] for key in STATE_KEYS},
+             **{key: ckpt.tensors[key] for key in TENSOR_KEYS}}
+    for row in state["buffer"]["slots"]:
+        row["prompt"] = Prompt(**row["prompt"]) if row["prompt"] is not None else None
+        row["rollouts"] = GroupRollouts(**row["rollouts"]) if row["rollouts"] is not None else None
+    return state
+
+
+def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Any:
+    """``Controller.restore`` (its docstring says what a sampler change does): read, check, build the controller
+    ``cls.from_config``, then ``load_state_dict``. Every check that can fail runs before anything is loaded."""
+    import asyncrl
+    from asyncrl.config import Config
+    from asyncrl.samplers import sampler_config
 
     if on_sampler_change not in ("rejudge", "drop"):
         raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {on_sampler_change!r}")
@@ -258,54 +261,5 @@ def restore(cls: type[Controller], path: str | Path, sampler: Any, config: Any, 
     except CheckpointError:
         ctrl.close()
         raise
-    meta, state = ckpt.meta, ckpt.state
-    ctrl.policy.load_state_dict(ckpt.tensors["policy"])
-    for row in state["buffer"]["slots"]:
-        row["prompt"] = Prompt(**row["prompt"]) if row["prompt"] is not None else None
-        row["rollouts"] = GroupRollouts(**row["rollouts"]) if row["rollouts"] is not None else None
-    ctrl.buffer = ReplayBuffer.from_state_dict(state["buffer"])
-    ctrl.sampler = build_sampler(cfg.sampler, ctrl.buffer)
-    check_sampler_fits(ctrl.sampler, cfg)
-    ctrl.capacity = cfg.buffer_capacity(ctrl.sampler.required_buffer_capacity(cfg.groups_per_step))
-    T = ctrl.trainer_version = meta["trainer_version"]
-    ctrl.data_position, ctrl.exhausted = meta["data_position"], meta["exhausted"]
-    ctrl._trace = [tuple(row) for row in state["trace"]]
-    ctrl._metrics, ctrl._evals, ctrl._frames = state["metrics"], state["evaluations"], {}
-    ctrl.sync_weights(T)
-    if ckpt.tensors["generator"] is not None:
-        ctrl.generator.load_state_dict(ckpt.tensors["generator"])
-    torch.set_rng_state(ckpt.tensors["torch_rng"])
-    for slot in ctrl.buffer.pending_slots():  # in flight at save time: generated again
-        ctrl.inflight[slot.group_id] = slot.weight_version
-        ctrl._unsent.append(GenerationRequest(slot.group_id, ctrl._encode(slot.prompt.text), cfg.group_size))
-    ctrl.sampler.set_dispatch_index(T)
-    with ctrl._lock:
-        if meta["sampler"] == cfg.sampler.model_dump(mode="json"):
-            ctrl.sampler.dispatch_index = meta["dispatch_index"]  # exact, including batches admitted ahead of T
-        else:
-            _rejudge(ctrl, meta["sampler"], on_sampler_change)
-        ctrl._flush_unsent()
+    ctrl.load_state_dict(state_dict(ckpt), on_sampler_change)
     return ctrl
-
-
-def _rejudge(ctrl: Controller, old: dict, how: str) -> None:
-    """Restore under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
-    T, N, new = ctrl.trainer_version, ctrl.cfg.groups_per_step, ctrl.cfg.sampler.name
-    change = f"restored under sampler {new} (was {old.get('name')})"
-    stamps = isinstance(ctrl.sampler, TargetStamping) and ctrl.sampler.stamps_target
-    for slot in ctrl.buffer.slots():
-        if how == "drop":
-            ctrl._skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
-        elif stamps and slot.target_step is None:
-            ctrl._skip(slot.group_id, f"{change}, which trains only groups stamped with a target step", replace=False)
-    for slot in reversed(ctrl.buffer.slots()[ctrl.capacity:]):
-        ctrl._skip(slot.group_id, f"{change}; over its capacity {ctrl.capacity}", replace=False)
-    kept = ctrl.buffer.slots()
-    if stamps:
-        ctrl.sampler.dispatch_index = max([T - 1] + [s.target_step for s in kept])
-    else:
-        ctrl.sampler.dispatch_index = T - 1 + -(-len(kept) // N)  # the batches it holds count as admitted
-    for slot in ctrl.sampler.evict(T):
-        ctrl._event("evict", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                    "on restore", f"{ctrl.sampler.__class__.__name__}.evict({T}) dropped it ({change})")
-    ctrl._take_skipped()

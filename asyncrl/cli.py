@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     1 when it failed; summary.json says which (``status``) and why."""
     from asyncrl.checkpoint import resolve
     from asyncrl.config import load_config
-    from asyncrl.controller import TRACE_COLUMNS, Controller
+    from asyncrl.controller import Controller
+    from asyncrl.trace import StepEvent, TraceRow
 
     stop = {"asked": False, "handle": None}
 
@@ -77,18 +78,25 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     metrics, trace = _CsvLog(out / "metrics.csv"), _CsvLog(out / "trace.csv")
-    metrics.write(ctrl._metrics)  # a resumed run's files start from its checkpoint's history, not the old files
-    trace.write(dict(zip(TRACE_COLUMNS, event)) for event in ctrl._trace)
+    events: list[TraceRow] = []  # written at each step (and at the end), with the step's metrics row
 
-    def on_step(row: dict, events: list[tuple]) -> None:
-        trace.write(dict(zip(TRACE_COLUMNS, event)) for event in events)
-        metrics.write([row])
+    def on_event(event: TraceRow | StepEvent) -> None:
+        events.append(event.row if isinstance(event, StepEvent) else event)
+        if isinstance(event, StepEvent):
+            trace.write(row._asdict() for row in events)
+            events.clear()
+            metrics.write([dict(event.metrics)])
+
+    # history=True: a resumed run's files start from its checkpoint's history, not the old files
+    subscription = ctrl.subscribe(on_event, history=True)
+    trace.write(row._asdict() for row in events)
+    events.clear()
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     error = None
     try:
         if args.steps > ctrl.trainer_version:  # --steps counts in all: a resumed run has done some
-            stop["handle"] = ctrl.start(args.steps - ctrl.trainer_version, progress=not args.quiet, on_step=on_step)
+            stop["handle"] = ctrl.start(args.steps - ctrl.trainer_version, progress=not args.quiet)
             if stop["asked"]:
                 stop["handle"].stop(wait=False)
             stop["handle"].wait()
@@ -97,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
         traceback.print_exception(exc)
     finally:
         signal.signal(signal.SIGINT, previous)
-    trace.write(dict(zip(TRACE_COLUMNS, event)) for event in ctrl._trace[trace.count:])  # after the last step
+    subscription.cancel()
+    trace.write(row._asdict() for row in events)  # after the last step
     metrics.close()
     trace.close()
     status = "failed" if error is not None else "interrupted" if stop["asked"] else "completed"

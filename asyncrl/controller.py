@@ -1,14 +1,16 @@
 """The single controller: a rollout pump and a train pump around one replay buffer, following one sampler.
 
-Read this file top to bottom: ``rollout_tick`` (admit, dispatch, collect, score, commit), ``train_tick`` (evict,
-select, logprobs, advantages, train, and at the end of a step: optimizer step, ``T += 1``, weight sync, abort),
-then ``start``/``run``, which drive the same two ticks from two threads so generation overlaps training (the loop,
-its pause/stop/breakpoints and its failure handling are in ``asyncrl.run_loop``).
+Read this file top to bottom: ``rollout_tick`` (the rollout pump, ``asyncrl/rollout.py``: admit, dispatch, poll,
+score, retry, skip, commit), ``train_tick`` (evict, select, logprobs, advantages, train, and at the end of a step:
+optimizer step, ``T += 1``, weight sync, abort), then ``start``/``run``, which drive the same two ticks from two
+threads so generation overlaps training (the loop, its pause/stop/breakpoints and its failure handling are in
+``asyncrl.run_loop``). The run state (``T``, in flight, trace, metrics, ...) is one ``RunState``
+(``asyncrl/state.py``) that this controller owns and hands to its pumps; observers ``subscribe`` to its events.
 
 Invariants:
 - The pumps never encode a policy: every admit/select/evict/abort decision is the sampler's.
 - Every admitted group is, exactly once, trained (``select``), evicted, aborted or skipped (given up after a fault,
-  ``_skip`` is the only way), and the trace says which and why. Every error caught is a ``fault`` event
+  ``RolloutPump.skip`` is the only way), and the trace says which and why. Every error caught is a ``fault`` event
   (``asyncrl/faults.py`` describes the budgets, retries and replacements).
 - Permits: ``len(buffer) <= capacity`` (a batch is dispatched only when all its groups fit) and in-flight groups
   never exceed ``max_inflight_groups``.
@@ -36,35 +38,42 @@ import pandas as pd
 import torch
 
 from asyncrl.algorithms import Loss, make_train_batch
-from asyncrl.backends.base import PrevLogprobsFromForward, StepMetrics
+from asyncrl.backends.base import ActorBackend, PrevLogprobsFromForward, StepMetrics, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.config import Config, check_sampler_fits
-from asyncrl.data import GenerationRequest, GroupRollouts
-from asyncrl.faults import _FAILED, ActorBackend, FaultContainment, GenerationFailed, RewardTypeError, StepShortfall
+from asyncrl.data import GenerationRequest
+from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
 from asyncrl import metrics as M
 from asyncrl.metrics import StepAccumulator
 from asyncrl.reports import ControllerState, TickReport
+from asyncrl.rollout import FAILED, RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle
-from asyncrl.samplers import StalenessWindow, build_sampler, explain_frame
-from asyncrl.trace import TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS  # noqa: F401  (all importable from here too)
+from asyncrl.samplers import AdmitsAhead, StalenessWindow, TargetStamping, build_sampler, explain_frame
+from asyncrl.state import RunState, Subscription
+from asyncrl.trace import (  # noqa: F401  (all importable from here too)
+    ABORT, EVICT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
+)
 from asyncrl.tracking import Tracker
 
 
 def _tick(method):
-    """A tick by hand is refused while a run's pumps go (pause the run first), and its time is active time for the
-    step timer."""
+    """A tick by hand is refused while a run's pumps go (pause the run first), its time is active time for the
+    step timer, and its events go to the subscribers when it ends."""
 
     @functools.wraps(method)
     def tick(self, *args, **kwargs):
         if self._run is not None:
             self._run.check_hand_tick()
-        with self._clock:
-            return method(self, *args, **kwargs)
+        try:
+            with self.clock:
+                return method(self, *args, **kwargs)
+        finally:
+            self._state.deliver()  # subscribers hear of the tick's events after it, outside the lock
 
     return tick
 
 
-class Controller(FaultContainment):
+class Controller:
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
         from asyncrl.tasks import PromptStream
 
@@ -80,24 +89,19 @@ class Controller(FaultContainment):
             raise ValueError(f"task {task.name!r} has no training prompts; a run needs at least one")
         self.capacity = cfg.buffer_capacity(self.sampler.required_buffer_capacity(cfg.groups_per_step))
         self.stream = PromptStream(task.train_prompts, seed=cfg.seed, max_epochs=cfg.max_epochs)
-        self.trainer_version = 0
-        self.data_position = 0
-        self.exhausted = False
-        self.inflight: dict[int, int] = {}  # group id -> weight version at dispatch
-        self._init_faults()  # FaultContainment's state (asyncrl/faults.py)
+        self._state = RunState()  # T, in flight, trace, metrics, ...: written only by this controller's pumps
+        self._lock = self._state.lock
+        self.faults = FaultContainment(cfg.faults, _backend_name(cfg.generation), _backend_name(cfg.trainer))
+        self._rollout = RolloutPump(self, self._state, self.faults)
         self.last_report: TickReport | None = None
-        self._lock = threading.RLock()
-        self._changed = threading.Condition(self._lock)
-        self._trace: list[tuple] = []
-        self._refused: str | None = None  # the last refusal traced, until the gate opens again
-        self._metrics: list[dict] = []
-        self._evals: list[dict] = []
         self.tracker = Tracker(cfg.tracking, cfg.model_dump(mode="json"))  # does nothing unless configured
+        if self.tracker.active:  # a sink like any other observer: each step's metrics row
+            self.subscribe(lambda event: self.tracker.log(event.metrics), events=STEP)
         self._frames: dict[str, tuple[int, pd.DataFrame]] = {}
         self._prompt_ids: dict[str, list[int]] = {}
         self._run: RunHandle | None = None  # the latest run (start/run); at most one goes at a time
-        self._clock = ActiveClock()  # time inside ticks or while a run goes: what the step timer counts
-        self._step = StepAccumulator(self._clock.now)  # the step in progress (STEP_METRICS); reset when it finishes
+        self.clock = ActiveClock()  # time inside ticks or while a run goes: what the step timer counts
+        self._step = StepAccumulator(self.clock.now)  # the step in progress (STEP_METRICS); reset when it finishes
         from asyncrl.backends.weight_sync import build_weight_sync
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
@@ -111,8 +115,8 @@ class Controller(FaultContainment):
             return
         context, new = self.cfg.model.max_position_embeddings, self.cfg.generation.max_new_tokens
         prompts = list(self.task.train_prompts) + list(self.task.eval_prompts)
-        longest = max(prompts, key=lambda p: len(self._encode(p.text)))
-        n = len(self._encode(longest.text))
+        longest = max(prompts, key=lambda p: len(self.encode(p.text)))
+        n = len(self.encode(longest.text))
         if n + new > context:
             raise ValueError(
                 f"prompt {longest.text[:60]!r} is {n} tokens; with generation.max_new_tokens {new} it needs {n + new} "
@@ -120,7 +124,7 @@ class Controller(FaultContainment):
                 "task's prompts, lower max_new_tokens or raise max_position_embeddings"
             )
 
-    def _encode(self, text: str) -> list[int]:
+    def encode(self, text: str) -> list[int]:
         """Prompt token ids, cached per controller: prompts repeat every epoch, and encoding is slow next to a lookup."""
         ids = self._prompt_ids.get(text)
         if ids is None:
@@ -144,113 +148,33 @@ class Controller(FaultContainment):
     # ------------------------------------------------------------------------------------------ rollout pump
     @_tick
     def rollout_tick(self, wait_s: float = 0.0) -> TickReport:
-        """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit. ``wait_s``: how long
-        ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
-        with self._lock:
-            report = self._dispatch()
-        self._collect(self._poll(wait_s), report)
+        """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit (``asyncrl/rollout.py``).
+        ``wait_s``: how long ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather
+        than spin)."""
+        report = self._rollout.tick(wait_s)
         self.last_report = report
         return report
-
-    def _dispatch(self) -> TickReport:
-        N, T = self.cfg.groups_per_step, self.trainer_version
-        report = TickReport("rollout", T)
-        limit = self.cfg.max_inflight_groups
-        if self.exhausted:
-            report.note = "no dispatch: the prompt stream is exhausted"
-        elif len(self.buffer) + N > self.capacity:
-            report.note = f"no dispatch: buffer holds {len(self.buffer)}, a batch of {N} needs room (capacity {self.capacity})"
-        elif limit is not None and len(self.inflight) + N > limit:
-            report.note = f"no dispatch: {len(self.inflight)} in flight, limit {limit}"
-        elif self._unsent:
-            report.note = f"no dispatch: {len(self._unsent)} group(s) wait to be re-submitted to the generation backend"
-        elif self.stream.exhausted(self.data_position + N - 1):
-            self.exhausted = True
-            report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
-        else:
-            gate = self.sampler.explain_admission(T)  # asked first: admit changes what it would say
-            admission = self.sampler.admit(T)
-            report.admitted = admission
-            if admission is None:
-                report.note = f"gate closed: {gate}"
-                if gate != self._refused:  # once per distinct refusal: a running pump asks a shut gate every poll
-                    self._refused = gate
-                    self._event("refuse", None, None, None, None, f"batch {self.sampler.dispatch_index + 1}", gate)
-                return report
-            self._refused = None
-            version = self._generation_call("version", lambda: self.generator.version)
-            if version is _FAILED:  # the fault is recorded; under the lock the generator holds weights T
-                version = T
-            self._event("admit", None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
-            requests = []
-            for _ in range(N):
-                prompt = self.stream.get(self.data_position)
-                self.data_position += 1
-                gid = self.buffer.reserve(version, admission.target_step, prompt=prompt)
-                requests.append(GenerationRequest(gid, self._encode(prompt.text), self.cfg.group_size))
-                self.inflight[gid] = version
-                report.dispatched.append(gid)
-                self._event("dispatch", gid, version, admission.target_step, None, prompt.text, "")
-            self._unsent.extend(requests)
-            self._flush_unsent()
-        report.skipped.extend(self._take_skipped())
-        return report
-
-    def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
-        with self._lock:  # an aborted group may still come back finished: it was already accounted for
-            finished = [g for g in finished if g.group_id in self.inflight]
-            prompts = [self.buffer[g.group_id].prompt for g in finished]
-        problems, bad = [], None
-        for group, prompt in zip(finished, prompts):  # scoring is pure Python; done outside the lock
-            try:
-                problems.append(self._score(group, prompt))
-            except RewardTypeError as exc:  # a bug in the reward, not a fault to retry: stop, accounted
-                self._fault(group.group_id, str(exc), "not retried: a bug in the reward; the run stops")
-                problems.append(f"the reward is broken: {exc}")
-                bad = bad or exc
-        with self._changed:
-            for group, problem in zip(finished, problems):
-                if group.group_id not in self.inflight:
-                    continue  # aborted while it was being scored
-                if problem is not None:
-                    self._skip(group.group_id, problem)
-                    continue
-                self.inflight.pop(group.group_id)
-                self._attempts.pop(group.group_id, None)
-                if self._unsent:  # an attempt thought lost came back after all: no need to send it again
-                    self._unsent = [r for r in self._unsent if r.group_id != group.group_id]
-                slot = self.buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version)
-                report.committed.append(group.group_id)
-                self._event("commit", slot.group_id, slot.weight_version, slot.target_step, None,
-                            f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
-                            f"generated with weights {group.gen_start_version}..{group.gen_end_version}"
-                            + ("" if group.replica is None else f" on replica {group.replica}"))
-            report.skipped.extend(self._take_skipped())
-            if finished:
-                self._changed.notify_all()
-        if bad is not None:
-            raise bad
 
     # -------------------------------------------------------------------------------------------- train pump
     @_tick
     def train_tick(self) -> TickReport:
         """Evict; select a chunk; train on it; when the step's groups are all trained, finish the step."""
-        N = self.cfg.groups_per_step
+        N, state = self.cfg.groups_per_step, self._state
         with self._lock:
-            T = self.trainer_version
-            if T == 0 and self.cfg.eval_every and not self._evals:
+            T = state.trainer_version
+            if T == 0 and self.cfg.eval_every and not state.evaluations:
                 self.evaluate()  # the untrained model: where the held-out curve starts
             report = TickReport("train", T)
             for slot in self.sampler.evict(T):
                 report.evicted.append(slot.group_id)
                 self._step.add({"groups_evicted": 1})
-                self._event("evict", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                            "", f"{self.sampler.__class__.__name__}.evict({T}) dropped it")
+                state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                             "", f"{self.sampler.__class__.__name__}.evict({T}) dropped it")
             remaining = N - self._step.groups
             lo, hi = self.cfg.chunk_bounds
             chunk = self.sampler.select(T, min(lo, remaining), min(hi, remaining))
             if chunk is None:
-                self._check_shortfall(T)
+                self._rollout.check_shortfall(T, self._step.groups)
                 report.note = (
                     f"select waits: {self.buffer.num_ready} ready, {self.buffer.num_pending} pending, "
                     f"needs {min(lo, remaining)}"
@@ -259,32 +183,36 @@ class Controller(FaultContainment):
                 return report
             for slot in chunk:
                 report.selected.append(slot.group_id)
-                self._event("select", slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                            "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
+                state.record(SELECT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                             "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
         try:
             self._train_chunk(chunk, T)
             finished = self._step.groups == N  # the step's accumulator and the policy are this pump's alone
             # The optimizer step runs outside the lock (only this pump touches the policy; the rollout pump needs it
             # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
-            # reload the trainer's weights as T under the lock (_restart_generator): never mid-update or ahead of T.
+            # reload the trainer's weights as T under the lock (a restart in the rollout pump): never mid-update or
+            # ahead of T.
             restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
             update = self._optimizer_step() if finished and not restartable else None
-            with self._changed:
+            with state.changed:
                 if finished:
                     self._finish_step(report, update if update is not None else self._optimizer_step())
                     every = self.cfg.checkpoint_every
-                    if every and self.trainer_version % every == 0:
+                    if every and state.trainer_version % every == 0:
                         from asyncrl.checkpoint import save_periodic
 
                         save_periodic(self, self.cfg.checkpoint_dir, self.cfg.keep_checkpoints)
-                self._changed.notify_all()
+                state.changed.notify_all()
         except (GenerationFailed, StepShortfall):
             raise
         except Exception as exc:
-            self._trainer_fault(exc, T)
+            verdict = self.faults.trainer_error(exc, T, is_dead_actor(exc, self.policy))
+            self._rollout.fault(None, describe(exc), verdict.reason)
+            if verdict.error is not None:
+                raise verdict.error from exc
             raise
-        report.skipped.extend(self._take_skipped())
-        report.trainer_version = self.trainer_version
+        report.skipped.extend(self._rollout.take_skipped())
+        report.trainer_version = state.trainer_version
         self.last_report = report
         return report
 
@@ -306,8 +234,8 @@ class Controller(FaultContainment):
             "groups": len(chunk), "chunks": 1, "completion_tokens": sum(g.num_tokens for g in groups),
             "train_time_s": time.perf_counter() - train_start,
         })
-        self._event("train", None, None, None, None, f"{len(chunk)} groups, {batch.num_tokens} tokens",
-                    f"chunk {chunk_index} of step {T}")
+        self._state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
+                           reason=f"chunk {chunk_index} of step {T}")
 
     def _optimizer_step(self) -> dict[str, float]:
         """``policy.finish_train_step()`` (normalise, clip, one optimizer step): the policy's step metrics."""
@@ -318,27 +246,28 @@ class Controller(FaultContainment):
 
     def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
         """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row."""
-        T = self.trainer_version + 1
+        state = self._state
+        T = state.trainer_version + 1
         sync_start = time.perf_counter()
-        self._sync_generator(T)
+        self._rollout.sync_generator(T)
         sync_s = time.perf_counter() - sync_start
-        self.trainer_version = T
-        self._event("sync", None, T, None, None, "", f"generator now holds weights {T}")  # no timings: traces replay
-        doomed = [g for g, w in self.inflight.items() if self.sampler.should_abort_inflight(w, T)]
-        cancelled = self._generation_call("abort", self.generator.abort, doomed) if doomed else []
-        cancelled = [] if cancelled is _FAILED else list(cancelled)
-        if self._unsent and doomed:  # never sent: cancelled here
-            cancelled += [r.group_id for r in self._unsent if r.group_id in set(doomed)]
-            self._unsent = [r for r in self._unsent if r.group_id not in set(doomed)]
+        state.trainer_version = T
+        state.record(SYNC, None, T, reason=f"generator now holds weights {T}")  # no timings: traces replay
+        doomed = [g for g, w in state.inflight.items() if self.sampler.should_abort_inflight(w, T)]
+        cancelled = self._rollout.generation_call("abort", self.generator.abort, doomed) if doomed else []
+        cancelled = [] if cancelled is FAILED else list(cancelled)
+        if state.unsent and doomed:  # never sent: cancelled here
+            cancelled += [r.group_id for r in state.unsent if r.group_id in set(doomed)]
+            state.unsent[:] = [r for r in state.unsent if r.group_id not in set(doomed)]
         for gid in cancelled:
-            w = self.inflight.pop(gid)
-            self._attempts.pop(gid, None)
+            w = state.inflight.pop(gid)
+            state.attempts.pop(gid, None)
             slot = self.buffer.remove([gid])[0]
             report.aborted.append(gid)
             self._step.add({"groups_aborted": 1})
-            self._event("abort", gid, w, slot.target_step, T - w, "",
-                        f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
-        elapsed = self._clock.now() - self._step.start  # active time only: not a person's pause between hand ticks
+            state.record(ABORT, gid, w, slot.target_step, T - w, "",
+                         f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
+        elapsed = self.clock.now() - self._step.start  # active time only: not a person's pause between hand ticks
         row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
             M.STEP.name: T - 1,
             M.TRAINER_VERSION.name: T,
@@ -347,7 +276,7 @@ class Controller(FaultContainment):
             M.TOKENS_PER_S.name: self._step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
             M.SYNC_TIME_S.name: sync_s,
             M.BUFFERED.name: len(self.buffer),
-            M.INFLIGHT.name: len(self.inflight),
+            M.INFLIGHT.name: len(state.inflight),
         }
         row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
         if isinstance(self.generator, StepMetrics):  # e.g. a replica set's tokens and busy time per replica
@@ -356,10 +285,8 @@ class Controller(FaultContainment):
             ev = self.evaluate()
             row[M.EVAL_REWARD.name] = ev[M.HELD_OUT_REWARD.name]
             row[M.EVAL_ACCURACY.name] = ev[M.HELD_OUT_ACCURACY.name]
-        self._metrics.append(row)
-        self.tracker.log(row)
-        self._event("step", None, None, None, None, f"loss={row['loss']:.4f} reward={row[M.REWARD_MEAN.name]:.3f}",
-                    f"optimizer step {T - 1} done")
+        state.finish_step(row, f"loss={row['loss']:.4f} reward={row[M.REWARD_MEAN.name]:.3f}",
+                          f"optimizer step {T - 1} done")
         report.step_finished = True
         self._step.reset()
 
@@ -401,15 +328,64 @@ class Controller(FaultContainment):
             raise
         return handle.wait()
 
-    def _drain(self) -> None:
-        """Collect what finished after the pumps stopped, so nothing is left half-accounted."""
-        report = TickReport("rollout", self.trainer_version)
-        self._collect(self._poll(0.0), report)
+    def drain(self) -> None:
+        """Collect what finished after a run's pumps stopped, so nothing is left half-accounted."""
+        try:
+            self._rollout.drain()
+        finally:
+            self._state.deliver()
 
-    # ------------------------------------------------------------------------------------------------ reading
-    def _event(self, event, group_id, weight_version, target_step, lag, detail, reason) -> None:
-        self._trace.append((len(self._trace), event, self.trainer_version, group_id, weight_version, target_step,
-                            lag, detail, reason))
+    # ---------------------------------------------------------------------------------------------- observing
+    def subscribe(self, callback, events=None, history: bool = False) -> Subscription:
+        """Call ``callback(event)`` for each trace event from now on (``events``: names from ``TRACE_EVENTS``;
+        default all). ``event`` is a ``TraceRow`` (the trace's columns: ``seq``, ``event``, ``trainer_version``,
+        ``group_id``, ``weight_version``, ``target_step``, ``lag``, ``detail``, ``reason``), except for ``step``: a
+        ``StepEvent`` with the step's ``row`` and its ``metrics`` row. Events come in trace order, each once, at the
+        end of the tick that recorded them, outside the controller's lock, in the thread that ran the tick (a run's
+        pump). ``history=True`` first replays every event so far. Returns a ``Subscription`` (``cancel()``)."""
+        return self._state.subscribe(callback, events, history)
+
+    @property
+    def num_events(self) -> int:
+        """Rows in the trace so far (cheap: no frame is built)."""
+        return len(self._state.trace)
+
+    @property
+    def changed(self) -> threading.Condition:
+        """Notified when a pump made progress the other may wait for (a commit, a select, a step). Holding it holds
+        the controller's lock: a driver checks ``num_events`` and waits under it, so no wake-up is lost."""
+        return self._state.changed
+
+    @property
+    def lockstep(self) -> bool:
+        """The sampler cannot admit ahead of training (``AdmitsAhead``: ``in_order`` with no lookahead): a run then
+        drives both ticks on one thread (``asyncrl/run_loop.py``), with the same results as two."""
+        return isinstance(self.sampler, AdmitsAhead) and not self.sampler.admits_ahead
+
+    @property
+    def trainer_version(self) -> int:
+        """``T``: optimizer steps done; the generator holds weights ``T``."""
+        return self._state.trainer_version
+
+    @property
+    def data_position(self) -> int:
+        """Prompts taken from the prompt stream so far."""
+        return self._state.data_position
+
+    @property
+    def exhausted(self) -> bool:
+        """The prompt stream has no batch left (set it to False to let a stepped test dispatch again)."""
+        return self._state.exhausted
+
+    @exhausted.setter
+    def exhausted(self, value: bool) -> None:
+        with self._lock:
+            self._state.exhausted = bool(value)
+
+    @property
+    def inflight(self) -> dict[int, int]:
+        """Groups dispatched and not yet back: group id -> weight version at dispatch (read it, do not edit it)."""
+        return self._state.inflight
 
     def _frame(self, name: str, rows: list, columns=None, dtypes=None) -> pd.DataFrame:
         cached = self._frames.get(name)
@@ -424,13 +400,13 @@ class Controller(FaultContainment):
         """Every admit/refuse/dispatch/commit/evict/select/train/sync/abort/step event, in order, with its reason.
         Ids, versions, steps and lags are nullable integers (``Int64``): an event without one has ``<NA>``."""
         with self._lock:
-            return self._frame("trace", self._trace, TRACE_COLUMNS, TRACE_DTYPES)
+            return self._frame("trace", self._state.trace, TRACE_COLUMNS, TRACE_DTYPES)
 
     @property
     def metrics(self) -> pd.DataFrame:
         """One row per optimizer step."""
         with self._lock:
-            return self._frame("metrics", self._metrics)
+            return self._frame("metrics", self._state.metrics)
 
     @property
     def last_run(self) -> RunHandle | None:
@@ -441,11 +417,13 @@ class Controller(FaultContainment):
     def generation_version(self) -> int:
         return self.generator.version
 
-    def explain(self) -> pd.DataFrame:
+    def explain(self, timeout: float | None = None) -> pd.DataFrame:
         """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
         chunk bounds), as a table; with generation replicas, also which replica generated each group. Changes
-        nothing."""
-        with self._lock:
+        nothing. ``timeout``: give up (``TimeoutError``) when a pump holds the lock longer than that."""
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"explain: a pump held the controller's lock for over {timeout:g} s")
+        try:
             remaining = self.cfg.groups_per_step - self._step.groups
             lo, hi = self.cfg.chunk_bounds
             frame = explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
@@ -453,6 +431,8 @@ class Controller(FaultContainment):
                 rollouts = [self.buffer[gid].rollouts for gid in frame.group_id]
                 frame["replica"] = pd.array([None if r is None else r.replica for r in rollouts], dtype="Int64")
             return frame
+        finally:
+            self._lock.release()
 
     def state(self) -> ControllerState:
         """A consistent snapshot for widgets (versions, the buffer by version, the window, the last report).
@@ -482,7 +462,7 @@ class Controller(FaultContainment):
         """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
         0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
         with self._lock:
-            return self._frame("evaluations", self._evals, [c.name for c in M.EVALUATION_COLUMNS])
+            return self._frame("evaluations", self._state.evaluations, [c.name for c in M.EVALUATION_COLUMNS])
 
     def evaluate(self) -> dict[str, float]:
         """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy`` (also recorded in
@@ -492,7 +472,7 @@ class Controller(FaultContainment):
         version = self.generator.version
         ev = evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
         with self._lock:
-            self._evals.append({M.EVALUATED_VERSION.name: version,
+            self._state.evaluations.append({M.EVALUATED_VERSION.name: version,
                                 **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)}})
         return ev
 
@@ -502,7 +482,75 @@ class Controller(FaultContainment):
         what a resume restores; groups in flight are saved as pending and submitted again on restore."""
         from asyncrl.checkpoint import save
 
-        return save(self, path)
+        with self._lock:  # nothing moves while the files are written
+            return save(self, path)
+
+    def state_dict(self) -> dict:
+        """Everything a resume needs, between two steps: ``trainer_version``, ``data_position``, ``exhausted``,
+        ``trace`` (rows as lists), ``metrics``, ``evaluations`` (the run state); ``buffer`` (``ReplayBuffer.state_dict``:
+        groups in flight are its pending slots); ``sampler`` (its config) and ``dispatch_index``; ``policy`` and
+        ``generator`` (the backends' ``state_dict``) and ``torch_rng``. ``asyncrl/checkpoint.py`` writes it to files."""
+        with self._lock:
+            if self._step.started:
+                raise RuntimeError(
+                    f"cannot save in the middle of step {self.trainer_version}: {self._step.groups} of "
+                    f"{self.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
+                )
+            return {**self._state.state_dict(), "buffer": self.buffer.state_dict(),
+                    "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
+                    "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
+                    "torch_rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict, on_sampler_change: str = "rejudge") -> None:
+        """Continue from ``state`` (``state_dict()``'s keys; ``buffer`` slots holding ``Prompt`` and
+        ``GroupRollouts``): weights, optimizer, generator, RNG, buffer, history; the buffer's pending groups are
+        submitted again. When ``state["sampler"]`` is not this controller's sampler, ``on_sampler_change`` says what
+        happens to the restored groups (``restore`` documents it)."""
+        if on_sampler_change not in ("rejudge", "drop"):
+            raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {on_sampler_change!r}")
+        with self._lock:
+            self.policy.load_state_dict(state["policy"])
+            self.buffer.load_state_dict(state["buffer"])  # in place: the sampler judges this buffer
+            self._state.load_state_dict(state)
+            self._frames.clear()
+            T = self.trainer_version
+            self.sync_weights(T)
+            if state["generator"] is not None:
+                self.generator.load_state_dict(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
+            for slot in self.buffer.pending_slots():  # in flight at save time: generated again
+                self._state.inflight[slot.group_id] = slot.weight_version
+                self._state.unsent.append(GenerationRequest(slot.group_id, self.encode(slot.prompt.text),
+                                                            self.cfg.group_size))
+            self.sampler.set_dispatch_index(T)
+            if state["sampler"] == self.cfg.sampler.model_dump(mode="json"):
+                self.sampler.dispatch_index = state["dispatch_index"]  # exact, including batches admitted ahead of T
+            else:
+                self._rejudge(state["sampler"], on_sampler_change)
+            self._rollout.flush_unsent()
+
+    def _rejudge(self, old: dict, how: str) -> None:
+        """Restored under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
+        T, N, new = self.trainer_version, self.cfg.groups_per_step, self.cfg.sampler.name
+        change = f"restored under sampler {new} (was {old.get('name')})"
+        stamps = isinstance(self.sampler, TargetStamping) and self.sampler.stamps_target
+        for slot in self.buffer.slots():
+            if how == "drop":
+                self._rollout.skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
+            elif stamps and slot.target_step is None:
+                self._rollout.skip(slot.group_id, f"{change}, which trains only groups stamped with a target step",
+                                   replace=False)
+        for slot in reversed(self.buffer.slots()[self.capacity:]):
+            self._rollout.skip(slot.group_id, f"{change}; over its capacity {self.capacity}", replace=False)
+        kept = self.buffer.slots()
+        if stamps:
+            self.sampler.dispatch_index = max([T - 1] + [s.target_step for s in kept])
+        else:
+            self.sampler.dispatch_index = T - 1 + -(-len(kept) // N)  # the batches it holds count as admitted
+        for slot in self.sampler.evict(T):
+            self._state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                               "on restore", f"{self.sampler.__class__.__name__}.evict({T}) dropped it ({change})")
+        self._rollout.take_skipped()
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
@@ -536,4 +584,8 @@ class Controller(FaultContainment):
     def __repr__(self) -> str:
         return (f"Controller(T={self.trainer_version}, sampler={self.sampler!r}, buffer={self.buffer!r}, "
                 f"inflight={len(self.inflight)})")
+
+
+def _backend_name(part) -> str:
+    return f"{part.backend}, placement {part.placement}"
 

@@ -1,5 +1,8 @@
 """Fault containment: the ``faults:`` config section, the errors that stop a run when a budget is spent, and
-``FaultContainment``, the part of ``Controller`` that records faults, retries and gives groups up.
+``FaultContainment``, the collaborator the controller holds that keeps the budgets (consecutive generation
+failures, backoff, generator restarts) and decides, for each error, whether it is retried and what the trace says.
+The rollout pump (``asyncrl/rollout.py``) acts on its verdicts: it records the fault, retries, re-dispatches or
+skips; ``is_dead_actor`` (``asyncrl.backends.base``) tells a dead Ray actor from another error.
 
 Invariants it keeps:
 - Every error the pumps catch becomes a ``fault`` trace event: the group id when there is one, the error in
@@ -35,15 +38,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import sys
 import time
-from typing import Protocol, runtime_checkable
+from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
-
-from asyncrl.data import GenerationRequest, GroupRollouts
-
-_FAILED = object()  # what _generation_call returns when the call failed and the fault was contained
 
 
 class FaultsConfig(BaseModel):
@@ -91,31 +89,6 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-@runtime_checkable
-class ActorBackend(Protocol):
-    """Optional for a backend: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``). Only such a
-    backend can die as an actor and be restarted; in-process, child-process, replica-set and rank-group backends
-    are not one actor and do not have these members."""
-
-    @property
-    def actor_id(self) -> str:
-        """The actor's id (hex), as ``ray.exceptions.RayActorError.actor_id`` names a dead one."""
-        ...
-
-    def restart(self) -> None:
-        """Replace the dead actor with a fresh one built the same way (it starts from its constructor's state)."""
-        ...
-
-
-def is_dead_actor(exc: BaseException, backend: object) -> bool:
-    """Is ``exc`` Ray saying that ``backend``'s actor died? (False without Ray or for a backend that is not one
-    actor.)"""
-    errors = sys.modules.get("ray.exceptions")
-    if errors is None or not isinstance(backend, ActorBackend) or not isinstance(exc, errors.RayActorError):
-        return False
-    return exc.actor_id in (None, backend.actor_id)
-
-
 def reward_problem(value: object) -> str | None:
     """Why ``value`` is not a usable reward: ``None`` when it is a finite real number; ``"non-finite"`` for
     NaN/inf (a data fault, retried); raises TypeError for anything that is not a number (a programming error)."""
@@ -127,228 +100,74 @@ def reward_problem(value: object) -> str | None:
     return None if math.isfinite(value) else f"non-finite reward {value!r}"
 
 
+class Verdict(NamedTuple):
+    """What to do about one error: the fault row's ``reason`` (``retried: ...`` / ``not retried: ...``); the
+    exception that stops the run (None: retried); for a dead generator actor, whether to restart it."""
+
+    reason: str
+    error: Exception | None = None
+    restart: bool = False
+
+
 class FaultContainment:
-    """The controller's fault handling (a mixin of ``Controller``; it works on the controller's buffer,
-    ``inflight``, prompt stream and trace, under its lock). The pumps' tick functions call into it; it is the one
-    place where a fault is recorded (``_fault``), a group is given up (``_skip``) or sent again (``_redispatch``).
+    """The budgets of one controller: consecutive generation failures and when the run pump may call the backend
+    again (``wait_s``), and generator restarts. It decides; the rollout pump acts and records. ``generation``
+    and ``trainer`` name the backends in error messages."""
 
-    State it keeps on the controller: ``_unsent`` (requests dispatched but not yet accepted by ``submit``; their
-    groups are in ``inflight``), ``_attempts`` (dispatches of live groups), ``_generation_failures`` and
-    ``_retry_at`` (consecutive failures, and when the run pump may call the backend again), ``_restarts``,
-    ``_skipped`` (since the last report) and ``_shortfall`` (stamped steps that lost groups nothing replaced)."""
+    def __init__(self, cfg: FaultsConfig, generation: str, trainer: str):
+        self.cfg, self.generation, self.trainer = cfg, generation, trainer
+        self.failures = 0  # consecutive failed generation calls
+        self.retry_at = 0.0  # monotonic time before which the run pump does not call the backend again
+        self.restarts = 0
 
-    def _init_faults(self) -> None:
-        self._unsent: list[GenerationRequest] = []
-        self._attempts: dict[int, int] = {}
-        self._generation_failures = 0
-        self._retry_at = 0.0
-        self._restarts = 0
-        self._skipped: list[int] = []
-        self._shortfall: dict[int, list[int]] = {}
+    def wait_s(self) -> float:
+        """Seconds of backoff left before the next generation call (<= 0: none)."""
+        return self.retry_at - time.monotonic()
 
-    def _flush_unsent(self) -> None:
-        """Submit what waits to be submitted (new, re-dispatched or replacement groups); kept on failure."""
-        if self._unsent and self._generation_call("submit", self.generator.submit, list(self._unsent)) is not _FAILED:
-            self._unsent.clear()
+    def recovered(self) -> None:
+        """A working poll: the backend is healthy again."""
+        self.failures, self.retry_at = 0, 0.0
 
-    def _poll(self, timeout: float) -> list[GroupRollouts]:
-        """The generation half of a rollout tick: re-submit what waits, then poll; every failure is contained by
-        ``_generation_call``. The run pump (``timeout > 0``) sits out the backoff in slices of at most ``timeout``;
-        a tick (``timeout == 0``) never waits, it tries once: stepping is the pacing, and stays deterministic."""
-        wait = self._retry_at - time.monotonic()
-        if timeout > 0 and wait > 0:
-            time.sleep(min(wait, timeout))
-            if wait > timeout:
-                return []
-        with self._lock:
-            self._flush_unsent()
-            if self._unsent:
-                return []
-        # The backend waits for a group only if one is in flight; the backoff above applies either way, so a run
-        # spaces its retries even while nothing is in flight (a failing tick writes a trace row, so the pump looks
-        # again at once instead of waiting on the controller: the backoff is what paces it).
-        finished = self._generation_call("poll", self.generator.poll, timeout if self.inflight else 0.0)
-        if finished is _FAILED or not finished:
-            # Lost groups: after a poll that failed or returned nothing (so no result awaits collection), a
-            # backend with nothing in flight will never return the groups we sent it.
-            with self._lock:
-                sent = [g for g in self.inflight if g not in {r.group_id for r in self._unsent}]
-                if sent and self._generation_call("num_inflight", self.generator.num_inflight) == 0:
-                    self._redispatch(sent, "lost by the generation backend (it has nothing in flight)")
-            return []
-        return finished
-
-    def _generation_call(self, what: str, fn, *args):
-        """Call the generation backend; a failure becomes a ``fault`` event and ``_FAILED`` is returned, until
-        ``faults.generation_retries`` consecutive failures (``GenerationFailed``). A dead actor is restarted."""
-        try:
-            out = fn(*args)
-        except Exception as exc:
-            with self._lock:
-                self._generation_fault(what, exc)
-            return _FAILED
-        if what == "poll":  # only a working poll shows the backend is healthy again
-            self._generation_failures, self._retry_at = 0, 0.0
-        return out
-
-    def _generation_fault(self, what: str, exc: Exception, version: int | None = None) -> None:
-        f = self.cfg.faults
-        if is_dead_actor(exc, self.generator):
-            self._restart_generator(what, exc, self.trainer_version if version is None else version)
-            return
-        self._generation_failures += 1
-        n = self._generation_failures
+    def generation_error(self, what: str, exc: Exception, inflight: int) -> Verdict:
+        """A generation call ``what`` failed (not a dead actor): retried with backoff, or, over
+        ``generation_retries`` in a row, ``GenerationFailed``."""
+        f = self.cfg
+        self.failures += 1
+        n = self.failures
         if n > f.generation_retries:
-            self._generation_failures = 0  # stepping again after a fix starts a fresh budget
-            self._fault(None, describe(exc), f"not retried: {what} failed {n} times in a row, over "
-                                             f"faults.generation_retries={f.generation_retries}")
-            raise GenerationFailed(
-                f"the generation backend ({self._backend_name('generation')}) failed {n} times in a row, over the "
-                f"budget faults.generation_retries={f.generation_retries}; last error, in {what}: {describe(exc)}. "
-                f"{len(self.inflight)} group(s) stay in flight: stepping again retries them"
-            ) from exc
+            self.failures = 0  # stepping again after a fix starts a fresh budget
+            return Verdict(
+                f"not retried: {what} failed {n} times in a row, over faults.generation_retries={f.generation_retries}",
+                GenerationFailed(
+                    f"the generation backend ({self.generation}) failed {n} times in a row, over the budget "
+                    f"faults.generation_retries={f.generation_retries}; last error, in {what}: {describe(exc)}. "
+                    f"{inflight} group(s) stay in flight: stepping again retries them"))
         delay = f.backoff(n)
-        self._retry_at = time.monotonic() + delay
-        self._fault(None, describe(exc), f"retried: {what} failure {n} of {f.generation_retries} allowed in a row; "
-                                         f"next try after {delay:g} s (run) or at the next tick (stepping)")
+        self.retry_at = time.monotonic() + delay
+        return Verdict(f"retried: {what} failure {n} of {f.generation_retries} allowed in a row; next try after "
+                       f"{delay:g} s (run) or at the next tick (stepping)")
 
-    def _restart_generator(self, what: str, exc: Exception, version: int) -> None:
-        """A dead generator actor: a fresh one with the trainer's weights ``version``; its groups re-dispatched."""
-        f, lost = self.cfg.faults, list(self.inflight)
-        possible = isinstance(self.generator, ActorBackend) and self.cfg.generation.weight_sync == "driver"
-        if not (f.restart_generator and possible and self._restarts < f.max_generator_restarts):
+    def generator_died(self, what: str, exc: Exception, restartable: bool, version: int, lost: int) -> Verdict:
+        """The generator actor died during ``what``: restart it (with the trainer's weights ``version``, ``lost``
+        groups to re-dispatch) while ``restart_generator`` and the restart budget allow and the backend can be."""
+        f = self.cfg
+        if not (f.restart_generator and restartable and self.restarts < f.max_generator_restarts):
             why = ("faults.restart_generator is off" if not f.restart_generator else
-                   "only a Ray generator with weight_sync 'driver' can be restarted" if not possible else
+                   "only a Ray generator with weight_sync 'driver' can be restarted" if not restartable else
                    f"faults.max_generator_restarts={f.max_generator_restarts} restarts spent")
-            self._fault(None, describe(exc), f"not retried: the generator actor died during {what}; {why}")
-            raise GenerationFailed(
-                f"the generation actor ({self._backend_name('generation')}) died during {what}: {describe(exc)}; "
-                f"not restarted: {why}"
-            ) from exc
-        self._restarts += 1
-        self._fault(None, describe(exc), (
-            f"retried: the generator actor died during {what}; restarted ({self._restarts} of "
-            f"{f.max_generator_restarts}) with the trainer's weights {version}, {len(lost)} group(s) re-dispatched"))
-        self.generator.restart()
-        self.sync_weights(version)
-        self._unsent.clear()
-        self._redispatch(lost, "lost with the dead generator actor")
+            return Verdict(f"not retried: the generator actor died during {what}; {why}", GenerationFailed(
+                f"the generation actor ({self.generation}) died during {what}: {describe(exc)}; not restarted: {why}"))
+        self.restarts += 1
+        return Verdict(f"retried: the generator actor died during {what}; restarted ({self.restarts} of "
+                       f"{f.max_generator_restarts}) with the trainer's weights {version}, {lost} group(s) "
+                       "re-dispatched", restart=True)
 
-    def _redispatch(self, group_ids: list[int], why: str) -> None:
-        """Send lost groups again (same slot, prompt and stamps) while ``faults.max_dispatch_attempts`` last;
-        skip the others."""
-        limit = self.cfg.faults.max_dispatch_attempts
-        queued = {r.group_id for r in self._unsent}
-        for gid in group_ids:
-            attempt = self._attempts.get(gid, 1) + 1
-            if attempt > limit:
-                self._skip(gid, f"{why}; dispatched {limit} times (faults.max_dispatch_attempts)")
-                continue
-            self._attempts[gid] = attempt
-            self._fault(gid, why, f"retried: re-dispatched, attempt {attempt} of {limit}")
-            if gid not in queued:
-                self._unsent.append(GenerationRequest(gid, self._encode(self.buffer[gid].prompt.text),
-                                                      self.cfg.group_size))
-
-    def _skip(self, gid: int, reason: str, replace: bool = True) -> None:
-        """The one way a group is given up: its slot and in-flight permit come back, a ``skip`` event says why,
-        and a group from the next prompt with the same stamps replaces it (so its batch still delivers
-        ``groups_per_step`` groups). With no prompt left, a stamped step records the shortfall (``train_tick``
-        reports it when the step cannot complete)."""
-        self.inflight.pop(gid, None)
-        self._attempts.pop(gid, None)
-        self._unsent = [r for r in self._unsent if r.group_id != gid]
-        slot = self.buffer.remove([gid])[0]
-        self._skipped.append(gid)
-        if slot.target_step is not None and slot.target_step < self.trainer_version:
-            replace = False  # its step is done: a replacement could only be evicted
-        if not replace:
-            self._event("skip", gid, slot.weight_version, slot.target_step, None, "not replaced", reason)
-            return
-        if self.stream.exhausted(self.data_position):
-            if slot.target_step is not None:
-                self._shortfall.setdefault(slot.target_step, []).append(gid)
-            self._event("skip", gid, slot.weight_version, slot.target_step, None, "not replaced: no prompt left",
-                        reason)
-            return
-        prompt = self.stream.get(self.data_position)
-        self.data_position += 1
-        version = self.trainer_version  # the generator's version too, under the lock
-        new = self.buffer.reserve(version, slot.target_step, prompt=prompt)
-        self.inflight[new] = version
-        self._unsent.append(GenerationRequest(new, self._encode(prompt.text), self.cfg.group_size))
-        self._event("skip", gid, slot.weight_version, slot.target_step, None, f"replaced by group {new}", reason)
-        self._event("dispatch", new, version, slot.target_step, None, prompt.text, f"replaces group {gid}")
-
-    def _take_skipped(self) -> list[int]:
-        out, self._skipped = self._skipped, []
-        return out
-
-    def _fault(self, gid: int | None, error: str, reason: str) -> None:
-        with self._lock:
-            slot = self.buffer[gid] if gid is not None and gid in self.buffer else None
-            version, target = (slot.weight_version, slot.target_step) if slot is not None else (None, None)
-            self._event("fault", gid, version, target, None, error, reason)
-
-    def _backend_name(self, section: str) -> str:
-        part = self.cfg.generation if section == "generation" else self.cfg.trainer
-        return f"{part.backend}, placement {part.placement}"
-
-    def _score(self, group: GroupRollouts, prompt) -> str | None:
-        """Score one group (unless its backend did). ``None`` when every reward is a finite number; otherwise
-        each failure is a ``fault`` event, the group is re-scored up to ``faults.reward_retries`` times, and
-        the returned string says why it is given up."""
-        budget, gid = self.cfg.faults.reward_retries, group.group_id
-        if group.rewards is not None:  # the backend scored it (simulated): nothing to re-score
-            problem = next(filter(None, map(reward_problem, group.rewards)), None)
-            if problem is not None:
-                self._fault(gid, problem, "not retried: the generation backend scored this group")
-            return problem
-        group.texts = self.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
-        for attempt in range(budget + 1):
-            try:
-                rewards = [self.task.reward(prompt, text) for text in group.texts]
-                problem = next(filter(None, map(reward_problem, rewards)), None)
-            except RewardTypeError:
-                raise
-            except Exception as exc:
-                problem = describe(exc)
-            if problem is None:
-                group.rewards = rewards
-                return None
-            self._fault(gid, problem, f"retried: scoring again ({attempt + 1} of {budget} re-scorings)"
-                        if attempt < budget else f"not retried: faults.reward_retries={budget} re-scorings spent")
-        return f"the reward failed {budget + 1} time(s), last: {problem}"
-
-    def _check_shortfall(self, T: int) -> None:
-        """A stamped step that lost groups no prompt could replace fails here, naming the step and the shortfall,
-        instead of waiting forever."""
-        lost = self._shortfall.get(T)
-        have = self._step.groups + self.buffer.count(target_step=T)
-        if lost and have < self.cfg.groups_per_step:
-            raise StepShortfall(
-                f"step {T} cannot complete: it lost group(s) {lost} (see their skip events) and the prompt stream "
-                f"is exhausted, so no later prompt can replace them; it has {have} of {self.cfg.groups_per_step} "
-                f"groups (short by {self.cfg.groups_per_step - have})"
-            )
-
-    def _trainer_fault(self, exc: Exception, T: int) -> None:
-        """A training failure is recorded and stops the run: a step cannot be half-trained. A dead trainer actor
-        becomes ``TrainerFailed``, which points at the last checkpoint."""
-        dead = is_dead_actor(exc, self.policy)
-        self._fault(None, describe(exc), "not retried: " + ("the trainer actor died" if dead else
-                                                             f"step {T} failed in the trainer"))
-        if dead:
-            raise TrainerFailed(
-                f"the trainer actor ({self._backend_name('trainer')}) died during step {T}: {describe(exc)}. Its "
-                "weights and optimizer state are gone: restore the last checkpoint (Controller.restore(path), or "
-                "asyncrl run CONFIG --steps N --resume DIR)"
-            ) from exc
-
-    def _sync_generator(self, version: int) -> None:
-        try:
-            self.sync_weights(version)
-        except Exception as exc:
-            if not is_dead_actor(exc, self.generator):
-                raise
-            self._generation_fault("weight sync", exc, version)  # the restart loads ``version``
+    def trainer_error(self, exc: Exception, T: int, dead: bool) -> Verdict:
+        """A training failure stops the run (a step cannot be half-trained); a dead trainer actor becomes
+        ``TrainerFailed``, which points at the last checkpoint."""
+        if not dead:
+            return Verdict(f"not retried: step {T} failed in the trainer")
+        return Verdict("not retried: the trainer actor died", TrainerFailed(
+            f"the trainer actor ({self.trainer}) died during step {T}: {describe(exc)}. Its weights and optimizer "
+            "state are gone: restore the last checkpoint (Controller.restore(path), or asyncrl run CONFIG --steps N "
+            "--resume DIR)"))

@@ -3,7 +3,10 @@
 A run is three threads. The rollout pump and the train pump loop over the controller's own ``rollout_tick`` and
 ``train_tick`` (a run does exactly what stepping does, only concurrently, so generation overlaps training); a
 supervisor starts them, watches for stalls and closes the run. The person's thread only asks (``pause``,
-``resume``, ``stop``) and waits.
+``resume``, ``stop``) and waits. Lockstep: when the sampler cannot admit ahead of training
+(``Controller.lockstep``: ``in_order`` with no lookahead), there is nothing for two threads to overlap, so one
+pump thread runs a rollout tick then a train tick, as stepping does, and nothing is handed across cores (a backend
+that generates in a thread or actor of its own still generates while the driver trains).
 
 Invariants:
 - Safe points. A pump looks at pause and stop only between two ticks, where it holds no lock and no tick is half
@@ -14,6 +17,8 @@ Invariants:
   exception object (its traceback shows where in the pump it happened).
 - One run at a time per controller, and no tick by hand while its pumps go; parked (paused) pumps allow it.
 - Stop and pause take effect within one tick plus ``POLL_S``: an idle pump never waits longer than that.
+- Public API only: the handle drives the controller through its ticks, ``subscribe`` (the ``until`` breakpoint,
+  ``on_step``, the progress bar), ``changed`` / ``num_events`` (wake-ups), ``clock``, ``drain`` and ``explain``.
 - No lost wake-ups. A pump waits on the controller's condition only if the trace has not grown since its tick
   began: whatever the other pump did meanwhile (a step moving ``T``, a select freeing room, a commit) wrote a
   trace row, and its ``notify_all`` may have come while this pump was still inside its tick. (Without this check a
@@ -25,21 +30,16 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import namedtuple
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pandas as pd
 
-from asyncrl.trace import TRACE_COLUMNS, TRACE_EVENTS
-
-if TYPE_CHECKING:
-    from asyncrl.controller import Controller
-    from asyncrl.reports import TickReport
+from asyncrl.reports import TickReport
+from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
 
 POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
 STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call
-PUMPS = ("rollout", "train")
 ENDS = ("completed", "exhausted", "breakpoint", "stopped", "interrupted", "failed")
 
 
@@ -90,18 +90,6 @@ def breakpoint_matcher(until: str | Callable | None, events: tuple[str, ...]) ->
                     f"got {until!r}")
 
 
-def trace_row_type(columns: list[str]) -> type:
-    """A trace row as the ``until`` predicate gets it: ``row.event`` and ``row["event"]`` both work."""
-
-    class TraceRow(namedtuple("TraceRow", columns)):
-        __slots__ = ()
-
-        def __getitem__(self, key):
-            return getattr(self, key) if isinstance(key, str) else super().__getitem__(key)
-
-    return TraceRow
-
-
 class RunHandle:
     """A run of both pumps in the background (``Controller.start``).
 
@@ -113,12 +101,12 @@ class RunHandle:
     ``breakpoint`` the trace row that matched ``until``.
     """
 
-    def __init__(self, ctrl: Controller, steps: int, until=None, progress: bool = True,
-                 on_step: Callable[[dict, list[tuple]], Any] | None = None):
+    def __init__(self, ctrl: Any, steps: int, until=None, progress: bool = True,
+                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None):
+        # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
         self._match = breakpoint_matcher(until, TRACE_EVENTS)
-        self._row = trace_row_type(TRACE_COLUMNS)
         self.ctrl, self.steps, self.until, self.on_step = ctrl, steps, until, on_step
         self.target = ctrl.trainer_version + steps  # the run ends when T reaches it (hand ticks while paused count)
         self.status = "running"
@@ -132,41 +120,58 @@ class RunHandle:
         self._parked: set[str] = set()
         self._exited: set[str] = set()
         self._clocked = False
-        self._seen = len(ctrl._trace)  # trace rows already matched against ``until`` / handed to ``on_step``
-        self._reported = self._seen
-        self._first_row = len(ctrl._metrics)
+        self._unreported: list[TraceRow] = []  # trace rows not yet handed to ``on_step``
+        self._steps: list[dict] = []  # metrics rows of steps this run's pumps finished, not yet reported
+        self._subscription = None
+        self._first_row = len(ctrl.metrics)
         self._progress_at = time.monotonic()  # last commit/select/evict/abort/step: the stall watchdog's clock
-        self._doing = {name: ("starting", time.monotonic()) for name in PUMPS}
+        pumps = ({"lockstep": self._lockstep_pump} if ctrl.lockstep else
+                 {"rollout": self._rollout_pump, "train": self._train_pump})
+        self._pumps = tuple(pumps)
+        self._doing = {name: ("starting", time.monotonic()) for name in self._pumps}
         self._finished = threading.Event()
         self._bar = _progress_bar(steps) if progress else None
-        pumps = {"rollout": self._rollout_pump, "train": self._train_pump}
         self._threads = {name: threading.Thread(target=self._guarded, args=(name, pumps[name]), daemon=True,
-                                                name=f"asyncrl-{name}-pump") for name in PUMPS}
+                                                name=f"asyncrl-{name}-pump") for name in self._pumps}
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
 
     def _launch(self) -> None:
+        self._subscription = self.ctrl.subscribe(self._on_event)
         with self._cv:
-            self.ctrl._clock.__enter__()
+            self.ctrl.clock.__enter__()
             self._clocked = True
         self._supervisor.start()
+
+    def _on_event(self, event: TraceRow | StepEvent) -> None:
+        """Every event of the controller, at the end of the tick that recorded it. Only events of this run's pumps
+        are matched against ``until`` and count as its steps (not a hand tick's while paused)."""
+        row = event.row if isinstance(event, StepEvent) else event
+        ours = self._inside()
+        with self._cv:
+            self._unreported.append(row)
+            if ours and isinstance(event, StepEvent):
+                self._steps.append(dict(event.metrics))
+            if ours and self._match is not None and self.breakpoint is None and self._match(row):
+                self.breakpoint = row
+                self._request_end("breakpoint")
 
     # ------------------------------------------------------------------------------------------- the pumps
     def _rollout_pump(self) -> None:
         ctrl = self.ctrl
         while self._safe_point("rollout"):
             self._doing_now("rollout", "inside rollout_tick (dispatch, generator.poll, scoring, commit)")
-            seen = len(ctrl._trace)
+            seen = ctrl.num_events
             report = ctrl.rollout_tick(wait_s=POLL_S)
             self._after_tick(report)
             if report.dispatched or report.committed:
                 continue
-            with ctrl._changed:
-                if len(ctrl._trace) != seen:  # something moved during the tick (a step, room): its notify is
+            with ctrl.changed:
+                if ctrl.num_events != seen:  # something moved during the tick (a step, room): its notify is
                     continue  # already spent, so waiting now would sleep a whole POLL_S with the gate open
                 if ctrl.exhausted and not ctrl.inflight:
                     return  # nothing left to generate; the train pump drains what is buffered
                 self._doing_now("rollout", f"waiting: {report.note or f'{len(ctrl.inflight)} groups in flight'}")
-                ctrl._changed.wait(POLL_S)
+                ctrl.changed.wait(POLL_S)
 
     def _train_pump(self) -> None:
         ctrl = self.ctrl
@@ -174,18 +179,44 @@ class RunHandle:
             if ctrl.trainer_version >= self.target:
                 return self._request_end("completed")
             self._doing_now("train", "inside train_tick (evict, select, logprobs, train, optimizer step, sync)")
-            seen = len(ctrl._trace)
+            seen = ctrl.num_events
             report = ctrl.train_tick()
             self._after_tick(report)
             if report.selected or report.evicted:
                 continue
-            with ctrl._changed:
-                if len(ctrl._trace) != seen:  # the rollout pump committed during the tick: look again first
+            with ctrl.changed:
+                if ctrl.num_events != seen:  # the rollout pump committed during the tick: look again first
                     continue
                 if ctrl.exhausted and not ctrl.inflight:
                     return self._request_end("exhausted")  # nothing more will arrive and select has nothing
                 self._doing_now("train", f"waiting: {report.note}")
-                ctrl._changed.wait(POLL_S)
+                ctrl.changed.wait(POLL_S)
+
+    def _lockstep_pump(self) -> None:
+        """Both ticks on this one thread, a rollout tick then a train tick, as ``Controller.tick`` does. With no
+        progress in either, the next rollout tick's poll waits for the backend (or a short wait when nothing is in
+        flight, so a failing backend's backoff paces it)."""
+        ctrl, name = self.ctrl, "lockstep"
+        while self._safe_point(name):
+            if ctrl.trainer_version >= self.target:
+                return self._request_end("completed")
+            seen = ctrl.num_events
+            self._doing_now(name, "inside rollout_tick (dispatch, generator.poll, scoring, commit)")
+            rollout = ctrl.rollout_tick(wait_s=POLL_S)
+            self._after_tick(rollout)
+            if not self._safe_point(name):
+                return
+            self._doing_now(name, "inside train_tick (evict, select, logprobs, train, optimizer step, sync)")
+            train = ctrl.train_tick()
+            self._after_tick(train)
+            if rollout.dispatched or rollout.committed or train.selected or train.evicted:
+                continue
+            if ctrl.exhausted and not ctrl.inflight:
+                return self._request_end("exhausted")  # nothing more will arrive and select has nothing
+            with ctrl.changed:
+                if ctrl.num_events == seen and not ctrl.inflight:  # in flight: the next poll is the wait
+                    self._doing_now(name, f"waiting: {train.note}")
+                    ctrl.changed.wait(POLL_S)
 
     def _guarded(self, name: str, pump: Callable[[], None]) -> None:
         try:
@@ -217,24 +248,17 @@ class RunHandle:
         if report.committed or report.selected or report.evicted or report.aborted or report.step_finished:
             self._progress_at = time.monotonic()
         if report.step_finished:
-            row = self.ctrl._metrics[-1]
-            if self._bar is not None:
-                self._bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=f"{row['lag_mean']:.2f}", refresh=False)
-                self._bar.update(1)
-            if self.on_step is not None:
-                with self._cv:
-                    events, self._reported = self.ctrl._trace[self._reported:], len(self.ctrl._trace)
-                self.on_step(row, events)
-        if self._match is not None:
             with self._cv:
-                trace, end = self.ctrl._trace, len(self.ctrl._trace)
-                for i in range(self._seen, end):
-                    row = self._row(*trace[i])
-                    if self._match(row):
-                        self.breakpoint = row
-                        self._request_end("breakpoint")
-                        break
-                self._seen = end
+                steps, self._steps = self._steps, []
+            for row in steps:
+                if self._bar is not None:
+                    self._bar.set_postfix(reward=f"{row['reward_mean']:.3f}", lag=f"{row['lag_mean']:.2f}",
+                                          refresh=False)
+                    self._bar.update(1)
+                if self.on_step is not None:
+                    with self._cv:
+                        events, self._unreported = self._unreported, []
+                    self.on_step(row, events)
 
     def _request_end(self, why: str, error: BaseException | None = None) -> None:
         with self._cv:
@@ -270,15 +294,12 @@ class RunHandle:
         ctrl, now = self.ctrl, time.monotonic()
         lines = [f"stalled at T={ctrl.trainer_version}: no commit and no step for {stall_s:g} s (stall_timeout_s); "
                  f"{len(ctrl.inflight)} groups in flight, {len(ctrl.buffer)} buffered (capacity {ctrl.capacity})"]
-        for name in PUMPS:
+        for name in self._pumps:
             what, since = self._doing[name]
             lines.append(f"  {name} pump: {what} (for {now - since:.1f} s)")
-        if ctrl._lock.acquire(timeout=1.0):
-            try:
-                verdicts = ctrl.explain().to_string(max_rows=20)
-            finally:
-                ctrl._lock.release()
-        else:
+        try:
+            verdicts = ctrl.explain(timeout=1.0).to_string(max_rows=20)
+        except TimeoutError:
             verdicts = "(unavailable: a pump holds the controller's lock)"
         return "\n".join(lines + ["verdicts (explain()):", verdicts])
 
@@ -286,14 +307,16 @@ class RunHandle:
         self.stuck = [f"{name} pump: {self._doing[name][0]}" for name, t in self._threads.items() if t.is_alive()]
         if self.error is None and self._end in ("completed", "exhausted"):
             try:  # collect what finished after the pumps stopped, as the old run did
-                self.ctrl._drain()
+                self.ctrl.drain()
             except BaseException as exc:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
             self._bar.close()
+        if self._subscription is not None:
+            self._subscription.cancel()
         with self._cv:
             if self._clocked:
-                self.ctrl._clock.__exit__(None, None, None)
+                self.ctrl.clock.__exit__(None, None, None)
                 self._clocked = False
             self.status = self._end or "stopped"
             self._finished.set()
@@ -318,12 +341,12 @@ class RunHandle:
                 return
             self._pause = True
             self._cv.notify_all()
-        self._until(lambda: self._parked | self._exited >= set(PUMPS))
+        self._until(lambda: self._parked | self._exited >= set(self._pumps))
         with self._cv:
             if not self._finished.is_set() and self._pause:
                 self.status = "paused"
                 if self._clocked:
-                    self.ctrl._clock.__exit__(None, None, None)
+                    self.ctrl.clock.__exit__(None, None, None)
                     self._clocked = False
 
     def resume(self) -> None:
@@ -334,10 +357,9 @@ class RunHandle:
             self._pause = False
             if not self._finished.is_set():
                 self.status = "running"
-                self._seen = len(self.ctrl._trace)
                 self._progress_at = time.monotonic()
                 if not self._clocked:
-                    self.ctrl._clock.__enter__()
+                    self.ctrl.clock.__enter__()
                     self._clocked = True
             self._cv.notify_all()
 
@@ -381,7 +403,7 @@ class RunHandle:
                     raise RuntimeError(f"the last run gave up on its {' and '.join(self.stuck)}; the controller "
                                        "cannot tick until that backend call returns")
                 return
-            if self._pause and self._parked | self._exited >= set(PUMPS):
+            if self._pause and self._parked | self._exited >= set(self._pumps):
                 return  # paused: both pumps parked (or done)
         raise RuntimeError(f"a run is going ({self!r}): pause it (handle.pause()) or stop it before ticking by hand")
 

@@ -81,7 +81,10 @@ def stepped_with_stages(ctrl: Controller, steps: int) -> tuple[float, dict[str, 
         return wrapper
 
     ctrl.generator.poll = timed("generation", ctrl.generator.poll)
-    ctrl._collect = timed("scoring + commit", ctrl._collect)
+    # scoring + commit: decoding the completions, the reward, and the buffer's commit (the public parts it calls)
+    ctrl.tokenizer.batch_decode = timed("scoring + commit", ctrl.tokenizer.batch_decode)
+    ctrl.task.reward = timed("scoring + commit", ctrl.task.reward)
+    ctrl.buffer.commit = timed("scoring + commit", ctrl.buffer.commit)
     ctrl.policy.logprobs = timed("old logprobs", ctrl.policy.logprobs)  # not called when prev_logprobs_from_forward
     ctrl.policy.begin_train_step = timed("forward/backward", ctrl.policy.begin_train_step)
     ctrl.policy.train_microbatches = timed("forward/backward", ctrl.policy.train_microbatches)
@@ -158,7 +161,7 @@ def gil_probe(preset: str, work: dict, reps: int = 20) -> pd.DataFrame:
     for _ in range(WARMUP):
         ctrl.tick()
     gen, policy, N, G = ctrl.generator, ctrl.policy, ctrl.cfg.groups_per_step, ctrl.cfg.group_size
-    prompts = [ctrl._encode(ctrl.stream.get(i).text) for i in range(N)]
+    prompts = [ctrl.encode(ctrl.stream.get(i).text) for i in range(N)]
 
     def generate():
         gen.submit([GenerationRequest(i, prompts[i], G) for i in range(N)])

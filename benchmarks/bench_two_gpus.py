@@ -161,11 +161,17 @@ class Timeline:
         return call
 
     def instrument(self, ctrl, stamped: StampedPolicy) -> None:
-        for name in ("rollout_tick", "train_tick", "_dispatch", "_collect", "_optimizer_step", "_finish_step"):
-            setattr(ctrl, name, self.timed(name.strip("_"), getattr(ctrl, name)))
-        generation_call = ctrl._generation_call
-        ctrl._generation_call = lambda what, fn, *a: self.timed(f"gen.{what}", generation_call)(what, fn, *a)
+        for name in ("rollout_tick", "train_tick"):
+            setattr(ctrl, name, self.timed(name, getattr(ctrl, name)))
+        for name in ("submit", "poll", "abort", "num_inflight"):  # the generation calls the rollout pump makes
+            setattr(ctrl.generator, name, self.timed(f"gen.{name}", getattr(ctrl.generator, name)))
         ctrl.sync_weights = self.timed("weight_sync", ctrl.sync_weights)
+
+        def step_done(event) -> None:  # a zero-length span where each step ended (the plot's window marks)
+            now = time.perf_counter()
+            self.spans.append(("train", "finish_step", now, now))
+
+        ctrl.subscribe(step_done, events="step")
         for name in ("begin_train_step", "train_microbatches", "finish_train_step", "logprobs"):
             setattr(stamped, name, self.timed(f"policy.{name}", getattr(stamped, name)))
 

@@ -1,6 +1,7 @@
 """The package's layers point one way: every import (lazy ones inside functions included) goes to a lower layer,
-no module takes part in an import cycle, no engine imports another engine, and no package file grows past 600
-lines. Imports are read from the source with ``ast``, so nothing is imported to check them."""
+no module takes part in an import cycle (``if TYPE_CHECKING:`` imports count: the tie they make is real), no engine
+imports another engine, no module outside ``asyncrl/controller.py`` reads or writes the controller's private state,
+and no package file grows past 600 lines. Source is read with ``ast``, so nothing is imported to check it."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
      "asyncrl.tracking"],
-    ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault bookkeeping (the controller mixes it in)
+    ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
+    ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
     ["asyncrl.algorithms"],  # GRPO maths and the Loss: data and metrics only, never the backends
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],
-    # what the engines share: the Protocols, HF helpers, placements, Megatron's weight map and process groups
-    ["asyncrl.backends.base", "asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
+    ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
+    # what the engines share: HF helpers, placements, Megatron's weight map and process groups
+    ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
@@ -30,7 +33,8 @@ TIERS = [
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
-    ["asyncrl.run_loop", "asyncrl.checkpoint"],  # the background run and the checkpoint format the controller uses
+    # the rollout pump, the background run and the checkpoint format the controller uses
+    ["asyncrl.rollout", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
     ["asyncrl.simulate_plots"],
     ["asyncrl.simulate"],  # drives a controller on the simulated backends
@@ -60,15 +64,16 @@ def _owner(name: str) -> str | None:
     return name or None
 
 
-def _imports(module: str) -> set[str]:
+def _imports(module: str, typing: bool = False) -> set[str]:
     """asyncrl modules ``module`` imports anywhere in its source, and the packages such an import loads first
-    (importing ``asyncrl.backends.x`` from outside ``asyncrl.backends`` runs ``asyncrl/backends/__init__.py``)."""
+    (importing ``asyncrl.backends.x`` from outside ``asyncrl.backends`` runs ``asyncrl/backends/__init__.py``).
+    ``typing``: also those imported only ``if TYPE_CHECKING:``."""
     out = set()
     tree = ast.parse(MODULES[module].read_text())
     typing_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If) and _is_type_checking(block.test)
                    for n in ast.walk(block)}
     for node in ast.walk(tree):
-        if id(node) in typing_only:
+        if id(node) in typing_only and not typing:
             continue  # ``if TYPE_CHECKING:`` imports are for annotations, not run-time dependencies
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
@@ -95,6 +100,7 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 
 GRAPH = {m: _imports(m) for m in MODULES}
+TYPED_GRAPH = {m: _imports(m, typing=True) for m in MODULES}  # with the ``if TYPE_CHECKING:`` imports
 
 
 def _layer(module: str) -> int | None:
@@ -132,10 +138,48 @@ def test_no_engine_imports_another():
 
 
 def test_no_import_cycles():
+    """Type-only imports count: a cycle through ``if TYPE_CHECKING:`` is two modules that know each other."""
     import networkx as nx
 
-    graph = nx.DiGraph([(m, t) for m, targets in GRAPH.items() for t in targets])
+    graph = nx.DiGraph([(m, t) for m, targets in TYPED_GRAPH.items() for t in targets])
     assert list(nx.simple_cycles(graph)) == []
+
+
+CONTROLLER = ROOT / "asyncrl" / "controller.py"
+# Everything outside the controller that could reach into it: the package, the widgets, benchmarks and examples.
+OUTSIDE = [p for d in ("asyncrl", "widgets", "benchmarks", "examples") for p in sorted((ROOT / d).rglob("*.py"))
+           if p != CONTROLLER]
+
+
+def _controller_privates() -> set[str]:
+    """The private names of ``Controller``: its ``_methods`` and every ``self._attribute`` it (or a class it
+    derives from) sets."""
+    tree = ast.parse(CONTROLLER.read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Controller")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+              and n.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reads(source: str, where: str, privates: set[str]) -> list[str]:
+    """``x._name`` where ``_name`` is one of the controller's privates and ``x`` is not ``self``/``cls``."""
+    return [f"{where}:{n.lineno}: {ast.unparse(n)}" for n in ast.walk(ast.parse(source))
+            if isinstance(n, ast.Attribute) and n.attr in privates
+            and not (isinstance(n.value, ast.Name) and n.value.id in ("self", "cls"))]
+
+
+def test_nothing_outside_the_controller_touches_its_private_state():
+    privates = _controller_privates()
+    found = [hit for path in OUTSIDE for hit in _private_reads(path.read_text(), str(path.relative_to(ROOT)), privates)]
+    assert not found, "private controller state used outside asyncrl/controller.py:\n" + "\n".join(found)
+
+
+def test_the_private_state_check_sees_what_it_judges():
+    privates = _controller_privates()
+    assert {"_state", "_lock", "_step", "_run"} <= privates
+    source = "def f(ctrl):\n    ctrl._state.trace.append(1)\n    return self._step, ctrl.trace\n"
+    assert _private_reads(source, "probe.py", privates) == ["probe.py:2: ctrl._state"]
 
 
 def test_the_checks_see_the_imports_they_judge():

@@ -312,7 +312,7 @@ def test_a_pump_never_sleeps_through_a_step_that_came_during_its_tick():
     waiting a whole ``POLL_S`` with the gate open. The interleaving is forced (such a tick returns only once ``T``
     moved), so the check needs no timing: the pump must not enter a wait after such a tick."""
     ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.001, train_s_per_token=2e-4)
-    tick, wait = ctrl.rollout_tick, ctrl._changed.wait
+    tick, wait = ctrl.rollout_tick, ctrl.changed.wait
     straddled, slept = threading.Event(), []
     forced: list[int] = []
 
@@ -332,7 +332,7 @@ def test_a_pump_never_sleeps_through_a_step_that_came_during_its_tick():
             slept.append(ctrl.trainer_version)
         return wait(timeout)
 
-    ctrl.rollout_tick, ctrl._changed.wait = straddling_tick, watched_wait
+    ctrl.rollout_tick, ctrl.changed.wait = straddling_tick, watched_wait
     _, error = in_thread(ctrl.run, 10, progress=False)
     assert error is None and ctrl.trainer_version == 10
     assert forced, "the interleaving was never forced: the check would pass vacuously"

@@ -16,6 +16,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY, REWARD_MEAN, STEP, TOKENS_PER_S
+from asyncrl.trace import ABORT, EVICT, SELECT
 
 # Colours of the buffer states (stack order, bottom to top). "doomed": ready groups the next train tick evicts.
 STATES = {
@@ -36,10 +37,10 @@ LABELS = {  # {step}: the step whose events are shown (see step_events)
 
 def _shown_step(ctrl) -> tuple[int, pd.DataFrame]:
     trace = ctrl.trace
-    events = trace[trace.event.isin(["select", "evict", "abort"])]
+    events = trace[trace.event.isin([SELECT, EVICT, ABORT])]
     T = ctrl.trainer_version
     # select/evict are stamped with the T they ran at; an abort happens just after T += 1, so it counts for T - 1.
-    step = events.trainer_version - (events.event == "abort").astype(int)
+    step = events.trainer_version - (events.event == ABORT).astype(int)
     current = events[step == T]
     return (T, current) if not current.empty else (T - 1, events[step == T - 1])
 
@@ -64,7 +65,7 @@ def buffer_table(ctrl, verdicts: pd.DataFrame | None = None) -> pd.DataFrame:
     table["doomed"] = doomed.value_counts().reindex(table.index, fill_value=0).astype("int64")
     table["ready"] -= table["doomed"]
     events = step_events(ctrl)
-    for column, kinds in (("selected", ["select"]), ("evicted", ["evict", "abort"])):
+    for column, kinds in (("selected", [SELECT]), ("evicted", [EVICT, ABORT])):
         counts = events[events.event.isin(kinds)].weight_version.astype(int).value_counts()
         table = table.reindex(table.index.union(counts.index), fill_value=0)
         table[column] = counts.reindex(table.index, fill_value=0).astype("int64")
@@ -126,7 +127,7 @@ def verdict_table(ctrl, action: str | None = None) -> pd.DataFrame:
 def lag_table(ctrl) -> pd.DataFrame:
     """Groups trained per step (rows) by lag ``T - weight_version`` (columns), from the trace's select events."""
     trace = ctrl.trace
-    selected = trace[trace.event == "select"]
+    selected = trace[trace.event == SELECT]
     if selected.empty:
         return pd.DataFrame(index=pd.Index([], name="step", dtype="int64"))
     table = pd.crosstab(selected.trainer_version.astype(int), selected.lag.astype(int))

@@ -16,6 +16,7 @@ from collections.abc import Callable
 import ipywidgets as W
 
 from asyncrl.metrics import LAG_MEAN, REWARD_MEAN
+from asyncrl.trace import STEP
 from widgets import render
 
 
@@ -106,13 +107,14 @@ class StepControls(W.VBox):
     def _watch(self, handle) -> None:
         """While the run goes: redraw when something moved, at most every ``refresh_s`` and never more than a
         quarter of the time (drawing holds the GIL the pumps need); once the run ended, a last redraw."""
-        seen, pause = None, self.refresh_s
+        seen, pause, moved = None, self.refresh_s, threading.Event()
+        subscription = self.ctrl.subscribe(lambda _step: moved.set(), events=STEP)  # a step finished
         try:
             while handle.running:
                 time.sleep(pause)
-                now = (self.ctrl.trainer_version, handle.status)
-                if now != seen and not handle.paused:  # a paused run is redrawn by the action that paused it
-                    seen, started = now, time.perf_counter()
+                if (moved.is_set() or handle.status != seen) and not handle.paused:  # a paused run is redrawn
+                    moved.clear()  # by the action that paused it
+                    seen, started = handle.status, time.perf_counter()
                     self._notify()
                     pause = max(self.refresh_s, 3 * (time.perf_counter() - started))
             if handle.error is not None:
@@ -124,6 +126,8 @@ class StepControls(W.VBox):
             self._notify()
         except Exception as exc:  # a thread's error is printed nowhere a person looks: show it
             self._show(f"live refresh failed: {type(exc).__name__}: {exc}", error=traceback.format_exc())
+        finally:
+            subscription.cancel()
 
     def _running(self) -> bool:
         return self.handle is not None and self.handle.running

@@ -1,4 +1,4 @@
-"""The two backend Protocols: everything the controller (and its weight sync, evaluation and checkpoints) calls.
+"""The backend Protocols (the two a backend implements, and the optional ones): everything the controller (and its weight sync, evaluation and checkpoints) calls.
 
 A generation backend turns prompt token ids into ``G`` sampled completions with per-token logprobs, under the
 weights of its current ``version``. A policy backend computes logprobs and trains, one optimizer step per RL step.
@@ -11,7 +11,9 @@ Each method says when the controller calls it.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
@@ -146,5 +148,63 @@ class PrevLogprobsFromForward(Protocol):
     prev_logprobs_from_forward: Literal[True]
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "PrevLogprobsFromForward", "StepMetrics", "StagesWeights",
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend class declares about how it may be hosted, read off the class without building it
+    (``capabilities = Capabilities(...)``; a class that declares none has the defaults).
+
+    ``ray_pipelined``: methods whose result no caller waits for; through a Ray proxy they return at once and the
+    proxy's next call waits for them (``asyncrl/backends/ray.py``: the policies' ``begin_train_step`` and
+    ``train_microbatches``). ``ray_max_concurrency``: calls its Ray actor may serve at once (the vLLM generator: 2, a
+    weight receive runs during a wave); pipelining needs 1. ``needs_process_group``: built only once its actor
+    joined the rank group's process group (Megatron, ``asyncrl/backends/ranks.py``)."""
+
+    ray_pipelined: frozenset[str] = frozenset()
+    ray_max_concurrency: int = 1
+    needs_process_group: bool = False
+
+    def __post_init__(self) -> None:
+        if self.ray_pipelined and self.ray_max_concurrency != 1:
+            raise ValueError(f"pipelined calls {sorted(self.ray_pipelined)} need one call at a time, not "
+                             f"ray_max_concurrency={self.ray_max_concurrency}")
+
+
+@runtime_checkable
+class DeclaresCapabilities(Protocol):
+    """Optional for a backend class: its ``Capabilities``."""
+
+    capabilities: Capabilities
+
+
+def capabilities(cls: type) -> Capabilities:
+    """The ``Capabilities`` backend class ``cls`` declares, or the defaults."""
+    return cls.capabilities if isinstance(cls, DeclaresCapabilities) else Capabilities()
+
+
+@runtime_checkable
+class ActorBackend(Protocol):
+    """Optional for a backend: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``). Only such a
+    backend can die as an actor and be restarted; in-process, child-process, replica-set and rank-group backends
+    are not one actor and do not have these members."""
+
+    @property
+    def actor_id(self) -> str:
+        """The actor's id (hex), as ``ray.exceptions.RayActorError.actor_id`` names a dead one."""
+        ...
+
+    def restart(self) -> None:
+        """Replace the dead actor with a fresh one built the same way (it starts from its constructor's state)."""
+        ...
+
+
+def is_dead_actor(exc: BaseException, backend: object) -> bool:
+    """Is ``exc`` Ray saying that ``backend``'s actor died? (False without Ray or for a backend that is not one
+    actor.)"""
+    errors = sys.modules.get("ray.exceptions")
+    if errors is None or not isinstance(backend, ActorBackend) or not isinstance(exc, errors.RayActorError):
+        return False
+    return exc.actor_id in (None, backend.actor_id)
+
+
+__all__ = ["ActorBackend", "Capabilities", "DeclaresCapabilities", "capabilities", "is_dead_actor", "GenerationBackend", "PolicyBackend", "PrevLogprobsFromForward", "StepMetrics", "StagesWeights",
            "GenerationRequest", "GroupRollouts", "TrainBatch"]

@@ -17,6 +17,7 @@ from pydantic import Field, TypeAdapter
 
 from asyncrl.samplers.base import (
     Admission,
+    AdmitsAhead,
     KnobModel,
     PromptGroupSampler,
     SamplerBase,
@@ -69,7 +70,8 @@ def explain_frame(verdicts: list[Verdict]):
 
 
 __all__ = [
-    "Admission", "PromptGroupSampler", "StalenessWindow", "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
+    "Admission", "AdmitsAhead", "PromptGroupSampler", "StalenessWindow", "TargetStamping", "Verdict", "SamplerBase",
+    "KnobModel", "SamplerConfig",
     "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),
 ]

@@ -114,6 +114,15 @@ class TargetStamping(Protocol):
     stamps_target: bool
 
 
+@runtime_checkable
+class AdmitsAhead(Protocol):
+    """Optional: whether the sampler may admit a batch before the step it feeds has started. False (``in_order``
+    with ``max_lookahead_versions: 0``, any gated sampler with a window of 0) means generation can never run ahead
+    of training, so a run drives both pumps in lockstep on one thread (``asyncrl/run_loop.py``). Without it: True."""
+
+    admits_ahead: bool
+
+
 class KnobModel(BaseModel):
     """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 
@@ -170,6 +179,11 @@ class SamplerBase:
     @property
     def is_on_policy(self) -> bool:
         return self.window == 0
+
+    @property
+    def admits_ahead(self) -> bool:
+        """Can a batch be admitted before ``T`` reaches its step? Not when gated with a window of 0."""
+        return not self.gated or self.window > 0
 
     def lower_bound(self, trainer_version: int) -> int:
         """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on."""
