@@ -12,6 +12,8 @@ _LAZY = {
     "load_config": "asyncrl.config",
     "Config": "asyncrl.config",
     "ReplayBuffer": "asyncrl.buffer",
+    "TraceRow": "asyncrl.trace",  # what Controller.subscribe delivers for each trace event
+    "StepEvent": "asyncrl.trace",  # ... and for each finished step, with its metrics row
 }
 
 
