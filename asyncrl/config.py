@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.faults import FaultsConfig
-from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
+from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_sampler
 from asyncrl.tasks import build_task
 from asyncrl.tracking import TrackingConfig
 
@@ -104,12 +104,14 @@ class TorchGenerationConfig(_Generation):
     """Generation with the embedded torch engine (asyncrl/backends/torch.py)."""
 
     backend: Literal["torch"] = "torch"
+    engine: ClassVar[str] = "asyncrl.backends.torch:TorchGenerator"
 
 
 class VLLMGenerationConfig(_Generation):
     """Generation with vLLM (asyncrl/backends/vllm.py)."""
 
     backend: Literal["vllm"] = "vllm"
+    engine: ClassVar[str] = "asyncrl.backends.vllm:VLLMGenerator"
     gpu_memory_utilization: float = Field(0.3, gt=0, lt=1, description="vLLM's share of the GPU's memory")
     enforce_eager: bool = Field(True, description="no CUDA graphs (faster start-up, slower decoding)")
     background: bool = Field(
@@ -186,6 +188,7 @@ class SimulatedGenerationConfig(_Generation, SimulatedGeneration):
     """Generation without a model (asyncrl/backends/simulated.py): latency, completion-length and reward models."""
 
     backend: Literal["simulated"] = "simulated"
+    engine: ClassVar[str] = "asyncrl.backends.simulated:SimulatedGenerator"
 
 
 class _Trainer(_Placement):
@@ -206,6 +209,7 @@ class TorchTrainerConfig(_Trainer):
     """Training with the embedded torch engine (asyncrl/backends/torch.py)."""
 
     backend: Literal["torch"] = "torch"
+    engine: ClassVar[str] = "asyncrl.backends.torch:TorchPolicy"
     data_parallel: int = Field(
         1, ge=1, description="data-parallel ranks, one Ray actor each in one torch.distributed group (> 1 needs "
         "placement 'ray'): asyncrl/backends/ranks.py")
@@ -228,6 +232,7 @@ class MegatronTrainerConfig(_Trainer):
     """Training with Megatron-core (asyncrl/backends/megatron.py)."""
 
     backend: Literal["megatron"] = "megatron"
+    engine: ClassVar[str] = "asyncrl.backends.megatron:MegatronPolicy"
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks (x data_parallel = world size)")
     data_parallel: int = Field(1, ge=1, description="data-parallel ranks")
     optimizer: Literal["megatron", "torch"] | None = Field(
@@ -268,6 +273,7 @@ class SimulatedTrainerConfig(_Trainer, SimulatedTraining):
     """Training without a model (asyncrl/backends/simulated.py): a step takes time proportional to its tokens."""
 
     backend: Literal["simulated"] = "simulated"
+    engine: ClassVar[str] = "asyncrl.backends.simulated:SimulatedPolicy"
 
 
 def _backend_tag(default: str):
@@ -278,6 +284,7 @@ def _backend_tag(default: str):
     return tag
 
 
+# The backend registry, one line per backend: its config section class, which names its engine (``engine``).
 GENERATION_CONFIGS = {c.model_fields["backend"].default: c for c in (
     TorchGenerationConfig, VLLMGenerationConfig, SimulatedGenerationConfig)}
 TRAINER_CONFIGS = {c.model_fields["backend"].default: c for c in (
@@ -360,7 +367,7 @@ class Config(_Strict):
         correction = loss.get("importance_correction") if isinstance(loss, dict) else None
         sampler = info.data.get("sampler")
         if correction == "none" and sampler is not None and not isinstance(sampler, CustomConfig):
-            check_importance_correction(SAMPLERS[sampler.name](None, **sampler.model_dump(exclude={"name"})), correction)
+            check_importance_correction(build_sampler(sampler, None), correction)
         return loss
 
     @model_validator(mode="after")
@@ -385,8 +392,7 @@ class Config(_Strict):
             _check_collective_weight_sync(self)
         if isinstance(self.sampler, CustomConfig):
             return self  # capacity and on-policy checks happen once the class is built (Controller.from_config)
-        sampler = SAMPLERS[self.sampler.name](None, **self.sampler.model_dump(exclude={"name"}))
-        check_sampler_fits(sampler, self)
+        check_sampler_fits(build_sampler(self.sampler, None), self)
         return self
 
     @property

@@ -302,7 +302,8 @@ class Controller:
         matched); returns a ``RunHandle`` at once (``pause``, ``resume``, ``stop``, ``wait``, ``running``,
         ``error``). ``until``: a trace event name (``TRACE_EVENTS``) or a callable on a trace row: the run stops
         right after the tick that emitted the first match among this run's events. ``on_step(row, events)`` is
-        called in the train pump after each step with its metrics row and the trace rows since the last call."""
+        called in the train pump after each step with its metrics row and the trace rows (``TraceRow``) since the
+        last call. With a sampler that cannot admit ahead (``lockstep``) one thread runs both ticks in turn."""
         if self._run is not None and self._run.alive:
             raise RuntimeError(f"a run is already going ({self._run!r}): wait for it, or stop it, before starting "
                                "another")

@@ -144,9 +144,10 @@ class RunHandle:
 
     def _on_event(self, event: TraceRow | StepEvent) -> None:
         """Every event of the controller, at the end of the tick that recorded it. Only events of this run's pumps
-        are matched against ``until`` and count as its steps (not a hand tick's while paused)."""
+        are matched against ``until`` and count as its steps (not a hand tick's while paused, nor what the final
+        drain collects)."""
         row = event.row if isinstance(event, StepEvent) else event
-        ours = self._inside()
+        ours = threading.current_thread() in self._threads.values()
         with self._cv:
             self._unreported.append(row)
             if ours and isinstance(event, StepEvent):

@@ -364,3 +364,30 @@ def test_a_run_spaces_generation_retries_by_the_backoff():
     gaps = [b - a for a, b in zip(attempts, attempts[1:])]
     assert all(gap >= 0.95 * ctrl.cfg.faults.backoff(n) for n, gap in enumerate(gaps, start=1)), gaps
     accounting(ctrl)
+
+
+@pytest.mark.parametrize("sampler, lockstep", [
+    ({"name": "in_order", "max_lookahead_versions": 0}, True),
+    ({"name": "weight_fifo", "max_staleness_versions": 0}, True),
+    ({"name": "in_order", "max_lookahead_versions": 1}, False),
+    ({"name": "windowed", "max_staleness_versions": 0}, False),  # ungated: always admits, so it can run ahead
+])
+def test_a_sampler_that_cannot_admit_ahead_runs_both_ticks_on_one_thread(sampler, lockstep):
+    """Lockstep: nothing can overlap when admission waits for training, so one pump thread does both ticks (a step
+    is not handed across cores); otherwise two pumps. Pause, hand ticks while paused, and resume work either way."""
+    ctrl = simulated(sampler, latency_s=0.001, train_s_per_token=2e-5)
+    assert ctrl.lockstep is lockstep
+    seen: set[str] = set()
+    ctrl.subscribe(lambda _row: seen.add(threading.current_thread().name))
+    handle = ctrl.start(6, progress=False)
+    wait_for(lambda: ctrl.trainer_version >= 2, "two steps")
+    handle.pause()
+    T = ctrl.trainer_version
+    ctrl.tick()  # by hand, while paused
+    assert ctrl.trainer_version >= T
+    handle.resume()
+    handle.wait()
+    assert handle.status == "completed"
+    pumps = {name for name in seen if name.endswith("-pump")}
+    assert pumps == ({"asyncrl-lockstep-pump"} if lockstep else {"asyncrl-rollout-pump", "asyncrl-train-pump"})
+    accounting(ctrl)

@@ -1,6 +1,7 @@
 """Backends: generation (rollouts) and policy (training) behind two small Protocols (see ``base``).
 
-``build_backends(cfg)`` picks the implementations named in the config and places them in-process, as Ray
+``build_backends(cfg)`` picks the implementations the config names (one registry: ``asyncrl.config``'s
+``GENERATION_CONFIGS`` / ``TRAINER_CONFIGS``, each section class naming its ``engine``) and places them in-process, as Ray
 actors (``placement: ray``) or, the generator, in a child process (``placement: process``): placement is
 configuration, not code.
 Layout: ``base`` (the Protocols), ``hf`` (Hugging Face helpers every engine shares), one module per engine
@@ -16,25 +17,25 @@ from importlib import import_module
 from typing import TYPE_CHECKING
 
 from asyncrl.backends.base import GenerationBackend, PolicyBackend
+from asyncrl.config import GENERATION_CONFIGS, TRAINER_CONFIGS
 
 if TYPE_CHECKING:
     from asyncrl.algorithms import Loss
 
-POLICIES = {
-    "torch": "asyncrl.backends.torch:TorchPolicy",
-    "megatron": "asyncrl.backends.megatron:MegatronPolicy",
-    "simulated": "asyncrl.backends.simulated:SimulatedPolicy",
-}
-GENERATORS = {
-    "torch": "asyncrl.backends.torch:TorchGenerator",
-    "vllm": "asyncrl.backends.vllm:VLLMGenerator",
-    "simulated": "asyncrl.backends.simulated:SimulatedGenerator",
-}
+
+def engine(section) -> type:
+    """The engine class of a ``generation:`` or ``trainer:`` config section: the one registry is
+    ``asyncrl.config.GENERATION_CONFIGS`` / ``TRAINER_CONFIGS``, whose classes name their engine (``engine``)."""
+    return _load(section.engine)
 
 
 def _load(target: str) -> type:
     module, name = target.split(":")
     return getattr(import_module(module), name)
+
+
+POLICIES = {name: c.engine for name, c in TRAINER_CONFIGS.items()}  # read off the registry, for scripts
+GENERATORS = {name: c.engine for name, c in GENERATION_CONFIGS.items()}
 
 
 def build_backends(cfg, loss: Loss | None = None):
@@ -44,8 +45,7 @@ def build_backends(cfg, loss: Loss | None = None):
     from asyncrl.backends.hf import load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
-    policy_cls = _load(POLICIES[cfg.trainer.backend])
-    generator_cls = _load(GENERATORS[cfg.generation.backend])
+    policy_cls, generator_cls = engine(cfg.trainer), engine(cfg.generation)
     policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss) if loss is None else loss, cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
     if "ray" in (cfg.trainer.placement, cfg.generation.placement):
@@ -83,4 +83,4 @@ def build_backends(cfg, loss: Loss | None = None):
     return policy, generator, tokenizer
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "build_backends"]
+__all__ = ["GenerationBackend", "PolicyBackend", "build_backends", "engine"]

@@ -45,6 +45,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.algorithms import Loss, token_entropy, token_logprobs
+from asyncrl.backends.base import Capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
@@ -65,12 +66,12 @@ __all__ = ["MegatronPolicy"]
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
-    # A Ray rank group builds it only after its actor joined torch.distributed's default group (ranks.py).
-    needs_process_group = True
     prev_logprobs_from_forward: Literal[True] = True  # module docstring: exact with dropout off
-    # Through a Ray proxy these return at once and the proxy's next call waits for them (asyncrl/backends/ray.py):
-    # nothing reads what they return, and a step's calls reach the actor back to back.
-    ray_pipelined = frozenset({"begin_train_step", "train_microbatches"})
+    # A Ray rank group builds it only after its actor joined torch.distributed's default group (ranks.py). Through
+    # a Ray proxy the pipelined calls return at once and the proxy's next call waits for them
+    # (asyncrl/backends/ray.py): nothing reads what they return, and a step's calls reach the actor back to back.
+    capabilities = Capabilities(needs_process_group=True,
+                                ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,
                  tokenizer: Any = None):

@@ -5,7 +5,7 @@ the controller drives exactly as it drives a single policy (``RankGroupPolicy``)
 Two kinds of rank, one group:
 - The torch engine (data parallel only) is built first; then the ranks join a standalone process group and each
   gets a ``DataParallel`` (``TorchPolicy.data_parallel``) over it.
-- A policy class with ``needs_process_group = True`` (Megatron) is built only once its actor joined
+- A policy class with ``Capabilities(needs_process_group=True)`` (Megatron) is built only once its actor joined
   ``torch.distributed``'s default group (the actor starts ``deferred``); the policy then makes Megatron's
   tensor-/data-parallel groups from it (``megatron_parallel.init_parallel``) and reduces over its own
   data-parallel group with the same ``DataParallel`` (or Megatron's DDP on GPUs). It is told that its caller shards
@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.base import capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.data import TrainBatch
 from asyncrl.faults import TrainerFailed, describe
@@ -114,9 +115,9 @@ class RankGroupPolicy:
     """The ``PolicyBackend`` over the rank actors (see the module docstring). ``layout[i]`` is actor ``i``'s
     (data-parallel rank, tensor-parallel rank)."""
 
-    def __init__(self, ranks: list[Any], placement_group: Any = None,
-                 layout: list[tuple[int, int]] | None = None) -> None:
-        self.ranks, self._placement_group = ranks, placement_group
+    def __init__(self, group: Any, layout: list[tuple[int, int]] | None = None) -> None:
+        self._group = group  # an ActorGroup (asyncrl/backends/ray.py): starts, closes, releases the actors
+        self.ranks = ranks = group.actors
         self.layout = layout or [(r, 0) for r in range(len(ranks))]
         self.data_parallel = 1 + max(d for d, _ in self.layout)
         self.tensor_parallel = 1 + max(t for _, t in self.layout)
@@ -130,24 +131,22 @@ class RankGroupPolicy:
         joined in one process group (NCCL when the trainer's device is CUDA, else gloo)."""
         import ray
 
-        from asyncrl.backends.ray import actor_options, release, remote, reserve
+        from asyncrl.backends.ray import ActorGroup
 
         section = cfg.trainer
         world = section.ranks
-        deferred = bool(getattr(policy_cls, "needs_process_group", False))
-        group = reserve(actor_options(section), world, "PACK", f"{world} trainer ranks", cfg.ray.placement_timeout_s)
-        ranks: list[Any] = []
-        try:
-            for r in range(world):
-                ranks.append(remote(policy_cls, args, section, group, r if group is not None else None, deferred))
+        deferred = capabilities(policy_cls).needs_process_group
+        layout: list = []
+
+        def join(ranks: list[Any]) -> None:  # one process group (NCCL on CUDA, else gloo); rank 0 listens
             address, port = ray.get(ranks[0].apply_remote(_listen))
             backend = "nccl" if str(section.device).startswith("cuda") else "gloo"
-            layout = ray.get([rank.apply_remote(_join, r, world, address, port, backend, GROUP_TIMEOUT_S)
-                              for r, rank in enumerate(ranks)])
-        except BaseException:
-            release(ranks, group)
-            raise
-        return cls(ranks, group, [tuple(x) for x in layout])
+            layout.extend(ray.get([rank.apply_remote(_join, r, world, address, port, backend, GROUP_TIMEOUT_S)
+                                   for r, rank in enumerate(ranks)]))
+
+        group = ActorGroup.start(policy_cls, lambda r: args, section, world, "PACK", f"{world} trainer ranks",
+                                 cfg.ray.placement_timeout_s, deferred, then=join)
+        return cls(group, [tuple(x) for x in layout])
 
     # ---- calls, and what a dead rank does to them ------------------------------------------------------------------
 
@@ -256,16 +255,7 @@ class RankGroupPolicy:
                    for i, (rank, (_, t)) in enumerate(zip(self.ranks, self.layout))], "load_state_dict")
 
     def close(self) -> None:
-        import ray
-
-        for rank in self.ranks:
-            if self._ended is None:
-                rank.close()
-            else:
-                rank.kill()
-        if self._placement_group is not None:
-            ray.util.remove_placement_group(self._placement_group)
-            self._placement_group = None
+        self._group.close(kill=self._ended is not None)  # ended: a rank died, the others were killed with it
 
     def __repr__(self) -> str:
         return (f"RankGroupPolicy({len(self.ranks)} ranks of {self.ranks[0].hosted.__name__}: data_parallel "

@@ -5,9 +5,9 @@ nothing in the controller or the backends knows where a backend runs. The proxy'
 class: it has exactly that class's public methods and properties (a name the backend does not have is an
 ``AttributeError``), so ``hasattr`` and ``isinstance(proxy, GenerationBackend)`` tell the truth about the backend. An actor serves one call at a time, which
 gives a generator the same "a weight load never interleaves a generation" guarantee as its in-process lock; a hosted
-class that declares ``ray_max_concurrency = n`` gets n at once (the vLLM generator: a weight receive runs during a
+class that declares ``Capabilities(ray_max_concurrency=n)`` gets n at once (the vLLM generator: a weight receive runs during a
 wave, and its own locks keep engine use serial).
-Pipelined calls: a hosted class may name methods whose result no caller waits for (``ray_pipelined``: the
+Pipelined calls: a hosted class may name methods whose result no caller waits for (``Capabilities.ray_pipelined``: the
 policies' ``begin_train_step`` and ``train_microbatches``). Through the proxy they return ``None`` at once, and the
 proxy's next call waits for them first and raises the first of their errors, so a step's calls reach the actor back
 to back instead of one round trip each (on two H200s that took ~5 ms off every training step's ~50). Only for an
@@ -29,6 +29,8 @@ import threading
 import time
 from collections import defaultdict
 from typing import Any
+
+from asyncrl.backends.base import capabilities
 
 PLACEMENT_TIMEOUT_S = 120.0
 # Ray gives a new local node's raylet a fixed 30 s to register with its GCS; on a loaded machine it can miss that
@@ -182,10 +184,7 @@ def proxy_class(cls: type) -> type[RemoteBackend]:
     satisfies holds for the proxy too, read without a call). Nothing else: public data attributes set in
     ``__init__`` are not part of a backend's contract."""
     namespace: dict[str, Any] = {"hosted": cls, "__doc__": f"Ray proxy of {cls.__qualname__}."}
-    pipelined = getattr(cls, "ray_pipelined", frozenset())
-    if pipelined and getattr(cls, "ray_max_concurrency", 1) != 1:
-        raise ValueError(f"{cls.__qualname__} pipelines {sorted(pipelined)} but serves "
-                         f"{cls.ray_max_concurrency} calls at once: pipelined calls need one call at a time")
+    pipelined = capabilities(cls).ray_pipelined  # Capabilities checks it goes with one call at a time
     for name, member in inspect.getmembers(cls):
         if name.startswith("_") or name in vars(RemoteBackend):
             continue  # the proxy's own (close closes the hosted backend, then the actor)
@@ -265,15 +264,49 @@ def reserve(options: dict[str, Any], count: int, strategy: str, what: str, timeo
     return group
 
 
-def release(actors: list[Any], group: Any) -> None:
-    """Kill ``actors`` (``RemoteBackend``s) and remove their placement ``group``: a multi-actor start (a rank group,
-    a replica set) that failed half-way leaves nothing reserved."""
-    import ray
+class ActorGroup:
+    """``count`` actors hosting one backend class, reserved together in one placement group: what generation
+    replicas (``replicas.py``, ``SPREAD``) and trainer ranks (``ranks.py``, ``PACK``) are made of. ``start`` builds
+    them (a start that fails half-way, ``then`` included, kills what it built and leaves nothing reserved);
+    ``close`` closes their backends (or kills them) and gives the placement group back. ``actors`` is the list of
+    ``RemoteBackend``s, in bundle order."""
 
-    for actor in actors:
-        actor.kill()
-    if group is not None:
-        ray.util.remove_placement_group(group)
+    def __init__(self, actors: list[RemoteBackend], placement_group: Any = None) -> None:
+        self.actors, self.placement_group = actors, placement_group
+
+    @classmethod
+    def start(cls, hosted: type, args_of: Any, section: Any, count: int, strategy: str, what: str, timeout_s: float,
+              deferred: bool = False, then: Any = None) -> ActorGroup:
+        """Actor ``i`` hosts ``hosted(*args_of(i))``; ``then(actors)`` runs before the start counts as done."""
+        group = reserve(actor_options(section), count, strategy, what, timeout_s)
+        actors: list[RemoteBackend] = []
+        try:
+            for i in range(count):
+                actors.append(remote(hosted, args_of(i), section, group, i if group is not None else None, deferred))
+            if then is not None:
+                then(actors)
+        except BaseException:
+            cls(actors, group).close(kill=True)
+            raise
+        return cls(actors, group)
+
+    def close(self, kill: bool = False) -> None:
+        """Close each actor's backend (one that died is killed instead); ``kill``: kill them all without closing
+        (a start failed, or a death broke the group). Then release the placement group."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        for actor in self.actors:
+            if kill:
+                actor.kill()
+                continue
+            try:
+                actor.close()
+            except RayActorError:  # died (or was retired): nothing left to close
+                actor.kill()
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
 
 
 def _resources(res: dict[str, float]) -> dict[str, float]:
@@ -295,7 +328,7 @@ def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
     # One call at a time, unless the hosted class says it is safe with more (``ray_max_concurrency``: the vLLM
     # generator, so a weight receive runs during a wave; its own locks keep engine use serial).
-    concurrency = int(getattr(cls, "ray_max_concurrency", 1))
+    concurrency = capabilities(cls).ray_max_concurrency
     actor = ray.remote(_Host).options(max_concurrency=concurrency, **options).remote(cls, args, deferred)
     ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)
     if not ready:

@@ -57,9 +57,9 @@ def _ids(ids: list[int]) -> str:
 class ReplicaSet:
     """The ``GenerationBackend`` over K generation actors (see the module docstring)."""
 
-    def __init__(self, replicas: list[Any], version: int = 0, placement_group: Any = None, restarts: int = 0) -> None:
-        self.replicas = replicas
-        self._placement_group = placement_group
+    def __init__(self, group: Any, version: int = 0, restarts: int = 0) -> None:
+        self._group = group  # an ActorGroup (asyncrl/backends/ray.py): starts, closes, releases the actors
+        self.replicas = replicas = group.actors
         self._version = version
         self._lock = threading.Lock()
         self._owner: dict[int, int] = {}  # group id -> replica index, while the group is in flight
@@ -78,21 +78,14 @@ class ReplicaSet:
     @classmethod
     def start(cls, generator_cls: type, args: tuple, cfg: Any) -> ReplicaSet:
         """``cfg.generation.replicas`` actors of ``generator_cls(model, generation, seed_i, tokenizer)``, spread."""
-        from asyncrl.backends.ray import actor_options, release, remote, reserve
+        from asyncrl.backends.ray import ActorGroup
 
-        section, k = cfg.generation, cfg.generation.replicas
-        group = reserve(actor_options(section), k, "SPREAD", f"{k} generation replicas", cfg.ray.placement_timeout_s)
+        k = cfg.generation.replicas
         model, gen, seed, tokenizer = args
-        replicas: list[Any] = []
-        try:
-            for i in range(k):
-                replicas.append(remote(generator_cls, (model, gen, seed + i * REPLICA_SEED_STRIDE, tokenizer),
-                                       section, group, i if group is not None else None))
-        except BaseException:
-            release(replicas, group)
-            raise
+        group = ActorGroup.start(generator_cls, lambda i: (model, gen, seed + i * REPLICA_SEED_STRIDE, tokenizer),
+                                 cfg.generation, k, "SPREAD", f"{k} generation replicas", cfg.ray.placement_timeout_s)
         restarts = cfg.faults.max_generator_restarts if cfg.faults.restart_generator else 0
-        return cls(replicas, 0, group, restarts)
+        return cls(group, 0, restarts)
 
     @property
     def version(self) -> int:
@@ -329,17 +322,7 @@ class ReplicaSet:
         self._version = int(state["version"])
 
     def close(self) -> None:
-        import ray
-        from ray.exceptions import RayActorError
-
-        for i, replica in enumerate(self.replicas):
-            try:
-                replica.close()
-            except RayActorError:  # died (or was retired): nothing left to close
-                replica.kill()
-        if self._placement_group is not None:
-            ray.util.remove_placement_group(self._placement_group)
-            self._placement_group = None
+        self._group.close()
         with self._lock:
             self._owner.clear()
             self._requests.clear()

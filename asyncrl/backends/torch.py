@@ -36,6 +36,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.algorithms import Loss, token_logprobs
+from asyncrl.backends.base import Capabilities
 from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
@@ -225,7 +226,7 @@ class TorchPolicy:
     prev_logprobs_from_forward: Literal[True] = True  # one optimizer step per RL step makes it exact (docstring)
     # Through a Ray proxy these return at once and the proxy's next call waits for them (asyncrl/backends/ray.py):
     # nothing reads what they return, and a step's calls reach the actor back to back.
-    ray_pipelined = frozenset({"begin_train_step", "train_microbatches"})
+    capabilities = Capabilities(ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss

@@ -62,6 +62,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.base import Capabilities
 from asyncrl.backends.device_lock import exclusive_device
 from asyncrl.backends.hf import build_hf_config, init_hf_model
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
@@ -126,7 +127,7 @@ class VLLMGenerator:
 
     # Ray may serve two calls of this actor at once (asyncrl.backends.ray): a weight receive runs during a wave.
     # Safe: every engine use holds ``_engine`` and staged weights ``_staging`` (module docstring).
-    ray_max_concurrency = 2
+    capabilities = Capabilities(ray_max_concurrency=2)
 
     def __init__(self, model_cfg: ModelConfig, gen_cfg: VLLMGenerationConfig, seed: int = 0, tokenizer: Any = None, *,
                  llm: Any = None, sampling_params_cls: Any = None):
