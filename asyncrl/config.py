@@ -17,11 +17,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.faults import FaultsConfig
-from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig
+from asyncrl.presets import PRESETS, presets
+from asyncrl.samplers import SAMPLERS, CustomConfig, InOrderConfig, SamplerConfig, build_custom
 from asyncrl.tasks import build_task
 from asyncrl.tracking import TrackingConfig
-
-PRESETS = Path(__file__).parent / "presets"
 
 
 class _Strict(BaseModel):
@@ -383,9 +382,12 @@ class Config(_Strict):
         _check_scale(self)
         if self.generation.weight_sync == "collective":
             _check_collective_weight_sync(self)
-        if isinstance(self.sampler, CustomConfig):
-            return self  # capacity and on-policy checks happen once the class is built (Controller.from_config)
-        sampler = SAMPLERS[self.sampler.name](None, **self.sampler.model_dump(exclude={"name"}))
+        if isinstance(self.sampler, CustomConfig):  # built on an empty buffer, as its config validation did
+            from asyncrl.buffer import ReplayBuffer
+
+            sampler = build_custom(self.sampler, ReplayBuffer())
+        else:
+            sampler = SAMPLERS[self.sampler.name](None, **self.sampler.model_dump(exclude={"name"}))
         check_sampler_fits(sampler, self)
         return self
 
@@ -474,10 +476,6 @@ def merge_overrides(base: dict, overrides: dict) -> dict:
         else:
             out[key] = value
     return out
-
-
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
 
 
 def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: Any) -> Config:
