@@ -98,8 +98,8 @@ class RunHandle:
     ``resume()`` goes on; ``stop()`` ends the run at a safe point; ``wait()`` blocks until the run ended, re-raises
     its error, and returns the metrics of the steps finished since it started (``.attrs["status"]`` and
     ``.attrs["breakpoint"]`` say how it ended; ``.attrs["until_fired"]`` whether ``until`` matched, None without
-    one: a run that ended without its breakpoint also warns). ``running`` is true until the run ended (also while paused);
-    ``status`` is ``running``, ``paused`` or how it ended (``ENDS``); ``error`` the exception that ended it;
+    one: a run that ended without its breakpoint also warns). ``running`` is true until the run ended (also while
+    paused); ``status`` is ``running``, ``paused`` or how it ended (``ENDS``); ``error`` the exception that ended it;
     ``breakpoint`` the trace row that matched ``until``.
     """
 

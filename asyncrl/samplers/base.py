@@ -136,7 +136,8 @@ class _ExplainedDecisions:
 
     def evict_reasoned(self, trainer_version):
         words = self._words(trainer_version)
-        return [(s, words.get(s.group_id, f"{self.sampler.name} dropped it")) for s in self.sampler.evict(trainer_version)]
+        return [(s, words.get(s.group_id, f"{self.sampler.name} dropped it"))
+                for s in self.sampler.evict(trainer_version)]
 
     def abort_reason(self, slot, trainer_version):
         return (f"{self.sampler.name}: should_abort_inflight({slot.weight_version}, {trainer_version}) let it go "
