@@ -5,7 +5,9 @@ the others; ``SamplerBase`` turns that into ``select``/``evict``/``explain`` so 
 
 Invariants:
 - ``select`` and ``evict`` only ever remove ready slots, through ``ReplayBuffer.remove`` (atomic).
-- ``explain`` calls the same ``_candidates``/``_evictable`` generators as ``select``/``evict`` and removes nothing.
+- ``explain`` calls the same ``_candidates``/``_evictable`` generators as ``select``/``evict`` and removes nothing;
+  ``select_reasoned``/``evict_reasoned`` (what the controller calls) word each decision with the same hooks, so the
+  trace says what ``explain`` said.
 - Candidates are produced lazily from the buffer's indexes, so a decision costs O(selected + evicted + versions),
   not O(buffer).
 - Gated admission with window ``W``: batch ``k`` (the dispatch index after admission) is admitted once
