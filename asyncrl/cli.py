@@ -12,20 +12,23 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import signal
 import sys
+import tempfile
 import traceback
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import yaml
-from pydantic import BaseModel, ValidationError
+from asyncrl.presets import presets  # the rest is imported where it is used: `asyncrl --help` loads no torch
 
-from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY
+if TYPE_CHECKING:
+    from pydantic import BaseModel
 
 
 def parse_overrides(pairs: list[str]) -> dict:
     """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``: ``--set`` values, dotted keys, YAML values."""
+    import yaml
+
     out: dict = {}
     for pair in pairs:
         if "=" not in pair:
@@ -43,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
     """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv.
     Exit 0 when the run completed (or the data ran out), 130 on Ctrl-C (the files hold every finished step),
     1 when it failed; summary.json says which (``status``) and why."""
+    import yaml
+
     from asyncrl.checkpoint import resolve
     from asyncrl.config import load_config
     from asyncrl.controller import Controller
@@ -69,6 +74,9 @@ def run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, **overrides)
         _check_writable(out)
         ctrl = Controller.restore(resume, config=cfg) if resume else Controller.from_config(cfg)
+        if resume is not None:  # the one line a resumed run says where it continues from
+            print(f"asyncrl run: resuming from checkpoint {resume} at step {ctrl.trainer_version} of {args.steps}",
+                  file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted before the run started; nothing written", file=sys.stderr)
         return 130
@@ -129,13 +137,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_writable(out: Path) -> None:
+    """Before anything is built: ``out`` (or its nearest existing parent, where it would be created) takes a new
+    entry. Tried for real and removed at once, since permission bits do not tell (root passes every ``os.access``
+    check, yet cannot create files under /proc)."""
     probe = out
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
         raise ValueError(f"--out {str(out)!r}: {str(probe)!r} is not a directory")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--out {str(out)!r}: {str(probe)!r} is not writable")
+    try:
+        tempfile.TemporaryDirectory(dir=probe, prefix=".asyncrl-probe-").cleanup()
+    except OSError as exc:
+        raise ValueError(f"--out {str(out)!r}: cannot create files in {str(probe)!r} ({exc.strerror or exc})") from exc
 
 
 class _CsvLog:
@@ -187,6 +200,8 @@ def _plot(ctrl, path: Path) -> None:
 def _learning(ctrl, final: dict) -> str:
     """One line a person reads: held-out accuracy before training (when ``eval_every`` evaluated the untrained
     model), after the run, and the bar it is judged against."""
+    from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY
+
     start = ctrl.evaluations.iloc[0]
     accuracy, version = start[HELD_OUT_ACCURACY.name], start[EVALUATED_VERSION.name]
     before = f"{accuracy:.2f} untrained -> " if version == 0 < ctrl.trainer_version else ""
@@ -198,6 +213,8 @@ def _learning(ctrl, final: dict) -> str:
 def _error_message(exc: Exception) -> str:
     """What a user sees for a mistake found before the run: a configuration error is one line per error, without
     a traceback, pydantic's links or a dump of the whole config; anything else is its message."""
+    from pydantic import ValidationError
+
     if not isinstance(exc, ValidationError):
         return f"asyncrl run: {exc}"
     errors = _config_errors(exc)
@@ -205,7 +222,7 @@ def _error_message(exc: Exception) -> str:
                       *(f"  {line}" for line in errors)])
 
 
-def _config_errors(exc: ValidationError) -> list[str]:
+def _config_errors(exc) -> list[str]:
     """One line per error: the dotted key, what was given, what is allowed (no pydantic boilerplate, no dump of
     the whole config)."""
     from asyncrl.config import GENERATION_CONFIGS, TRAINER_CONFIGS, Config
@@ -271,8 +288,6 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from asyncrl.config import presets
-
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"presets: {', '.join(presets())} (or the path of a YAML file with the same keys)\n"

@@ -17,11 +17,10 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.faults import FaultsConfig
-from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_sampler
+from asyncrl.presets import PRESETS, presets
+from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
 from asyncrl.tasks import build_task
 from asyncrl.tracking import TrackingConfig
-
-PRESETS = Path(__file__).parent / "presets"
 
 
 class _Strict(BaseModel):
@@ -390,9 +389,13 @@ class Config(_Strict):
         _check_scale(self)
         if self.generation.weight_sync == "collective":
             _check_collective_weight_sync(self)
-        if isinstance(self.sampler, CustomConfig):
-            return self  # capacity and on-policy checks happen once the class is built (Controller.from_config)
-        check_sampler_fits(build_sampler(self.sampler, None), self)
+        if isinstance(self.sampler, CustomConfig):  # built on an empty buffer, as its config validation did
+            from asyncrl.buffer import ReplayBuffer
+
+            sampler = build_custom(self.sampler, ReplayBuffer())
+        else:
+            sampler = build_sampler(self.sampler, None)
+        check_sampler_fits(sampler, self)
         return self
 
     @property
@@ -480,10 +483,6 @@ def merge_overrides(base: dict, overrides: dict) -> dict:
         else:
             out[key] = value
     return out
-
-
-def presets() -> list[str]:
-    return sorted(p.stem for p in PRESETS.glob("*.yaml"))
 
 
 def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: Any) -> Config:

@@ -48,7 +48,9 @@ from asyncrl.metrics import StepAccumulator
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import FAILED, RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle
-from asyncrl.samplers import AdmitsAhead, StalenessWindow, TargetStamping, build_sampler, explain_frame
+from asyncrl.samplers import (
+    AdmitsAhead, StalenessWindow, TargetStamping, build_sampler, explain_frame, reasoned,
+)
 from asyncrl.state import RunState, Subscription
 from asyncrl.trace import (  # noqa: F401  (all importable from here too)
     ABORT, EVICT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
@@ -165,15 +167,16 @@ class Controller:
             if T == 0 and self.cfg.eval_every and not state.evaluations:
                 self.evaluate()  # the untrained model: where the held-out curve starts
             report = TickReport("train", T)
-            for slot in self.sampler.evict(T):
+            decide = reasoned(self.sampler)  # each decision with the words its verdict gives, for the trace
+            for slot, reason in decide.evict_reasoned(T):
                 report.evicted.append(slot.group_id)
                 self._step.add({"groups_evicted": 1})
                 state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                             "", f"{self.sampler.__class__.__name__}.evict({T}) dropped it")
+                             "", reason)
             remaining = N - self._step.groups
             lo, hi = self.cfg.chunk_bounds
-            chunk = self.sampler.select(T, min(lo, remaining), min(hi, remaining))
-            if chunk is None:
+            chosen = decide.select_reasoned(T, min(lo, remaining), min(hi, remaining))
+            if chosen is None:
                 self._rollout.check_shortfall(T, self._step.groups)
                 report.note = (
                     f"select waits: {self.buffer.num_ready} ready, {self.buffer.num_pending} pending, "
@@ -181,10 +184,11 @@ class Controller:
                 )
                 self.last_report = report
                 return report
-            for slot in chunk:
+            chunk = [slot for slot, _ in chosen]
+            for slot, reason in chosen:
                 report.selected.append(slot.group_id)
                 state.record(SELECT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                             "", f"{self.sampler.__class__.__name__}.select({T}) chose it")
+                             "", reason)
         try:
             self._train_chunk(chunk, T)
             finished = self._step.groups == N  # the step's accumulator and the policy are this pump's alone
@@ -265,8 +269,7 @@ class Controller:
             slot = self.buffer.remove([gid])[0]
             report.aborted.append(gid)
             self._step.add({"groups_aborted": 1})
-            state.record(ABORT, gid, w, slot.target_step, T - w, "",
-                         f"should_abort_inflight({w}, {T}): it could only be evicted once finished")
+            state.record(ABORT, gid, w, slot.target_step, T - w, "", reasoned(self.sampler).abort_reason(slot, T))
         elapsed = self.clock.now() - self._step.start  # active time only: not a person's pause between hand ticks
         row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
             M.STEP.name: T - 1,
@@ -316,7 +319,9 @@ class Controller:
         """``start(steps, until).wait()``: blocks; an interrupt (Ctrl-C, a notebook's Interrupt) stops both pumps
         at a safe point and is re-raised, and an error in either pump is re-raised as the original exception; the
         controller stays steppable. Returns the metrics of the steps it ran; ``.attrs["status"]`` says how it ended
-        (completed, exhausted, breakpoint, ...) and ``.attrs["breakpoint"]`` the trace row ``until`` matched."""
+        (completed, exhausted, breakpoint, ...), ``.attrs["breakpoint"]`` the trace row ``until`` matched and
+        ``.attrs["until_fired"]`` whether it matched (None without ``until``); a run that ended without its
+        breakpoint also warns (``UserWarning``)."""
         return self.start(steps, until, progress).wait()
 
     async def arun(self, steps: int, until=None, progress: bool = True) -> pd.DataFrame:
@@ -548,9 +553,9 @@ class Controller:
             self.sampler.dispatch_index = max([T - 1] + [s.target_step for s in kept])
         else:
             self.sampler.dispatch_index = T - 1 + -(-len(kept) // N)  # the batches it holds count as admitted
-        for slot in self.sampler.evict(T):
+        for slot, reason in reasoned(self.sampler).evict_reasoned(T):
             self._state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                               "on restore", f"{self.sampler.__class__.__name__}.evict({T}) dropped it ({change})")
+                               "on restore", f"{reason} ({change})")
         self._rollout.take_skipped()
 
     @classmethod

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -96,8 +97,9 @@ class RunHandle:
     ``pause()`` parks both pumps at a safe point and returns once they are parked (tick by hand meanwhile);
     ``resume()`` goes on; ``stop()`` ends the run at a safe point; ``wait()`` blocks until the run ended, re-raises
     its error, and returns the metrics of the steps finished since it started (``.attrs["status"]`` and
-    ``.attrs["breakpoint"]`` say how it ended). ``running`` is true until the run ended (also while paused);
-    ``status`` is ``running``, ``paused`` or how it ended (``ENDS``); ``error`` the exception that ended it;
+    ``.attrs["breakpoint"]`` say how it ended; ``.attrs["until_fired"]`` whether ``until`` matched, None without
+    one: a run that ended without its breakpoint also warns). ``running`` is true until the run ended (also while
+    paused); ``status`` is ``running``, ``paused`` or how it ended (``ENDS``); ``error`` the exception that ended it;
     ``breakpoint`` the trace row that matched ``until``.
     """
 
@@ -130,7 +132,7 @@ class RunHandle:
         self._pumps = tuple(pumps)
         self._doing = {name: ("starting", time.monotonic()) for name in self._pumps}
         self._finished = threading.Event()
-        self._bar = _progress_bar(steps) if progress else None
+        self._bar = _progress_bar(ctrl.trainer_version, self.target) if progress else None
         self._threads = {name: threading.Thread(target=self._guarded, args=(name, pumps[name]), daemon=True,
                                                 name=f"asyncrl-{name}-pump") for name in self._pumps}
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
@@ -382,7 +384,11 @@ class RunHandle:
         if self.error is not None:
             raise self.error
         frame = self.ctrl.metrics.iloc[self._first_row:].copy()
-        frame.attrs = {"status": self.status, "breakpoint": self.breakpoint}
+        frame.attrs = {"status": self.status, "breakpoint": self.breakpoint,
+                       "until_fired": None if self.until is None else self.breakpoint is not None}
+        if frame.attrs["until_fired"] is False and self.status in ("completed", "exhausted"):
+            warnings.warn(f"until={self.until!r} never matched: the run {self.status} after {len(frame)} step(s) "
+                          "without stopping there (.attrs['until_fired'] is False)", UserWarning, stacklevel=3)
         return frame
 
     def _until(self, predicate: Callable[[], bool]) -> None:
@@ -420,7 +426,8 @@ class RunHandle:
                 f"until={self.until!r}{where}{error})")
 
 
-def _progress_bar(total: int):
+def _progress_bar(start: int, target: int):
+    """Counts the trainer version toward the run's target: a resumed or continued run starts where ``T`` is."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc="steps", unit="step")
+    return tqdm(total=target, initial=start, desc="steps", unit="step")

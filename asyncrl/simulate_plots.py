@@ -57,27 +57,38 @@ def plot_sweep(df: pd.DataFrame, limit: float | None = None, ax=None):
         ax = fig.subplots()
     else:
         fig = ax.figure
-    noted = set()  # samplers that agree land on one point: label it once
+    notes = []  # (lag, steps per hour, label, colour) of every point, placed once the axes' ranges are known
     for name, rows in df.groupby("sampler", sort=False):
         rows = rows.groupby("window", as_index=False)[["lag_mean", "sim_steps_per_hour", "drop_frac"]].mean()
         marker, line = STYLES.get(name, ("o", "-"))
         ax.plot(rows.lag_mean, rows.sim_steps_per_hour, marker=marker, ls=line, color=COLORS.get(name), label=name,
                 ms=5, mfc="none" if line != "-" else None)
         for _, r in rows.iterrows():
-            key = (round(r.lag_mean, 2), round(r.sim_steps_per_hour, -1))
-            if key in noted:
-                continue
-            noted.add(key)
             note = f"W={int(r.window)}" + (f", {r.drop_frac:.0%} dropped" if r.drop_frac > 0.005 else "")
-            ax.annotate(note, (r.lag_mean, r.sim_steps_per_hour), textcoords="offset points", xytext=(5, -11),
-                        fontsize=7, color=COLORS.get(name, "#333333"))
+            notes.append((r.lag_mean, r.sim_steps_per_hour, note, COLORS.get(name, "#333333")))
     if limit is not None:
         ax.axhline(limit, color="#333333", ls="--", lw=1, label="two-stage limit (slower stage alone)")
     ax.set_xlabel("mean lag of trained groups (versions)")
     ax.set_ylabel("steps per simulated hour")
     top = max(df.sim_steps_per_hour.max(), limit or 0)
     ax.set_ylim(0, top * 1.15)
+    _place_notes(ax, notes)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("throughput against staleness", fontsize=10)
     return fig
+
+
+def _place_notes(ax, notes: list[tuple[float, float, str, str]]) -> None:
+    """Label each point below and right of it. Points closer than a label's size share one label when they would
+    say the same (samplers that agree); a different label near a labelled point goes above it instead."""
+    (x0, x1), (y0, y1) = ax.get_xlim(), ax.get_ylim()
+    placed: list[tuple[float, float, str, bool]] = []
+    for x, y, note, color in notes:
+        near = [p for p in placed if abs(p[0] - x) < 0.08 * (x1 - x0) and abs(p[1] - y) < 0.06 * (y1 - y0)]
+        if any(p[2] == note for p in near):
+            continue
+        above = any(not p[3] for p in near)
+        ax.annotate(note, (x, y), textcoords="offset points", xytext=(5, 4 if above else -11), fontsize=7,
+                    color=color)
+        placed.append((x, y, note, above))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from asyncrl.samplers import Admission, Verdict
+from asyncrl.samplers import Admission, KnobModel, SamplerBase, Verdict
 
 
 class NewestFirstSampler:
@@ -98,3 +98,51 @@ class NoIsOnPolicy(_Methods):
 
 def not_a_class(buffer):
     return NewestFirstSampler(buffer)
+
+
+# SamplerBase subclasses with one of the things a subclass must define left out (docs/samplers.md).
+class _Knobs(KnobModel):
+    max_staleness_versions: int = 1
+
+
+class NoKnobs(SamplerBase):
+    name = "no_knobs"
+
+    def _candidates(self, T):
+        yield from ()
+
+
+class NoCandidates(SamplerBase):
+    name = "no_candidates"
+    Knobs = _Knobs
+
+
+class WrongWindowKnob(SamplerBase):
+    name = "wrong_window"
+    Knobs = _Knobs
+    window_knob = "max_lag"
+
+    def _candidates(self, T):
+        yield from ()
+
+
+class Worded(SamplerBase):
+    """A complete subclass with words of its own: its verdicts (and the trace) say them."""
+
+    name = "worded"
+    Knobs = _Knobs
+    gated = False
+
+    def should_abort_inflight(self, weight_version, trainer_version):
+        return weight_version < self.lower_bound(trainer_version)
+
+    def _candidates(self, T):
+        index = self.buffer.by_version
+        for version in index.keys_between(self.lower_bound(T), T):
+            yield from index.ready[version]
+
+    def _select_reason(self, slot, T):
+        return f"worded pick of group {slot.group_id} at T={T}"
+
+    def _evict_reason(self, slot, T):
+        return "worded_drop", f"worded drop of weight version {slot.weight_version} at T={T}"

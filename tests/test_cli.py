@@ -126,3 +126,50 @@ def test_the_closing_line_compares_the_untrained_model_the_trained_one_and_the_c
     assert re.fullmatch(r"held-out greedy accuracy: \d\.\d\d untrained -> \d\.\d\d after 4 steps; "
                         r"the best constant answer scores 0\.20", last), last
     assert (tmp_path / "q" / "reward.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize("cls, lacks", [("NoKnobs", "`Knobs`"), ("NoCandidates", "`_candidates(T)`"),
+                                        ("MissingExplain", "['explain']")])
+def test_a_custom_sampler_mistake_is_one_line_before_anything_is_written(tmp_path, cls, lacks):
+    out = tmp_path / "never"
+    proc = asyncrl("run", "quickstart", "--steps", "2", "--out", str(out), *SIMULATED, "--set", "sampler.name=custom",
+                   "--set", f"sampler.target=tests.custom_sampler_fixture:{cls}", env={"PYTHONPATH": str(ROOT)})
+    (line,) = assert_clean_error(proc).splitlines()[1:]
+    assert cls in line and lacks in line
+    assert not out.exists()
+
+
+def test_an_out_directory_that_cannot_be_written_is_refused_before_anything_is_built(tmp_path):
+    # /proc takes no new entry, not even from root (whom permission bits let through)
+    proc = asyncrl("run", "quickstart", "--steps", "2", "--out", "/proc/asyncrl-test-out")
+    assert assert_clean_error(proc).strip() == (
+        "asyncrl run: --out '/proc/asyncrl-test-out': cannot create files in '/proc' (No such file or directory)"
+    )
+    left = [p.name for p in tmp_path.iterdir()]
+    proc = asyncrl("simulate", "what_if", "--steps", "2", "--out", "/proc/asyncrl-test-out")
+    assert "cannot create files in '/proc'" in assert_clean_error(proc)
+    assert [p.name for p in tmp_path.iterdir()] == left
+
+
+def test_help_does_not_import_torch():
+    """`asyncrl --help` lists the presets from the package's files: no torch (seconds) for a usage text."""
+    code = ("import sys\nfrom asyncrl.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'pandas', 'pydantic'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "presets: " + ", ".join(presets()) in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_resumed_run_says_where_it_resumes_and_its_bar_counts_from_there(tmp_path):
+    out = tmp_path / "run"
+    first = asyncrl("run", "quickstart", "--steps", "2", "--checkpoint-every", "2", "--out", str(out), "--quiet",
+                    "--no-plot", *SIMULATED)
+    assert first.returncode == 0, first.stderr
+    resumed = asyncrl("run", "quickstart", "--steps", "4", "--resume", str(out), "--no-plot", *SIMULATED)
+    assert resumed.returncode == 0, resumed.stderr
+    lines = resumed.stderr.splitlines()
+    assert lines[0] == f"asyncrl run: resuming from checkpoint {out / 'checkpoints' / 'step-000002'} at step 2 of 4"
+    bar = resumed.stderr.split("\r")
+    assert re.search(r"\| 2/4 \[", bar[0]) and re.search(r"\| 4/4 \[", resumed.stderr)
+    assert "0/2" not in resumed.stderr

@@ -125,6 +125,46 @@ def test_windowed_evicts_and_aborts_stale_groups_with_reasons_and_loses_none():
     assert (evicts.reason.str.len() > 0).all()
 
 
+@pytest.mark.parametrize("sampler, aborts", [
+    ({"name": "windowed", "max_staleness_versions": 0}, True),
+    ({"name": "weight_fifo", "max_staleness_versions": 1}, False),
+    ({"name": "custom", "target": "tests.custom_sampler_fixture:Worded", "max_staleness_versions": 0}, True),
+    ({"name": "custom", "target": "tests.custom_sampler_fixture:NewestFirstSampler"}, False),
+], ids=["windowed", "weight_fifo", "custom-SamplerBase", "custom-plain"])
+def test_the_traces_reasons_are_the_samplers_verdicts(sampler, aborts):
+    """Each select, evict and abort row says what ``explain()`` said of that group just before the decision."""
+    from asyncrl.buffer import ReplayBuffer
+    from asyncrl.samplers import build_sampler
+
+    cfg = load_config(
+        "quickstart", sampler=sampler, max_buffered_groups=40, max_inflight_groups=16, eval_every=None,
+        generation={"backend": "simulated", "prefill_s": 1.5}, trainer={"backend": "simulated"},
+    )
+    ctrl = Controller.from_config(cfg)
+    checked = Counter()
+    for _ in range(30):  # generation ahead of training: some groups go stale while ready, some while in flight
+        for _ in range(3):
+            ctrl.rollout_tick()
+        said = dict(zip(ctrl.explain().group_id, ctrl.explain().reason))  # what the next train tick will do
+        start = len(ctrl.trace)
+        ctrl.train_tick()
+        rows = ctrl.trace.iloc[start:]
+        for row in rows[rows.event.isin(["select", "evict"])].itertuples():
+            assert row.reason == said[row.group_id], (row.event, row.reason)
+            checked[row.event] += 1
+        for row in rows[rows.event == "abort"].itertuples():  # what a verdict says of a group of that version
+            buffer = ReplayBuffer()
+            buffer.commit(buffer.reserve(int(row.weight_version)), None)
+            (verdict,) = build_sampler(cfg.sampler, buffer).explain(int(row.trainer_version))
+            assert verdict.action == "evict" and row.reason == verdict.reason, row.reason
+            checked["abort"] += 1
+    assert checked["select"] > 0 and (checked["evict"] > 0 and checked["abort"] > 0) == aborts, checked
+    if aborts:
+        assert any(text.startswith("too stale: weight version") or text.startswith("worded drop")
+                   for text in ctrl.trace.reason[ctrl.trace.event == "evict"])
+    accounting(ctrl)
+
+
 def test_buffer_and_inflight_permits_hold_with_slow_simulated_generation():
     cfg = load_config(
         "quickstart", sampler={"name": "windowed", "max_staleness_versions": 2}, max_buffered_groups=40,

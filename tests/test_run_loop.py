@@ -255,6 +255,30 @@ def test_until_a_predicate_on_a_trace_row():
         ctrl.run(3, until=3, progress=False)
 
 
+def test_a_breakpoint_that_never_fired_is_said_in_the_result_and_a_warning():
+    # in_order with lookahead never evicts: until="evict" cannot match, and all the steps run
+    ctrl = simulated({"name": "in_order", "max_lookahead_versions": 1})
+    with pytest.warns(UserWarning, match=r"until='evict' never matched: the run completed after 3 step\(s\)"):
+        frame = ctrl.run(3, until="evict", progress=False)
+    assert frame.attrs["status"] == "completed" and len(frame) == 3
+    assert frame.attrs["breakpoint"] is None and frame.attrs["until_fired"] is False
+    fired = simulated({"name": "in_order", "max_lookahead_versions": 1}).run(10, until="commit", progress=False)
+    assert fired.attrs["until_fired"] is True and fired.attrs["status"] == "breakpoint"
+    assert ctrl.run(1, progress=False).attrs["until_fired"] is None  # no until, nothing to say
+
+
+def test_the_readmes_breakpoint_example_stops_at_an_eviction():
+    """README's ``run(50, until="evict")`` under the controller it builds for it stops at an eviction."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    at = next(i for i, line in enumerate(lines) if '.run(50, until="evict")' in line)
+    name = lines[at].split(".run(")[0].strip()
+    built = next(line for line in lines[:at] if line.startswith(f"{name} = "))
+    ctrl = eval(built.split(" = ", 1)[1], {"Controller": Controller, "load_config": load_config})
+    frame = ctrl.run(50, until="evict", progress=False)
+    assert frame.attrs["status"] == "breakpoint" and frame.attrs["breakpoint"].event == "evict"
+    assert ctrl.trainer_version < 50
+
+
 def test_a_failing_predicate_fails_the_run():
     ctrl = simulated()
     _, error = in_thread(ctrl.run, 100, until=lambda row: row.no_such_column, progress=False)

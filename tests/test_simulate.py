@@ -262,3 +262,27 @@ def test_the_wall_clock_makes_the_same_seconds_real_and_is_refused_by_a_simulati
     assert len(ctrl.generator.poll(timeout=None)) == ctrl.cfg.groups_per_step  # waits for them
     with pytest.raises(ValueError, match="generation.clock is 'wall'"):
         Simulation(ctrl)
+
+
+def test_the_sweeps_window_labels_do_not_overlap():
+    """Nearby points of a sweep (what_if.ipynb's long tail: in_order and weight_fifo at W=1, windowed and ready_first
+    at W=2) each keep a readable label: one shared where they say the same, none drawn over another."""
+    import pandas as pd
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from asyncrl.simulate_plots import plot_sweep
+
+    rows = [("in_order", 0, 0.0, 1035.5, 0.0), ("in_order", 1, 0.975, 1936.6, 0.0), ("in_order", 2, 1.925, 2674.5, 0.0),
+            ("weight_fifo", 1, 0.975, 1988.3, 0.0), ("weight_fifo", 2, 1.925, 2755.5, 0.0),
+            ("windowed", 1, 0.925, 2843.2, 0.471), ("windowed", 2, 1.869, 3484.0, 0.188),
+            ("ready_first", 1, 0.975, 2336.4, 0.0), ("ready_first", 2, 1.925, 3428.8, 0.0)]
+    df = pd.DataFrame(rows, columns=["sampler", "window", "lag_mean", "sim_steps_per_hour", "drop_frac"])
+    fig = plot_sweep(df, limit=3511.0)
+    FigureCanvasAgg(fig).draw()
+    (ax,) = fig.axes
+    labels = [(t.get_text(), t.get_window_extent(fig.canvas.get_renderer())) for t in ax.texts]
+    assert sorted(text for text, _ in labels) == sorted(
+        ["W=0", "W=1", "W=2", "W=1, 47% dropped", "W=2, 19% dropped", "W=1", "W=2"])
+    for i, (a, box_a) in enumerate(labels):
+        for b, box_b in labels[i + 1:]:
+            assert not box_a.overlaps(box_b), (a, b)

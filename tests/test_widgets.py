@@ -134,6 +134,23 @@ def test_metrics_figure_labels_colourbar_legends_and_the_untrained_evaluation():
             assert not _overlaps(legend, other.get_window_extent(renderer)), (ax.get_title(), other.get_title())
 
 
+def test_the_lag_panels_legend_leaves_its_title_readable_in_a_narrow_panel():
+    """Five lag panels side by side (notebooks/sampler_debugging.ipynb): the "mean lag" legend beside the title
+    covered it."""
+    ctrl = make()
+    play(ctrl, "rtrtrt")
+    fig = Figure(figsize=(18, 3.2), layout="constrained")
+    axes = fig.subplots(1, 5)
+    for ax in axes:
+        widgets.draw_lags(ctrl, ax)
+    FigureCanvasAgg(fig).draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in axes:
+        legend = ax.get_legend().get_window_extent(renderer)
+        assert not _overlaps(legend, ax._left_title.get_window_extent(renderer))  # the title is left-aligned
+        assert not _overlaps(legend, ax.get_window_extent(renderer))
+
+
 def test_buffer_view_marks_what_the_next_train_tick_evicts_and_names_the_step_shown():
     ctrl = make({"name": "windowed", "max_staleness_versions": 1})
     play(ctrl, "rrrtt")  # T = 2: the third batch (version 0) is out of the window; evict runs on the next tick

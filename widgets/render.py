@@ -168,7 +168,8 @@ def draw_lags(ctrl, ax) -> None:
     """Lag distribution by step: a 2-D histogram (step × lag, shade = groups trained, scale in the colourbar) with
     the mean lag on top."""
     table = lag_table(ctrl)
-    ax.set_title("lag of trained groups, by step", fontsize=10, loc="left")
+    # the title sits a line higher than usual: the legend goes between it and the plot (see below)
+    ax.set_title("lag of trained groups, by step", fontsize=10, loc="left", pad=15)
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("lag (T - weight version)")
     if table.empty:
@@ -183,8 +184,9 @@ def draw_lags(ctrl, ax) -> None:
     mean = (grid.mul(list(lags), axis=0).sum() / grid.sum().where(grid.sum() > 0))
     ax.plot(list(steps), mean.values, color="#C44E52", lw=1.5, label="mean lag")
     ax.set_yticks(list(lags))
-    # above the plot, right-aligned (the title is left-aligned): right of it is the colourbar
-    ax.legend(fontsize=8, loc="lower right", bbox_to_anchor=(1.0, 1.0), frameon=False, borderaxespad=0.2)
+    # above the plot, under the title (beside it, a narrow panel's title ran into it); right is the colourbar
+    ax.legend(fontsize=8, loc="lower left", bbox_to_anchor=(0.0, 1.0), frameon=False, borderaxespad=0.1,
+              borderpad=0.0, handlelength=1.5)
 
 
 def draw_throughput(ctrl, ax) -> None:

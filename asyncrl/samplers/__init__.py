@@ -20,10 +20,12 @@ from asyncrl.samplers.base import (
     AdmitsAhead,
     KnobModel,
     PromptGroupSampler,
+    ReasonedDecisions,
     SamplerBase,
     StalenessWindow,
     TargetStamping,
     Verdict,
+    reasoned,
 )
 from asyncrl.samplers.custom import CustomConfig, build_custom
 from asyncrl.samplers.in_order import InOrderConfig, InOrderSampler
@@ -61,17 +63,18 @@ def build_sampler(config: Any, buffer) -> PromptGroupSampler:
 
 
 def explain_frame(verdicts: list[Verdict]):
-    """The verdicts as a pandas DataFrame (one row per slot), the table a person reads."""
-    import pandas as pd
+    """The verdicts as a pandas DataFrame (one row per slot), the table a person reads: a ``VerdictFrame``, which
+    prints every reason whole."""
+    from asyncrl.samplers.verdict_frame import VerdictFrame
 
     columns = ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
-    frame = pd.DataFrame([v.__dict__ for v in verdicts], columns=columns)
+    frame = VerdictFrame([v.__dict__ for v in verdicts], columns=columns)
     return frame.astype({"group_id": "Int64", "weight_version": "Int64", "target_step": "Int64"})
 
 
 __all__ = [
-    "Admission", "AdmitsAhead", "PromptGroupSampler", "StalenessWindow", "TargetStamping", "Verdict", "SamplerBase",
-    "KnobModel", "SamplerConfig",
+    "Admission", "AdmitsAhead", "PromptGroupSampler", "ReasonedDecisions", "reasoned", "StalenessWindow",
+    "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
     "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),
 ]

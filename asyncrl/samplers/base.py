@@ -5,7 +5,9 @@ the others; ``SamplerBase`` turns that into ``select``/``evict``/``explain`` so 
 
 Invariants:
 - ``select`` and ``evict`` only ever remove ready slots, through ``ReplayBuffer.remove`` (atomic).
-- ``explain`` calls the same ``_candidates``/``_evictable`` generators as ``select``/``evict`` and removes nothing.
+- ``explain`` calls the same ``_candidates``/``_evictable`` generators as ``select``/``evict`` and removes nothing;
+  ``select_reasoned``/``evict_reasoned`` (what the controller calls) word each decision with the same hooks, so the
+  trace says what ``explain`` said.
 - Candidates are produced lazily from the buffer's indexes, so a decision costs O(selected + evicted + versions),
   not O(buffer).
 - Gated admission with window ``W``: batch ``k`` (the dispatch index after admission) is admitted once
@@ -94,6 +96,54 @@ class PromptGroupSampler(Protocol):
 
     def set_dispatch_index(self, resume_step: int) -> None:
         """On resume: ``dispatch_index = resume_step - 1``. Negative: ``ValueError``."""
+
+
+@runtime_checkable
+class ReasonedDecisions(Protocol):
+    """Optional: a sampler that words each decision as it makes it, in the words its ``explain`` gives that slot,
+    so the trace's select, evict and abort rows say them (``SamplerBase`` provides it; ``reasoned`` adapts any
+    other sampler)."""
+
+    def select_reasoned(self, trainer_version: int, min_groups: int,
+                        max_groups: int) -> list[tuple[Slot, str]] | None:
+        """``select``, each slot with the reason of its ``selected`` verdict."""
+
+    def evict_reasoned(self, trainer_version: int) -> list[tuple[Slot, str]]:
+        """``evict``, each slot with the reason of its eviction verdict."""
+
+    def abort_reason(self, slot: Slot, trainer_version: int) -> str:
+        """Why an in-flight group that ``should_abort_inflight`` let go is cancelled."""
+
+
+def reasoned(sampler: PromptGroupSampler) -> ReasonedDecisions:
+    """``sampler`` itself when it words its decisions; else an adapter that takes the words from its ``explain``."""
+    return sampler if isinstance(sampler, ReasonedDecisions) else _ExplainedDecisions(sampler)
+
+
+class _ExplainedDecisions:
+    """A sampler without ``ReasonedDecisions``: its verdicts are asked for just before it decides (a pass over the
+    buffer per decision, which a sampler that words its own decisions avoids)."""
+
+    def __init__(self, sampler: PromptGroupSampler) -> None:
+        self.sampler = sampler
+
+    def _words(self, T: int, min_groups: int = 1, max_groups: int | None = None) -> dict[int, str]:
+        return {v.group_id: v.reason for v in self.sampler.explain(T, min_groups, max_groups)}
+
+    def select_reasoned(self, trainer_version, min_groups, max_groups):
+        words = self._words(trainer_version, min_groups, max_groups)
+        chunk = self.sampler.select(trainer_version, min_groups, max_groups)
+        return None if chunk is None else [(s, words.get(s.group_id, f"{self.sampler.name} selected it"))
+                                           for s in chunk]
+
+    def evict_reasoned(self, trainer_version):
+        words = self._words(trainer_version)
+        return [(s, words.get(s.group_id, f"{self.sampler.name} dropped it"))
+                for s in self.sampler.evict(trainer_version)]
+
+    def abort_reason(self, slot, trainer_version):
+        return (f"{self.sampler.name}: should_abort_inflight({slot.weight_version}, {trainer_version}) let it go "
+                "while in flight")
 
 
 @runtime_checkable
@@ -224,17 +274,40 @@ class SamplerBase:
 
     # ------------------------------------------------------------------------------------ select and evict
     def select(self, trainer_version: int, min_groups: int, max_groups: int) -> list[Slot] | None:
+        T, picked = self._pick(trainer_version, min_groups, max_groups)
+        return None if picked is None else self.buffer.remove([s.group_id for s in picked])
+
+    def select_reasoned(self, trainer_version: int, min_groups: int,
+                        max_groups: int) -> list[tuple[Slot, str]] | None:
+        """``select``, each slot with its ``selected`` verdict's reason (worded before the slots leave the buffer)."""
+        T, picked = self._pick(trainer_version, min_groups, max_groups)
+        if picked is None:
+            return None
+        n = self._candidate_count(T)
+        words = [self._selected_words(slot, T, pos, n) for pos, slot in enumerate(picked)]
+        return list(zip(self.buffer.remove([s.group_id for s in picked]), words))
+
+    def _pick(self, trainer_version: int, min_groups: int, max_groups: int) -> tuple[int, list[Slot] | None]:
         T = check_version("trainer_version", trainer_version)
         _check_chunk(min_groups, max_groups)
         picked = list(islice(self._candidates(T), max_groups))
-        if len(picked) < min_groups:
-            return None
-        return self.buffer.remove([s.group_id for s in picked])
+        return T, (picked if len(picked) >= min_groups else None)
 
     def evict(self, trainer_version: int) -> list[Slot]:
+        return [slot for slot, _ in self.evict_reasoned(trainer_version)]
+
+    def evict_reasoned(self, trainer_version: int) -> list[tuple[Slot, str]]:
+        """``evict``, each slot with its eviction verdict's reason."""
         T = check_version("trainer_version", trainer_version)
-        doomed = [s.group_id for s in self._evictable(T)]
-        return self.buffer.remove(doomed) if doomed else []
+        doomed = list(self._evictable(T))
+        if not doomed:
+            return []
+        words = [self._evict_reason(slot, T)[1] for slot in doomed]
+        return list(zip(self.buffer.remove([s.group_id for s in doomed]), words))
+
+    def abort_reason(self, slot: Slot, trainer_version: int) -> str:
+        """The words its eviction verdict would give it: a group is aborted because it could only be evicted."""
+        return self._evict_reason(slot, check_version("trainer_version", trainer_version))[1]
 
     def explain(self, trainer_version: int, min_groups: int = 1, max_groups: int | None = None) -> list[Verdict]:
         """A verdict for every slot, in buffer order, as if ``evict`` then ``select(T, min_groups, max_groups)``
@@ -265,16 +338,25 @@ class SamplerBase:
                     )
                 else:
                     action, code = "select", "selected"
-                    reason = f"selected as candidate #{pos + 1} of {n}: {self._select_reason(slot, T)}"
+                    reason = self._selected_words(slot, T, pos, n)
             else:
                 action, (code, reason) = "keep", self._keep(slot, T)
             out.append(Verdict(gid, slot.weight_version, slot.target_step, slot.state, action, code, reason))
         return out
 
+    def _selected_words(self, slot: Slot, T: int, pos: int, n: int) -> str:
+        return f"selected as candidate #{pos + 1} of {n}: {self._select_reason(slot, T)}"
+
     # -------------------------------------------------------------------------------------- policy hooks
     def _candidates(self, T: int) -> Iterator[Slot]:
         """The slots ``select`` may take now, in the order it takes them (only ready ones)."""
-        raise NotImplementedError
+        raise NotImplementedError(f"{type(self).__name__} must implement _candidates(T): the ready slots select "
+                                  "may take now, in order (docs/samplers.md, 'Writing your own')")
+
+    def _candidate_count(self, T: int) -> int:
+        """How many slots ``_candidates(T)`` yields (the "of n" of a selected verdict). A policy that reads its
+        candidates off the buffer's indexes counts them there, in O(versions) rather than O(candidates)."""
+        return sum(1 for _ in self._candidates(T))
 
     def _evictable(self, T: int) -> Iterator[Slot]:
         """Default eviction: ready slots with ``weight_version < lower_bound(T)``."""

@@ -1,9 +1,11 @@
 """``custom``: a sampler class of your own, named ``"package.module:ClassName"``.
 
-The class is imported and checked against the ``PromptGroupSampler`` Protocol when the configuration is
-validated (before any run starts), constructed as ``ClassName(buffer, **kwargs)`` by ``build_sampler``, and
-checked again as an instance. Its ``required_buffer_capacity`` is honoured like a built-in's. The short way to
-write one is to subclass ``SamplerBase`` (see ``docs/samplers.md`` and ``notebooks/my_sampler.py``).
+When the configuration is validated (before anything is built or written) the class is imported, checked
+against the ``PromptGroupSampler`` Protocol (and, for a ``SamplerBase`` subclass, for what a subclass must define:
+``name``, ``Knobs``, ``_candidates``), and built once on an empty buffer with its kwargs, so a mistake is one line
+naming the class and what it lacks. ``build_sampler`` then constructs it as ``ClassName(buffer, **kwargs)``. Its
+``required_buffer_capacity`` is honoured like a built-in's. The short way to write one is to subclass
+``SamplerBase`` (see ``docs/samplers.md`` and ``notebooks/my_sampler.py``).
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-from pydantic import ConfigDict, ValidationError, field_validator
+from pydantic import ConfigDict, ValidationError, field_validator, model_validator
 
-from asyncrl.samplers.base import KnobModel, PromptGroupSampler
+from asyncrl.samplers.base import KnobModel, PromptGroupSampler, SamplerBase
 
 # The Protocol's members, read off the Protocol itself; checked on the class so a bad target fails at configuration
 # time. Attributes may be class attributes, properties, or at least annotations on the class (set per instance).
@@ -54,7 +56,29 @@ def load_target(target: str) -> type:
             "attribute set in __init__ declared on the class, e.g. `dispatch_index: int`; subclassing "
             "asyncrl.samplers.SamplerBase provides all of them)"
         )
+    lacks = _subclass_lacks(cls) if issubclass(cls, SamplerBase) else []
+    if lacks:
+        raise ValueError(
+            f"custom sampler {cls.__name__} ({target!r}) lacks {'; '.join(lacks)}: a SamplerBase subclass defines "
+            "name, Knobs and _candidates (docs/samplers.md, 'Writing your own')"
+        )
     return cls
+
+
+def _subclass_lacks(cls: type[SamplerBase]) -> list[str]:
+    """What a ``SamplerBase`` subclass must define and ``cls`` does not (the base only annotates them)."""
+    lacks = []
+    if not isinstance(getattr(cls, "name", None), str):
+        lacks.append("`name` (a str: the policy's name in reasons)")
+    knobs = getattr(cls, "Knobs", None)
+    if not (isinstance(knobs, type) and issubclass(knobs, KnobModel)):
+        lacks.append("`Knobs` (a KnobModel subclass: the pydantic model of its keyword arguments)")
+    elif cls.window_knob not in knobs.model_fields:
+        lacks.append(f"a knob {cls.window_knob!r} in its Knobs, which window_knob names as its window "
+                     f"(its knobs: {list(knobs.model_fields)})")
+    if cls._candidates is SamplerBase._candidates:
+        lacks.append("`_candidates(T)` (the ready slots select may take, in order)")
+    return lacks
 
 
 class CustomConfig(KnobModel):
@@ -71,6 +95,14 @@ class CustomConfig(KnobModel):
         load_target(target)
         return target
 
+    @model_validator(mode="after")
+    def _builds(self) -> CustomConfig:
+        """Built once on an empty buffer: its kwargs, its ``__init__`` and the instance are checked before a run."""
+        from asyncrl.buffer import ReplayBuffer
+
+        build_custom(self, ReplayBuffer())
+        return self
+
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -80,8 +112,13 @@ def build_custom(config: CustomConfig, buffer) -> PromptGroupSampler:
     cls = load_target(config.target)
     try:
         sampler = cls(buffer, **config.kwargs)
-    except (TypeError, ValidationError) as exc:  # a plain class's signature, or a SamplerBase's Knobs model
-        raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: {exc}") from exc
+    except ValidationError as exc:  # a SamplerBase's Knobs model: one line per knob
+        errors = "; ".join(e["msg"].removeprefix("Value error, ") if not e["loc"] else
+                           f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
+        raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: {errors}") from exc
+    except Exception as exc:  # a plain class's signature, or any error of its own __init__
+        raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: "
+                         f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(sampler, PromptGroupSampler):
         missing = [m for m in PROTOCOL_MEMBERS if not hasattr(sampler, m)]
         raise ValueError(

@@ -34,6 +34,9 @@ class InOrderSampler(SamplerBase):
     def _candidates(self, T: int) -> Iterator[Slot]:
         yield from self.buffer.by_target.ready.get(T, ())
 
+    def _candidate_count(self, T: int) -> int:
+        return len(self.buffer.by_target.ready.get(T, ()))
+
     def _evictable(self, T: int) -> Iterator[Slot]:
         index = self.buffer.by_target
         doomed = [slot for t in index.keys_between(hi=T - 1) for slot in index.ready[t]]

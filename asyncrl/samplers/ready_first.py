@@ -35,6 +35,10 @@ class ReadyFirstSampler(SamplerBase):
         for v in index.keys_between(hi=T):
             yield from index.ready[v]
 
+    def _candidate_count(self, T: int) -> int:
+        index = self.buffer.by_version
+        return sum(len(index.ready[v]) for v in index.keys_between(hi=T))
+
     def _evictable(self, T: int) -> Iterator[Slot]:
         return iter(())
 

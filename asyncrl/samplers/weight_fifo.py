@@ -38,6 +38,10 @@ class WeightFifoSampler(SamplerBase):
         if target is not None:
             yield from self.buffer.by_version.ready[target]
 
+    def _candidate_count(self, T: int) -> int:
+        target = self.target_version(T)
+        return 0 if target is None else len(self.buffer.by_version.ready[target])
+
     def _select_reason(self, slot: Slot, T: int) -> str:
         return f"ready at weight version {slot.weight_version}, the oldest version in {self._window_words(T)}"
 

@@ -42,6 +42,10 @@ class WindowedSampler(SamplerBase):
         for v in versions:
             yield from index.ready[v]
 
+    def _candidate_count(self, T: int) -> int:
+        index = self.buffer.by_version
+        return sum(len(index.ready[v]) for v in index.keys_between(self.lower_bound(T), T))
+
     def _select_reason(self, slot: Slot, T: int) -> str:
         order = "freshest first" if self.knobs.freshest_first else "buffer order"
         return f"{super()._select_reason(slot, T)}, {order}"
