@@ -35,6 +35,7 @@ from dataclasses import replace
 
 import pandas as pd
 import torch
+from record import meta, save
 
 from asyncrl import Controller, load_config
 from asyncrl.algorithms import make_train_batch
@@ -262,7 +263,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (1 on 2 cores)")
     parser.add_argument("--modes", default=",".join(list(MODES)[:4]),
                         help=f"comma-separated, of: {', '.join(MODES)}")
+    parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_async/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_async")
     args = parser.parse_args()
+    before = meta("bench_async")
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -292,7 +296,8 @@ def main() -> None:
 
     print(f"\n2. the interpreter lock (switch interval {1e6 * PROBE_SWITCH_S:.0f} µs while the spinner runs; "
           "'slowdown' of the last two rows: vs one after the other):")
-    print(gil_probe(args.preset, work).round(2).to_string(index=False))
+    gil = gil_probe(args.preset, work)
+    print(gil.round(2).to_string(index=False))
 
     table = pd.DataFrame(rows).drop(columns="stages")
     best = table.groupby("mode", sort=False).ms_per_step.min()
@@ -308,12 +313,20 @@ def main() -> None:
     print(f"\n3. modes, {args.steps} steps after {WARMUP} warm-up, {args.repeats} repeats alternating; "
           f"bound {bound:.2f}x:")
     print(summary.round(2).to_string())
-    for mode, target, met in (("sync run", "<= 1.05x the stepped time", lambda r: r <= 1.05),
-                              ("async run", ">= 1.3x faster than stepped", lambda r: r >= 1.3)):
+    results = {"bound": bound, "stepped_ms": base, "best_ms": best.to_dict(),
+               "speedup_vs_stepped": (base / best).to_dict()}
+    for mode, key, target, met in (
+            ("sync run", "sync_run_over_stepped", "<= 1.05x the stepped time", lambda r: r <= 1.05),
+            ("async run", "async_run_speedup", ">= 1.3x faster than stepped", lambda r: r >= 1.3)):
         if mode in best:
             ratio = best[mode] / base if mode == "sync run" else base / best[mode]
+            results[key], results[key + "_met"] = ratio, bool(met(ratio))
             print(f"target {mode} {target}: {ratio:.2f}x, {'met' if met(ratio) else 'NOT met'} in this run")
-    print(f"\ncontroller overhead, simulated backends doing no work: {overhead():.0f} µs per tick")
+    results["overhead_us_per_tick"] = overhead()
+    print(f"\ncontroller overhead, simulated backends doing no work: {results['overhead_us_per_tick']:.0f} µs per tick")
+    where = save("bench_async", table, results, before=before, out=args.out, name=args.name,
+                 files={"stages.json": stages, "gil_probe.csv": gil})
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":
