@@ -16,6 +16,7 @@ differently — is corrected by ``w = exp(prev - gen)`` per token (or per sequen
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, repeat
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -77,7 +78,7 @@ class Loss(Protocol):
 
     def __call__(
         self, logprobs: torch.Tensor, batch: TrainBatch, entropy: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, float, dict[str, float]]:
+    ) -> tuple[torch.Tensor, float | torch.Tensor, dict[str, float | torch.Tensor]]:
         """Called once per micro-batch with the [B, S] token logprobs (with grad) under the current weights:
         ``(loss_sum, normaliser, contributions)``. ``batch.prev_logprobs`` is always set: from a separate no-grad
         pass, or, by an engine with ``prev_logprobs_from_forward`` (``PolicyBackend``), from this very forward,
@@ -85,7 +86,8 @@ class Loss(Protocol):
         ``logprobs`` bit for bit, so the surrogate ratio is exactly 1 (``clip_frac`` 0) and only the importance
         weight ``exp(prev - gen)`` differs from 1: staleness and engine mismatch show there. The engine back-propagates ``loss_sum``, divides the step's
         gradients by the step's summed ``normaliser`` in ``finish_train_step``, and adds ``contributions`` (keys
-        from ``metrics``) to the step's accumulator."""
+        from ``metrics``) to the step's accumulator. The normaliser and the contributions may be 0-dim tensors (on
+        the engine's device: no sync per micro-batch); a max/min contribution of -inf/+inf means "none"."""
         ...
 
 
@@ -145,7 +147,9 @@ def group_advantages(
 def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: int) -> TrainBatch:
     """Pad the completions of ``groups`` into one batch and compute their advantages (per group).
 
-    Built from Python lists with one tensor per field: this runs on the controller's hot path every chunk."""
+    On the controller's hot path every chunk: the real tokens go into one flat tensor per field (built by
+    ``itertools.chain``, no Python loop over positions) and are scattered into the padded ``[B, S]`` layout at once
+    (a boolean mask fills in row-major order). Policies trim or pack the padding away (``asyncrl.micro_batches``)."""
     for group in groups:
         if group.rewards is None:
             raise ValueError(f"group {group.group_id} has no rewards; score it before training")
@@ -156,21 +160,22 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
     else:
         adv = torch.cat([group_advantages(torch.tensor([g.rewards]), cfg.advantage, cfg.scale_by_std)[0] for g in groups])
     rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completion_ids, g.logprobs)]
-    width = max(len(p) + len(c) for p, c, _ in rows)
-    ids, gen, starts, stops = [], [], [], []
-    for prompt, completion, lps in rows:
-        p, n = len(prompt), len(completion)
-        ids.append([*prompt, *completion] + [pad_id] * (width - p - n))
-        gen.append([0.0] * p + list(lps) + [0.0] * (width - p - n))
-        starts.append(p)
-        stops.append(p + n)
+    starts = [len(p) for p, _, _ in rows]
+    stops = [len(p) + len(c) for p, c, _ in rows]
+    width = max(stops)
     pos = torch.arange(width)
     start, stop = torch.tensor(starts).unsqueeze(-1), torch.tensor(stops).unsqueeze(-1)
+    real = pos < stop
+    ids = torch.full(real.shape, pad_id, dtype=torch.long)
+    ids[real] = torch.tensor(list(chain.from_iterable(chain(p, c) for p, c, _ in rows)), dtype=torch.long)
+    gen = torch.zeros(real.shape, dtype=torch.float32)
+    gen[real] = torch.tensor(list(chain.from_iterable(chain(repeat(0.0, len(p)), lp) for p, _, lp in rows)),
+                             dtype=torch.float32)
     return TrainBatch(
-        input_ids=torch.tensor(ids, dtype=torch.long),
-        attention_mask=(pos < stop).long(),
-        loss_mask=((pos >= start) & (pos < stop)).float(),
-        gen_logprobs=torch.tensor(gen, dtype=torch.float32),
+        input_ids=ids,
+        attention_mask=real.long(),
+        loss_mask=((pos >= start) & real).float(),
+        gen_logprobs=gen,
         advantages=adv.to(torch.float32),
         group_sizes=sizes,
     )
@@ -192,12 +197,12 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def grpo_loss(
     logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig, entropy: torch.Tensor | None = None
-) -> tuple[torch.Tensor, float, dict[str, float]]:
+) -> tuple[torch.Tensor, float | torch.Tensor, dict[str, float | torch.Tensor]]:
     """The step's loss contribution of ``batch``: ``(loss_sum, normaliser, contributions)``.
 
     ``loss_sum / normaliser`` summed over a step's micro-batches is the step's loss. ``contributions`` are this
-    micro-batch's share of each of ``GRPO_METRICS`` (sums over tokens for the means; max/min only when the batch
-    has tokens), for an ``Accumulator`` to reduce over the whole step.
+    micro-batch's share of each of ``GRPO_METRICS`` (sums over tokens for the means; max/min over its tokens, -inf/+inf
+    without any), as 0-dim tensors, for an ``Accumulator`` to reduce over the whole step.
     """
     mask = batch.loss_mask
     on = mask > 0
@@ -222,32 +227,36 @@ def grpo_loss(
         delta = torch.where(on, batch.ref_logprobs, zero) - logprobs
         kl = {"k1": -delta, "k2": 0.5 * delta**2, "k3": torch.exp(delta) - delta - 1}[cfg.kl]
         per_token = per_token + cfg.kl_coef * kl
-        kl_sum = float((kl.detach() * mask).sum())
+        kl_sum = (kl.detach() * mask).sum()
     entropy_sum = 0.0
     if entropy is not None:
         if cfg.entropy_coef:
             per_token = per_token - cfg.entropy_coef * entropy
-        entropy_sum = float((entropy.detach() * mask).sum())
+        entropy_sum = (entropy.detach() * mask).sum()
 
+    tokens = mask.sum()
     if cfg.normalisation == "token":
         loss_sum = (per_token * mask).sum()
-        normaliser = float(mask.sum())
+        normaliser = tokens
     else:
         lengths = mask.sum(-1).clamp(min=1)
         loss_sum = ((per_token * mask).sum(-1) / lengths).sum()
         normaliser = float(mask.shape[0])
 
-    w_on = weight.detach()[on]
+    # Tensors, not floats: a float() is a device sync, and an engine transfers a chunk's values at once
+    # (micro_batches.add_all). Off the mask the max/min see -inf/+inf, which the Accumulator ignores.
+    w = weight.detach()
+    inf = torch.tensor(float("inf"), dtype=w.dtype, device=w.device)
     metrics = {
-        "tokens": float(mask.sum()),
-        "is_weight_mean": float(w_on.sum()),
-        "is_truncated_frac": float((truncated & on).sum()),
-        "clip_frac": float((((ratio - clipped).abs() > 0) & on).sum()),
+        "tokens": tokens,
+        "is_weight_mean": (w * mask).sum(),
+        "is_truncated_frac": (truncated & on).sum(),
+        "clip_frac": (((ratio - clipped).abs() > 0) & on).sum(),
         "kl": kl_sum,
         "entropy": entropy_sum,
+        "is_weight_max": torch.where(on, w, -inf).max(),
+        "is_weight_min": torch.where(on, w, inf).min(),
     }
-    if w_on.numel():
-        metrics["is_weight_max"], metrics["is_weight_min"] = float(w_on.max()), float(w_on.min())
     return loss_sum, normaliser, metrics
 
 

@@ -99,14 +99,33 @@ class _Generation(_Placement):
         "NCCL on GPUs / gloo on CPU; both placements 'ray'); see asyncrl/backends/weight_sync.py")
 
 
-class TorchGenerationConfig(_Generation):
+class _LongTail(_Generation):
+    """Long-tailed completion lengths, drawn per group by ``asyncrl.backends.sampling.group_max_tokens``."""
+
+    min_new_tokens_tail: int | None = Field(
+        None, ge=1, description="long-tailed completion lengths: each group's token limit is drawn (seeded by "
+        "seed and group id) as min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|))), z "
+        "standard normal; None: every group gets max_new_tokens. A randomly initialised model rarely emits eos, "
+        "so this is what gives a throughput preset the length spread of real RL")
+    length_sigma: float = Field(
+        1.0, gt=0, description="spread of the long-tailed token limit (see min_new_tokens_tail)")
+
+    @model_validator(mode="after")
+    def _lengths_fit(self) -> "_LongTail":
+        if self.min_new_tokens_tail is not None and self.min_new_tokens_tail > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens_tail {self.min_new_tokens_tail} exceeds max_new_tokens "
+                             f"{self.max_new_tokens}: the drawn limits lie between the two")
+        return self
+
+
+class TorchGenerationConfig(_LongTail):
     """Generation with the embedded torch engine (asyncrl/backends/torch.py)."""
 
     backend: Literal["torch"] = "torch"
     engine: ClassVar[str] = "asyncrl.backends.torch:TorchGenerator"
 
 
-class VLLMGenerationConfig(_Generation):
+class VLLMGenerationConfig(_LongTail):
     """Generation with vLLM (asyncrl/backends/vllm.py)."""
 
     backend: Literal["vllm"] = "vllm"
@@ -131,22 +150,8 @@ class VLLMGenerationConfig(_Generation):
         "groups x group_size x (prompt + max_new_tokens) tokens")
     max_num_seqs: int | None = Field(
         None, ge=1, description="sequences vLLM decodes at once (None: vLLM's default, 256 on this GPU class)")
-    min_new_tokens_tail: int | None = Field(
-        None, ge=1, description="long-tailed completion lengths: each group's token limit is drawn (seeded by "
-        "seed and group id) as min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|))), z "
-        "standard normal; None: every group gets max_new_tokens. A randomly initialised model rarely emits eos, "
-        "so this is what gives a throughput preset the length spread of real RL")
-    length_sigma: float = Field(
-        1.0, gt=0, description="spread of the long-tailed token limit (see min_new_tokens_tail)")
     llm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
-
-    @model_validator(mode="after")
-    def _lengths_fit(self) -> "VLLMGenerationConfig":
-        if self.min_new_tokens_tail is not None and self.min_new_tokens_tail > self.max_new_tokens:
-            raise ValueError(f"min_new_tokens_tail {self.min_new_tokens_tail} exceeds max_new_tokens "
-                             f"{self.max_new_tokens}: the drawn limits lie between the two")
-        return self
 
 
 class SimulatedGeneration(_Knobs):
@@ -196,7 +201,8 @@ class _Trainer(_Placement):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float | None = Field(1.0, gt=0, description="gradient norm clip (None: no clipping)")
     micro_batch_size: int | None = Field(
-        None, ge=1, description="sequences per forward/backward; None: a whole chunk")
+        None, ge=1, description="micro_batching 'rows': sequences per forward/backward, in the chunk's order; "
+        "None: a whole chunk")
 
     @property
     def ranks(self) -> int:
@@ -204,11 +210,38 @@ class _Trainer(_Placement):
         return 1
 
 
-class TorchTrainerConfig(_Trainer):
+class _MicroBatched(_Trainer):
+    """How an engine cuts a chunk into forward/backward passes (``asyncrl/micro_batches.py`` holds the plans and
+    their invariants). Setting only ``micro_batch_size`` means ``micro_batching: rows``."""
+
+    micro_batch_tokens: int | None = Field(
+        None, ge=1, description="micro_batching 'sorted' / 'packed': positions (rows x padded width) per "
+        "forward/backward; None: 16384")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _size_means_rows(cls, data: Any) -> Any:
+        if isinstance(data, Mapping) and data.get("micro_batch_size") is not None and "micro_batching" not in data:
+            data = {**data, "micro_batching": "rows"}
+        return data
+
+    @model_validator(mode="after")
+    def _micro_batch_knobs(self) -> "_MicroBatched":
+        from asyncrl.micro_batches import check_knobs
+
+        check_knobs(self.micro_batching, self.micro_batch_size, self.micro_batch_tokens)
+        return self
+
+
+class TorchTrainerConfig(_MicroBatched):
     """Training with the embedded torch engine (asyncrl/backends/torch.py)."""
 
     backend: Literal["torch"] = "torch"
     engine: ClassVar[str] = "asyncrl.backends.torch:TorchPolicy"
+    micro_batching: Literal["rows", "sorted"] = Field(
+        "rows", description="'rows': micro_batch_size sequences at a time, padded to the chunk's longest (the "
+        "default: CPU runs stay bit for bit as before); 'sorted': length-sorted micro-batches of at most "
+        "micro_batch_tokens positions, each padded to its own longest")
     data_parallel: int = Field(
         1, ge=1, description="data-parallel ranks, one Ray actor each in one torch.distributed group (> 1 needs "
         "placement 'ray'): asyncrl/backends/ranks.py")
@@ -227,11 +260,15 @@ class TorchTrainerConfig(_Trainer):
         return self.data_parallel
 
 
-class MegatronTrainerConfig(_Trainer):
+class MegatronTrainerConfig(_MicroBatched):
     """Training with Megatron-core (asyncrl/backends/megatron.py)."""
 
     backend: Literal["megatron"] = "megatron"
     engine: ClassVar[str] = "asyncrl.backends.megatron:MegatronPolicy"
+    micro_batching: Literal["rows", "sorted", "packed"] = Field(
+        "packed", description="'packed' (default): sequences packed into rows as wide as the chunk's longest, a "
+        "block-diagonal causal mask, micro_batch_tokens positions per pass; 'sorted': length-sorted and padded "
+        "to each micro-batch's longest; 'rows': micro_batch_size sequences at a time, padded to the chunk's longest")
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks (x data_parallel = world size)")
     data_parallel: int = Field(1, ge=1, description="data-parallel ranks")
     optimizer: Literal["megatron", "torch"] | None = Field(
@@ -240,10 +277,6 @@ class MegatronTrainerConfig(_Trainer):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     compute_entropy: bool = Field(
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
-    micro_batch_tokens: int = Field(
-        16384, ge=1, description="when micro_batch_size is None: sequences per forward/backward = this token "
-        "budget // the padded sequence length (at least 1), so a large chunk never meets the GPU in one piece")
-
     @property
     def ranks(self) -> int:
         return self.data_parallel * self.tensor_parallel

@@ -282,6 +282,9 @@ class Controller:
             M.INFLIGHT.name: len(state.inflight),
         }
         row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
+        row.update(M.throughput(out, self._step.total(M.TRAIN_TIME_S.name)))  # train_tflops, mfu
+        gen_tokens, gen_s = self._rollout.take_generation_counts()
+        row[M.GEN_TOKENS_PER_S.name] = gen_tokens / gen_s if gen_s > 0 else math.nan
         if isinstance(self.generator, StepMetrics):  # e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:

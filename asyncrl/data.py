@@ -51,7 +51,8 @@ class GroupRollouts:
 
 @dataclass(frozen=True)
 class TrainBatch:
-    """Padded tensors for a list of groups (all completions of each group, groups in order).
+    """Padded tensors for a list of groups (all completions of each group, groups in order). The padding is the
+    layout, not the work: a policy trims or packs it away per micro-batch (``asyncrl/micro_batches.py``).
 
     Frozen: each side adds what it computed by making a new batch (``dataclasses.replace``), so a batch the
     controller holds is never changed behind its back. ``make_train_batch`` builds one; the controller adds

@@ -65,6 +65,8 @@ class Accumulator:
             if metric is None:
                 raise KeyError(f"unknown metric {name!r}; this accumulator takes {sorted(self.metrics)}")
             value = float(value)
+            if (metric.reduce == "max" and value == -math.inf) or (metric.reduce == "min" and value == math.inf):
+                continue  # "nothing to contribute" (a micro-batch without tokens: algorithms.grpo_loss)
             old = self.totals.get(name)
             if old is None:
                 self.totals[name] = value
@@ -144,8 +146,8 @@ EVAL_REWARD = Column("eval_reward", "held-out greedy reward after the step (ever
 EVAL_ACCURACY = Column("eval_accuracy", "held-out greedy accuracy after the step (every eval_every steps)")
 STEP_FACTS: tuple[Column, ...] = (STEP, TRAINER_VERSION, STEP_TIME_S, TOKENS_PER_S, SYNC_TIME_S, BUFFERED, INFLIGHT)
 """A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, the rest of ``STEP_FACTS``,
-the policy backend's metrics (its loss's and ``ENGINE_METRICS``), a generator's optional ``step_metrics()``, and
-``EVAL_REWARD``/``EVAL_ACCURACY`` every ``eval_every`` steps."""
+the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT`` (below), a generator's optional
+``step_metrics()``, and ``EVAL_REWARD``/``EVAL_ACCURACY`` every ``eval_every`` steps."""
 
 # --- Controller.evaluations: one row per held-out evaluation ---------------------------------------------------
 EVALUATED_VERSION = Column("weight_version", "the generator's weight version the evaluation judged")
@@ -159,8 +161,49 @@ ENGINE_METRICS: tuple[Metric, ...] = (
     Metric("sequences", "sum", "sequences (completions) the policy trained on this step"),
     Metric("grad_norm", "max", "gradient norm before clipping"),
     Metric("lr", "max", "learning rate of the optimizer step"),
+    TRAIN_TOKENS := Metric("train_tokens", "sum", "real positions trained (prompt and completion tokens): what "
+                           "the forward/backward had to compute"),
+    TRAIN_PADDED_TOKENS := Metric("train_padded_tokens", "sum", "positions the forward/backward computed, padding "
+                                  "included (rows x width over the micro-batches)"),
+    Metric("train_flops", "sum", "6 x parameters x train_tokens: the step's useful training work"),
+    Metric("peak_flops", "sum", "bf16 dense peak FLOP/s of the devices that trained (peak_flops(); 0 where none "
+           "is known, e.g. a CPU)"),
 )
-"""What a policy backend's ``finish_train_step`` reports besides its loss's metrics."""
+"""What a policy backend's ``finish_train_step`` reports besides its loss's metrics (a backend that does not
+count FLOPs leaves the last four at 0)."""
+
+# --- throughput: the controller derives these from the engine's counts and its own clock --------------------------
+TRAIN_TFLOPS = Column("train_tflops", "useful training TFLOP/s: train_flops / train_time_s / 1e12")
+MFU = Column("mfu", "model FLOPs utilisation: train_flops / train_time_s / peak_flops (NaN without a known peak)")
+GEN_TOKENS_PER_S = Column("gen_tokens_per_s", "completion tokens the generator returned since the previous step, "
+                          "per second the rollout pump spent in its poll calls (a generator that works outside "
+                          "poll reports its own through step_metrics())")
+THROUGHPUT: tuple[Column, ...] = (TRAIN_TFLOPS, MFU, GEN_TOKENS_PER_S)
+
+# bf16 dense tensor-core peaks (no sparsity) from the vendors' data sheets, matched in order against
+# torch.cuda.get_device_name(): the more specific names first.
+PEAK_BF16_FLOPS: tuple[tuple[str, float], ...] = (
+    ("GH200", 989e12), ("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12),
+)
+
+
+def peak_flops(device_name: str | None) -> float:
+    """The bf16 dense peak FLOP/s of a GPU by its name (``PEAK_BF16_FLOPS``); NaN for a CPU (``None``) or an
+    unknown GPU, so ``mfu`` stays empty rather than wrong."""
+    if device_name:
+        for key, flops in PEAK_BF16_FLOPS:
+            if key in device_name:
+                return flops
+    return math.nan
+
+
+def throughput(engine: Mapping[str, float], train_time_s: float) -> dict[str, float]:
+    """``train_tflops`` and ``mfu`` of a step from the engine's ``train_flops`` / ``peak_flops``."""
+    flops = engine.get("train_flops", 0.0)
+    rate = flops / train_time_s if flops and train_time_s > 0 else math.nan
+    peak = engine.get("peak_flops", math.nan)
+    return {TRAIN_TFLOPS.name: rate / 1e12, MFU.name: rate / peak if peak and peak > 0 else math.nan}
 
 
 class StepAccumulator(Accumulator):

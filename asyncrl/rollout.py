@@ -39,6 +39,7 @@ class RolloutPump:
         self._refused: str | None = None  # the last refusal traced, until the gate opens again
         self._skipped: list[int] = []  # since the last report
         self._shortfall: dict[int, list[int]] = {}  # stamped steps that lost groups nothing replaced
+        self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self, wait_s: float = 0.0) -> TickReport:
@@ -124,7 +125,12 @@ class RolloutPump:
         # The backend waits for a group only if one is in flight; the backoff above applies either way, so a run
         # spaces its retries even while nothing is in flight (a failing tick writes a trace row, so the pump looks
         # again at once instead of waiting on the controller: the backoff is what paces it).
+        start = time.perf_counter()
         finished = self.generation_call("poll", self.ctrl.generator.poll, timeout if s.inflight else 0.0)
+        with s.lock:
+            self._generated[1] += time.perf_counter() - start
+            if finished is not FAILED:
+                self._generated[0] += sum(g.num_tokens for g in finished)
         if finished is FAILED or not finished:
             # Lost groups: after a poll that failed or returned nothing (so no result awaits collection), a
             # backend with nothing in flight will never return the groups we sent it.
@@ -290,6 +296,13 @@ class RolloutPump:
             s.record(SKIP, gid, slot.weight_version, slot.target_step, None, f"replaced by group {new}", reason)
             # stamped with the current weight version: the generator's too, under the lock
             self._dispatch(s.trainer_version, slot.target_step, f"replaces group {gid}")
+
+    def take_generation_counts(self) -> tuple[int, float]:
+        """(completion tokens, poll seconds) since the previous call: the step's ``gen_tokens_per_s``. Under the
+        state lock (the train pump calls it while finishing a step)."""
+        tokens, seconds = self._generated
+        self._generated = [0, 0.0]
+        return tokens, seconds
 
     def take_skipped(self) -> list[int]:
         out, self._skipped = self._skipped, []

@@ -61,6 +61,10 @@ ASYNC = {"name": "weight_fifo", "max_staleness_versions": 1}
 RESULTS: dict = {}
 
 
+# per-step throughput the controller reports (asyncrl.metrics), printed by the train and runs sections
+THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
+
+
 def say(*args) -> None:
     print(*args, flush=True)
 
@@ -343,6 +347,7 @@ def section_train(base: Controller, cfg, reps: int) -> list[dict]:
                 "ctrl_tick_s": t_tick, "ctrl_sync_s": sync_s, "ctrl_tick_excl_sync_s": t_tick - sync_s,
                 "ctrl_backend_calls_s": backend_s, "ctrl_overhead_s": t_tick - sync_s - backend_s,
                 "ctrl_export_s": policy.seconds["export_weights"], "ctrl_load_s": gen.last_sync_seconds,
+                **{c: float(row.get(c, float("nan"))) for c in THROUGHPUT_COLUMNS},  # the controller's own counts
             })
     df = pd.DataFrame(rows)
     say(df.round(5).to_string(index=False))
@@ -358,6 +363,7 @@ def section_train(base: Controller, cfg, reps: int) -> list[dict]:
         "target_met": bool(excl / raw_total <= 1.1),
         "sync_s_median": round(df.ctrl_sync_s.median(), 5), "export_s_median": round(df.ctrl_export_s.median(), 5),
         "load_s_median": round(float(df.ctrl_load_s.median()), 5),
+        **{f"{c}_median": round(float(df[c].median()), 4) for c in THROUGHPUT_COLUMNS},
     })
     return rows
 
@@ -378,8 +384,11 @@ def section_runs(base: Controller, cfg, run_steps: int, repeats: int) -> list[di
             rows.append({"mode": mode, "repeat": r, "steps": len(m), "seconds": wall, "steps_per_s": len(m) / wall,
                          "lag_mean": float(m.lag_mean.mean()), "reward_mean": float(m.reward_mean.mean()),
                          "step_time_s_median": float(m.step_time_s.median()),
-                         "sync_time_s_median": float(m.sync_time_s.median())})
-            say(f"  {mode} #{r}: {len(m)} steps in {wall:.2f} s = {len(m) / wall:.2f} steps/s, lag {rows[-1]['lag_mean']:.2f}")
+                         "sync_time_s_median": float(m.sync_time_s.median()),
+                         **{f"{c}_median": float(m[c].median()) if c in m else float("nan")
+                            for c in THROUGHPUT_COLUMNS}})
+            say(f"  {mode} #{r}: {len(m)} steps in {wall:.2f} s = {len(m) / wall:.2f} steps/s, lag {rows[-1]['lag_mean']:.2f}"
+                + "".join(f", {c} {rows[-1][c + '_median']:.4g}" for c in THROUGHPUT_COLUMNS))
     df = pd.DataFrame(rows)
     best = df.groupby("mode").steps_per_s.max()
     record("runs", {"sync_steps_per_s": round(float(best["sync in_order L=0"]), 3),

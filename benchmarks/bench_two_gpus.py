@@ -81,6 +81,7 @@ SAMPLERS = {
 }
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
+THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
 TRAIN_CALLS = ("logprobs", "begin_train_step", "train_microbatches", "finish_train_step", "export_weights")
 
 
@@ -360,6 +361,8 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         "device_lock_wait_per_step_s": (w1 - w0) / n,  # colocated only: time an engine waited for the other
         "push_wait_s_median": float(m.sync_time_s.median()), "push_wait_s_max": float(m.sync_time_s.max()),
         "completion_tokens_per_step": float(m.completion_tokens.mean()),
+        # throughput the controller reports (asyncrl.metrics): real and padded positions, useful TFLOP/s, MFU
+        **{f"{c}_median": float(m[c].median()) if c in m else float("nan") for c in THROUGHPUT_COLUMNS},
         "lag_mean": float(m.lag_mean.mean()), "lag_max": int(m.lag_max.max()),
         "groups_evicted": int(m.groups_evicted.sum()) if "groups_evicted" in m else 0,  # generated, never trained
         "reward_last5": float(ctrl.metrics.reward_mean.tail(5).mean()),
@@ -508,7 +511,7 @@ def main() -> int:
     cols = ["steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "gen_gpu_idle", "train_gpu_idle",
             "device_lock_wait_per_step_s", "push_wait_s_median", "push_wait_s_max", "sync_receive_s_median",
             "sync_swap_wait_s_median", "sync_load_s_median", "sync_reset_s_median", "completion_tokens_per_step",
-            "lag_max", "groups_evicted", "reward_last5"]
+            *(f"{c}_median" for c in THROUGHPUT_COLUMNS), "lag_max", "groups_evicted", "reward_last5"]
     summary = runs.groupby("mode")[cols].agg(["median", "min", "max"])
     med = runs.groupby("mode")[cols].median()
     sync_gen, sync_train = med.loc["sync", "gen_busy_per_step_s"], med.loc["sync", "train_busy_per_step_s"]

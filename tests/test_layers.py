@@ -20,14 +20,15 @@ TIERS = [
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
-    ["asyncrl.algorithms"],  # GRPO maths and the Loss: data and metrics only, never the backends
+    # GRPO maths and the Loss; how engines cut a chunk into micro-batches: data and metrics only, never the backends
+    ["asyncrl.algorithms", "asyncrl.micro_batches"],
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],
     ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
     # what the engines share: HF helpers, placements, Megatron's weight map and process groups
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
-     "asyncrl.backends.data_parallel"],
+     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],

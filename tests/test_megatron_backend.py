@@ -86,11 +86,12 @@ def tok():
     return make_tokenizer()
 
 
-def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, micro_batch_tokens=16384,
-                **model_kw):
+def make_policy(tok, seed=0, lr=1e-3, grad_clip=1.0, micro_batch_size=None, loss=None, micro_batch_tokens=None,
+                micro_batching=None, **model_kw):
     model_cfg = ModelConfig(**model_kw)
+    knobs = {"micro_batching": micro_batching} if micro_batching is not None else {}
     trainer_cfg = MegatronTrainerConfig(device="cpu", lr=lr, grad_clip=grad_clip, micro_batch_size=micro_batch_size,
-                                        micro_batch_tokens=micro_batch_tokens, optimizer="torch")
+                                        micro_batch_tokens=micro_batch_tokens, optimizer="torch", **knobs)
     return MegatronPolicy(model_cfg, trainer_cfg, GRPOLoss(loss), seed, tok)
 
 
@@ -317,14 +318,87 @@ def test_whole_step_normalisation_is_independent_of_chunking(megatron_cpu, tok, 
         torch.testing.assert_close(w1[k] - w0[k], w2[k] - w0[k], atol=1e-6, rtol=1e-4)
 
 
-def test_default_micro_batches_come_from_the_token_budget(megatron_cpu, tok):
-    batch = make_batch(B=8, prompt=4, completion=6)  # padded length 10
-    budget = make_policy(tok, micro_batch_tokens=25)  # 25 // 10 = 2 sequences a micro-batch
-    assert [mb.num_sequences for mb in budget._micro_batches(batch)] == [2, 2, 2, 2]
-    assert [mb.num_sequences for mb in make_policy(tok, micro_batch_tokens=5)._micro_batches(batch)] == [1] * 8
-    assert [mb.num_sequences for mb in make_policy(tok)._micro_batches(batch)] == [8]  # the default budget: 16k
-    sized = make_policy(tok, micro_batch_size=3, micro_batch_tokens=5)  # an explicit size wins
-    assert [mb.num_sequences for mb in sized._micro_batches(batch)] == [3, 3, 2]
+def long_tailed_batch(lengths, prompt=2, seed=0, vocab=259) -> TrainBatch:
+    """Right-padded rows of ``prompt`` prompt tokens and ``length - prompt`` completion tokens each."""
+    g = torch.Generator().manual_seed(seed)
+    B, S = len(lengths), max(lengths)
+    pos = torch.arange(S)
+    real = pos < torch.tensor(lengths).unsqueeze(-1)
+    ids = torch.where(real, torch.randint(3, vocab, (B, S), generator=g), torch.zeros((), dtype=torch.long))
+    loss_mask = ((pos >= prompt) & real).float()
+    return TrainBatch(ids, real.long(), loss_mask, torch.zeros(B, S), torch.randn(B, generator=g), [B])
+
+
+LONG_TAIL = [3, 30, 5, 5, 14, 3, 9, 25, 4, 6, 12, 3]
+
+
+def test_logprobs_of_packed_and_sorted_micro_batches_are_those_of_one_padded_batch(megatron_cpu, tok):
+    """Packing several sequences into one row (block-diagonal causal mask, rotary positions shifted by the
+    sequence's offset) computes what a padded row does, up to float rounding; so does a length-sorted cut."""
+    batch = long_tailed_batch(LONG_TAIL)
+    padded = make_policy(tok, seed=5, micro_batch_size=len(LONG_TAIL)).logprobs(batch)
+    packed_policy = make_policy(tok, seed=5, micro_batch_tokens=64)
+    from asyncrl import micro_batches
+
+    plans = micro_batches.plan(batch, "packed", micro_batch_tokens=64)
+    assert any((mb.segments.max(-1).values > 0).any() for mb in plans)  # some rows really hold several sequences
+    torch.testing.assert_close(packed_policy.logprobs(batch), padded, atol=2e-5, rtol=0)
+    sorted_policy = make_policy(tok, seed=5, micro_batching="sorted", micro_batch_tokens=40)
+    torch.testing.assert_close(sorted_policy.logprobs(batch), padded, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("loss_cfg", [
+    LossConfig(),
+    LossConfig(normalisation="sequence", importance_correction="sequence", truncation="seq-mask-tis"),
+], ids=["token-tis", "sequence-level"])
+def test_packed_and_sorted_steps_equal_the_padded_step(megatron_cpu, tok, loss_cfg):
+    """One step with plain SGD at lr 1 (the weight change is the normalised gradient): packed (two budgets),
+    length-sorted, and the sequences in another order, against the whole chunk padded in one piece."""
+    batch = long_tailed_batch(LONG_TAIL, seed=1)
+    perm = torch.randperm(len(LONG_TAIL), generator=torch.Generator().manual_seed(2))
+
+    policy = make_policy(tok, seed=3, grad_clip=None, loss=loss_cfg)
+    w0 = weights(policy)
+
+    def step(order=None, **knobs):  # one policy, reset to the same weights, cut by each plan (building is slow)
+        with torch.no_grad():
+            for name, p in policy.model.named_parameters():
+                p.copy_(w0[name])
+        knobs.setdefault("micro_batching", "rows" if "micro_batch_size" in knobs else "packed")
+        policy.trainer_cfg = MegatronTrainerConfig(device="cpu", grad_clip=None, optimizer="torch", **knobs)
+        policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+        b = batch if order is None else batch.map(lambda t: t[order])
+        b = replace(b, gen_logprobs=(policy.logprobs(b) - 0.2 * torch.sin(b.input_ids * 0.7)) * b.loss_mask)
+        policy.begin_train_step()
+        policy.train_microbatches(b)
+        m = policy.finish_train_step()
+        return {k: v - w0[k] for k, v in weights(policy).items()}, m
+
+    ref, ref_m = step(micro_batch_size=len(LONG_TAIL))
+    assert ref_m["train_padded_tokens"] == len(LONG_TAIL) * max(LONG_TAIL)
+    for order, knobs in [(None, {"micro_batch_tokens": 64}), (None, {"micro_batch_tokens": 1}), (perm, {}),
+                         (perm, {"micro_batching": "sorted", "micro_batch_tokens": 40})]:
+        delta, m = step(order, **knobs)
+        for k in ref:
+            torch.testing.assert_close(delta[k], ref[k], atol=1e-6, rtol=1e-4, msg=lambda s: f"{knobs} {k}: {s}")
+        for key in ("loss", "grad_norm", "tokens", "is_weight_mean", "is_truncated_frac", "normaliser", "entropy"):
+            assert m[key] == pytest.approx(ref_m[key], rel=1e-5, abs=1e-7), (knobs, key)
+        assert m["train_tokens"] == sum(LONG_TAIL)
+    packed = step(micro_batch_tokens=4096)[1]
+    assert packed["train_padded_tokens"] <= 1.25 * sum(LONG_TAIL)  # 6 rows of 30 for 119 tokens, not 12
+
+
+def test_micro_batch_knobs_cut_a_chunk(megatron_cpu, tok):
+    from asyncrl import micro_batches
+
+    batch = make_batch(B=8, prompt=4, completion=6)  # lengths 10, 9, 8, 10, ...
+    cut = lambda policy: micro_batches.plan(  # noqa: E731
+        batch, policy.trainer_cfg.micro_batching, policy.trainer_cfg.micro_batch_size,
+        policy.trainer_cfg.micro_batch_tokens)
+    assert [mb.positions for mb in cut(make_policy(tok, micro_batch_size=3))] == [30, 30, 20]  # rows: as before
+    assert [mb.width for mb in cut(make_policy(tok, micro_batching="sorted", micro_batch_tokens=25))] == \
+        [10, 10, 9, 8]
+    assert len(cut(make_policy(tok))) == 1  # the default: packed under a 16k budget, one pass
 
 
 def test_state_dict_round_trip_resumes_identically(megatron_cpu, tok):

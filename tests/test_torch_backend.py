@@ -317,3 +317,26 @@ def test_evaluate_returns_reward_and_accuracy(tok):
     for backend in (policy, gen):
         ev = evaluate(backend, task, tok, max_new_tokens=2)
         assert set(ev) >= {"reward_mean", "accuracy"} and 0 <= ev["accuracy"] <= 1 and ev["n"] == 10
+
+
+def test_long_tailed_limits_cut_each_group_at_its_own_drawn_length(tok):
+    """``min_new_tokens_tail``: each group stops at the limit ``group_max_tokens`` draws from the seed and its id
+    (the vLLM generator's function), and a completion is the prefix of the one the same stream gives without
+    limits: the knobs change only where sampling stops."""
+    from asyncrl.backends.sampling import group_max_tokens
+
+    tail = TorchGenerationConfig(max_new_tokens=24, min_new_tokens_tail=2, length_sigma=1.0)
+    _, with_tail = make(tok, gen=tail)
+    _, without = make(tok, gen=TorchGenerationConfig(max_new_tokens=24))
+    reqs = requests(tok, ["ab=", "cd=", "ef=", "gh=", "ij=", "kl="], n=3)
+    for generator in (with_tail, without):
+        generator.submit(reqs)
+    cut, full = with_tail.poll(), without.poll()
+    for a, b in zip(cut, full):
+        limit = group_max_tokens(tail, 0, a.group_id)
+        for c, lp, reason, c_full, lp_full in zip(a.completion_ids, a.logprobs, a.finish_reasons, b.completion_ids,
+                                                  b.logprobs):
+            assert len(c) <= limit and (reason == "stop" or len(c) == limit)
+            assert c == c_full[:len(c)] and lp == lp_full[:len(c)]
+    assert len({group_max_tokens(tail, 0, r.group_id) for r in reqs}) > 1  # the limits really differ
+    assert len({len(c) for g in cut for c in g.completion_ids}) > 1

@@ -15,7 +15,18 @@ import pandas as pd
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from asyncrl.metrics import EVALUATED_VERSION, HELD_OUT_ACCURACY, REWARD_MEAN, STEP, TOKENS_PER_S
+from asyncrl.metrics import (
+    EVALUATED_VERSION,
+    GEN_TOKENS_PER_S,
+    HELD_OUT_ACCURACY,
+    MFU,
+    REWARD_MEAN,
+    STEP,
+    TOKENS_PER_S,
+    TRAIN_PADDED_TOKENS,
+    TRAIN_TFLOPS,
+    TRAIN_TOKENS,
+)
 from asyncrl.trace import ABORT, EVICT, SELECT
 
 # Colours of the buffer states (stack order, bottom to top). "doomed": ready groups the next train tick evicts.
@@ -190,15 +201,31 @@ def draw_lags(ctrl, ax) -> None:
 
 
 def draw_throughput(ctrl, ax) -> None:
+    """Completion tokens trained and generated per second by step; the last step's useful training TFLOP/s, MFU
+    (on a GPU with a known peak) and padding (positions computed per real token) as a line of text."""
     metrics = ctrl.metrics
     ax.set_title("throughput", fontsize=10)
     ax.set_xlabel("optimizer step")
     if metrics.empty:
         ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
         return
-    ax.plot(metrics[STEP.name], metrics[TOKENS_PER_S.name], color="#8172B3", lw=1.5)
+    ax.plot(metrics[STEP.name], metrics[TOKENS_PER_S.name], color="#8172B3", lw=1.5, label="trained")
+    if GEN_TOKENS_PER_S.name in metrics:  # a simulated or older run may lack the engine-side columns
+        ax.plot(metrics[STEP.name], metrics[GEN_TOKENS_PER_S.name], color="#55A868", lw=1.2, label="generated")
     ax.set_ylabel("tokens / s")
     ax.set_ylim(bottom=0)
+    ax.legend(fontsize=8, loc="lower left", frameon=False)
+    last = metrics.iloc[-1]
+    facts = []
+    if pd.notna(last.get(TRAIN_TFLOPS.name)):
+        facts.append(f"train {last[TRAIN_TFLOPS.name]:.3g} TFLOP/s")
+    if pd.notna(last.get(MFU.name)):
+        facts.append(f"MFU {100 * last[MFU.name]:.1f}%")
+    if last.get(TRAIN_TOKENS.name):  # positions computed per real token: what padding costs
+        facts.append(f"padding x{last[TRAIN_PADDED_TOKENS.name] / last[TRAIN_TOKENS.name]:.2f}")
+    if facts:
+        ax.text(0.02, 0.97, "last step: " + ", ".join(facts), transform=ax.transAxes, fontsize=8, va="top",
+                color="#333333")
 
 
 def metrics_figure(ctrl, figsize=(14.4, 3.2)) -> Figure:

@@ -26,8 +26,13 @@
   per RL step, in ``finish_train_step``), and because dropout is off (``hidden_dropout``/``attention_dropout`` 0), so
   train mode computes what ``logprobs``' eval mode does. It saves a forward pass and a call: on two H200s the
   separate pass was 14 of an asynchronous step's 59 ms on the trainer's side (benchmarks/README.md).
-- Micro-batches: ``micro_batch_size`` sequences, or by default as many as fit ``micro_batch_tokens`` at the batch's
-  padded length, so a realistic chunk (512 sequences of hundreds of tokens) never goes through in one piece.
+- Micro-batches (``asyncrl/micro_batches.py``, its invariants there): by default ``packed``, the chunk's sequences
+  packed into rows as wide as its longest one under a block-diagonal causal mask (the local layer spec's
+  ``DotProductAttention`` takes a ``[rows, 1, W, W]`` mask; rotary embeddings are relative, so no per-sequence
+  positions are needed), ``micro_batch_tokens`` positions a pass: padding costs almost nothing and a step is one or
+  two large passes. ``sorted`` pads each length-sorted micro-batch to its own longest, ``rows`` (with
+  ``micro_batch_size``) is the old fixed-size cut. The chunk goes to the device once, the loss's values come back
+  once a chunk (no sync per micro-batch); ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
@@ -44,6 +49,7 @@ from typing import Any, Literal
 
 import torch
 
+from asyncrl import micro_batches
 from asyncrl.algorithms import Loss, token_entropy, token_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.data_parallel import DataParallel
@@ -53,7 +59,7 @@ from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
 from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
-from asyncrl.metrics import ENGINE_METRICS, Accumulator
+from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
 
 __all__ = ["MegatronPolicy"]
 
@@ -176,6 +182,11 @@ class MegatronPolicy:
         tc = self.trainer_cfg
         params = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in params)
+        # the whole model's (a tensor-parallel shard counts tp times): what 6 x parameters x tokens counts
+        self.full_parameters = sum(p.numel() * (self.tp if getattr(p, "tensor_model_parallel", False) else 1)
+                                   for p in params)
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None
+        self.peak_flops = 0.0 if math.isnan(peak_flops(name)) else peak_flops(name) * self.tp  # 0: unknown
         b1, b2 = tc.betas
         if self.optimizer_kind == "megatron":
             from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -305,18 +316,34 @@ class MegatronPolicy:
             self._masks[S] = mask
         return mask
 
-    def _logits(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """[B, S, V] logits (full vocabulary on every TP rank). Right padding needs no mask beyond causal."""
+    def _logits(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S, V] logits (full vocabulary on every TP rank). Right padding needs no mask beyond causal; a packed
+        micro-batch brings its block-diagonal one (``micro_batches.block_causal_mask``)."""
         B, S = input_ids.shape
         pos = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        logits = self._forward_module(input_ids, pos, self._causal_mask(S), runtime_gather_output=True)
+        mask = self._causal_mask(S) if mask is None else mask
+        logits = self._forward_module(input_ids, pos, mask, runtime_gather_output=True)
         return logits[..., : self.spec.vocab_size]
 
-    def _micro_batches(self, batch: TrainBatch):
-        mbs = self.trainer_cfg.micro_batch_size or max(
-            1, self.trainer_cfg.micro_batch_tokens // max(1, batch.input_ids.shape[1]))
-        for start in range(0, batch.num_sequences, mbs):
-            yield batch.slice(start, min(start + mbs, batch.num_sequences))
+    def _passes(self, batch: TrainBatch):
+        """``(micro-batch, its sequences [n, width], its logits)`` for every micro-batch of ``batch`` (moved to the
+        device once; the plan is ``micro_batches.plan``'s, so ``logprobs`` and training cut a chunk alike). The
+        logits of a packed micro-batch are returned with the ids they belong to: ``_per_sequence`` unpacks."""
+        tc = self.trainer_cfg
+        plans = micro_batches.plan(batch, tc.micro_batching, tc.micro_batch_size, tc.micro_batch_tokens)
+        on_device = self._to_device(batch)
+        for mb in plans:
+            mb = mb.to(self.device)
+            seqs = micro_batches.take(on_device, mb)
+            if mb.packed is None:
+                yield mb, seqs, seqs.input_ids, self._logits(seqs.input_ids)
+            else:
+                ids = micro_batches.packed_ids(on_device, mb)
+                yield mb, seqs, ids, self._logits(ids, micro_batches.block_causal_mask(mb))
+
+    @staticmethod
+    def _per_sequence(mb, values: torch.Tensor) -> torch.Tensor:
+        return values if mb.packed is None else micro_batches.unpack(mb, values)
 
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
         return batch.map(lambda t: t.to(self.device, non_blocking=True))
@@ -327,12 +354,11 @@ class MegatronPolicy:
         """[B, S] float32 logprobs of ``batch.input_ids`` (0 off ``loss_mask``), on the CPU: of the whole batch it
         is given (under torchrun every DP rank gets and computes the whole batch)."""
         self.model.eval()
-        out = []
-        for mb in self._micro_batches(batch):
-            ids = mb.input_ids.to(self.device)
-            lp = token_logprobs(self._logits(ids), ids).float()
-            out.append((lp * mb.loss_mask.to(self.device)).cpu())
-        return torch.cat(out, 0)
+        out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
+        for mb, seqs, ids, logits in self._passes(batch):
+            lp = self._per_sequence(mb, token_logprobs(logits, ids).float())
+            out[mb.rows, :mb.width] = lp * seqs.loss_mask
+        return out.cpu()
 
     # ---- the split train step ------------------------------------------------------------------------------------
 
@@ -342,6 +368,7 @@ class MegatronPolicy:
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         self._step.reset()
+        self._step.add({"peak_flops": self.peak_flops})  # before the DP reduction: the step's devices add up
         self._in_step = True
 
     def _dp_rows(self, batch: TrainBatch) -> TrainBatch:
@@ -360,29 +387,29 @@ class MegatronPolicy:
         if self.loss.needs_reference and batch.ref_logprobs is None:
             raise ValueError(f"{self.loss!r} needs ref_logprobs in the batch: MegatronPolicy has no reference model")
         self.model.train()
-        chunk_loss, chunk_norm = 0.0, 0.0
         local = self._dp_rows(batch)
         if local.num_sequences == 0:
             return {"loss_sum": 0.0, "normaliser": 0.0, "sequences": 0.0}
-        for mb in self._micro_batches(local):
-            mb = self._to_device(mb)
-            logits = self._logits(mb.input_ids)
-            lp = token_logprobs(logits, mb.input_ids)
-            if mb.prev_logprobs is None:  # this step's weights are the previous policy (module docstring)
-                mb = replace(mb, prev_logprobs=lp.detach() * mb.loss_mask)
+        parts = []  # every micro-batch's contributions, on the device: one transfer at the end of the chunk
+        for mb, seqs, ids, logits in self._passes(local):
+            lp = self._per_sequence(mb, token_logprobs(logits, ids))
+            if seqs.prev_logprobs is None:  # this step's weights are the previous policy (module docstring)
+                seqs = replace(seqs, prev_logprobs=lp.detach() * seqs.loss_mask)
             entropy = None
             if self.loss.entropy_grad:
-                entropy = token_entropy(logits)
+                entropy = self._per_sequence(mb, token_entropy(logits))
             elif self.compute_entropy:
                 with torch.no_grad():
-                    entropy = token_entropy(logits.detach())
-            loss_sum, normaliser, contributions = self.loss(lp, mb, entropy)
+                    entropy = self._per_sequence(mb, token_entropy(logits.detach()))
+            loss_sum, normaliser, contributions = self.loss(lp, seqs, entropy)
             loss_sum.backward()
-            chunk_loss += float(loss_sum.detach())
-            chunk_norm += normaliser
-            self._step.add(contributions)
-        self._step.add({"loss": chunk_loss, "normaliser": chunk_norm, "sequences": local.num_sequences})
-        return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(local.num_sequences)}
+            parts.append({**contributions, "loss": loss_sum.detach(), "normaliser": normaliser,
+                          "train_tokens": mb.real_tokens, "train_padded_tokens": mb.positions})
+        totals = micro_batches.add_all(self._step, parts)
+        self._step.add({"sequences": local.num_sequences,
+                        "train_flops": 6.0 * self.full_parameters * totals["train_tokens"]})
+        return {"loss_sum": totals["loss"], "normaliser": totals["normaliser"],
+                "sequences": float(local.num_sequences)}
 
     @holds_device
     def finish_train_step(self) -> dict[str, float]:

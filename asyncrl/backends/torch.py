@@ -35,12 +35,14 @@ from typing import Any, Literal
 
 import torch
 
+from asyncrl import micro_batches
 from asyncrl.algorithms import Loss, token_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.hf import build_model, special_ids
+from asyncrl.backends.sampling import group_max_tokens
 from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
-from asyncrl.metrics import ENGINE_METRICS, Accumulator
+from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
 from asyncrl.tokenizer import EOS_ID, PAD_ID
 
 # --- forward helpers (work across transformers 4.x and 5.x keyword names) -----------------------------------------
@@ -109,11 +111,14 @@ def decode(
     choose: Callable[[torch.Tensor], torch.Tensor],
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
+    limits: Sequence[int] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """Decode every prompt row at once with a KV cache: ``choose(logits[B, V]) -> tokens[B]`` picks the next
     tokens. Returns per row the completion ids (up to and including ``eos``), the temperature-1 logprob of each,
     and the finish reason (``"stop"`` at eos, else ``"length"``). Prompts of unequal lengths are left-padded
-    with an attention mask and shifted position ids."""
+    with an attention mask and shifted position ids. ``limits``: a token limit per row (at most
+    ``max_new_tokens``); a row past its limit is finished, but ``choose`` still draws for it, so every row's
+    completion is the prefix of the one it gets without limits."""
     device = next(model.parameters()).device
     cache_kw, keep_kw = _kw()
     B = len(prompts)
@@ -133,6 +138,7 @@ def decode(
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
     cache = _new_cache(model)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    limit = None if limits is None else torch.tensor(limits, device=device)
     tokens, logps = [], []
     step_input = input_ids
     for t in range(max_new_tokens):
@@ -149,6 +155,8 @@ def decode(
         tokens.append(nxt)
         logps.append(logp)
         finished = finished | (nxt == eos_id)
+        if limit is not None:
+            finished = finished | (limit <= t + 1)
         if t + 1 == max_new_tokens or bool(finished.all()):
             break
         step_input = nxt.unsqueeze(-1)
@@ -158,7 +166,9 @@ def decode(
     tok_rows = torch.stack(tokens, dim=1).tolist()
     lp_rows = torch.stack(logps, dim=1).tolist()
     completions, logprobs, reasons = [], [], []
-    for toks, lps in zip(tok_rows, lp_rows):
+    for row, (toks, lps) in enumerate(zip(tok_rows, lp_rows)):
+        if limits is not None:
+            toks, lps = toks[:limits[row]], lps[:limits[row]]
         if eos_id in toks:
             n = toks.index(eos_id) + 1
             completions.append(toks[:n])
@@ -201,8 +211,10 @@ def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy
 class TorchPolicy:
     """The PolicyBackend on plain torch: AdamW over a ``LlamaForCausalLM`` (see ``hf.build_model``).
 
-    A step is ``begin_train_step()``, any number of ``train_microbatches(batch)`` (each split into micro-batches of
-    ``trainer_cfg.micro_batch_size`` sequences; gradients of the *un-normalised* loss sums accumulate), then
+    A step is ``begin_train_step()``, any number of ``train_microbatches(batch)`` (each cut into micro-batches by
+    ``trainer_cfg.micro_batching``, ``asyncrl/micro_batches.py``: ``rows`` of ``micro_batch_size`` sequences, by
+    default the whole chunk, or ``sorted`` by length under a ``micro_batch_tokens`` budget, each trimmed to its own
+    longest; gradients of the *un-normalised* loss sums accumulate, the loss's values come back once a chunk), then
     ``finish_train_step()``: gradients divided by the whole step's normaliser (tokens or sequences), clipped at
     ``grad_clip``, one AdamW step. The result does not depend on how the step was chunked (up to float summation
     order). The loss is the ``Loss`` object given at construction; its metrics and ``ENGINE_METRICS`` are
@@ -237,6 +249,9 @@ class TorchPolicy:
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.num_parameters = sum(p.numel() for p in self.params)
+        peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
+        self.peak_flops = 0.0 if math.isnan(peak) else peak  # 0: unknown (mfu then stays empty)
         # fused: one kernel over all parameters (CPU and CUDA): 0.7 ms a step for the quickstart model on one CPU
         # thread against 2.3 ms for foreach, whose per-op dispatch dominates at this size.
         fused = self.device.type in ("cpu", "cuda")
@@ -260,16 +275,24 @@ class TorchPolicy:
     def _to_device(self, batch: TrainBatch) -> TrainBatch:
         return batch if self.device.type == "cpu" else batch.map(lambda t: t.to(self.device))
 
+    def _plan(self, batch: TrainBatch):
+        tc = self.trainer_cfg
+        return micro_batches.plan(batch, tc.micro_batching, tc.micro_batch_size, tc.micro_batch_tokens)
+
     @torch.no_grad()
     def _logprobs_with(self, model, batch: TrainBatch) -> torch.Tensor:
+        plans = self._plan(batch)  # the training forward's micro-batches: the same numbers (class docstring)
         batch = self._to_device(batch)
-        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
-        out = []
-        for start in range(0, batch.num_sequences, mbs):
-            mb = batch.slice(start, start + mbs)
-            logits = sequence_logits(model, mb.input_ids, mb.attention_mask)
-            out.append(token_logprobs(logits, mb.input_ids) * mb.loss_mask)
-        return torch.cat(out).cpu() if len(out) > 1 else out[0].cpu()
+        if len(plans) == 1 and isinstance(plans[0].rows, slice) and plans[0].positions == batch.input_ids.numel():
+            logits = sequence_logits(model, batch.input_ids, batch.attention_mask)
+            return (token_logprobs(logits, batch.input_ids) * batch.loss_mask).cpu()
+        out = torch.zeros(batch.input_ids.shape, device=self.device)
+        for mb in plans:
+            mb = mb.to(self.device)
+            seqs = micro_batches.take(batch, mb)
+            logits = sequence_logits(model, seqs.input_ids, seqs.attention_mask)
+            out[mb.rows, :mb.width] = token_logprobs(logits, seqs.input_ids) * seqs.loss_mask
+        return out.cpu()
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
@@ -285,6 +308,7 @@ class TorchPolicy:
     def begin_train_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
         self._step.reset()
+        self._step.add({"peak_flops": self.peak_flops})  # before the DP reduction: the step's devices add up
         self._in_step = True
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
@@ -292,23 +316,26 @@ class TorchPolicy:
             raise RuntimeError("train_microbatches before begin_train_step")
         if self.ref_model is not None and batch.ref_logprobs is None:
             batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
+        plans = self._plan(batch)
         batch = self._to_device(batch)
-        mbs = self.trainer_cfg.micro_batch_size or batch.num_sequences
-        chunk_loss, chunk_norm = 0.0, 0.0
-        for start in range(0, batch.num_sequences, mbs):
-            mb = batch.slice(start, start + mbs)
-            logits = sequence_logits(self.model, mb.input_ids, mb.attention_mask)
-            logp, entropy = _logprobs_and_entropy(logits, mb.input_ids, self.loss.entropy_grad)
-            if mb.prev_logprobs is None:  # the weights before this step's update are these (class docstring)
-                mb = replace(mb, prev_logprobs=logp.detach() * mb.loss_mask)
-            loss_sum, normaliser, contributions = self.loss(logp, mb, entropy)
+        parts = []  # every micro-batch's contributions, on the device: one transfer at the end of the chunk
+        for mb in plans:
+            mb = mb.to(self.device)
+            seqs = micro_batches.take(batch, mb)
+            logits = sequence_logits(self.model, seqs.input_ids, seqs.attention_mask)
+            logp, entropy = _logprobs_and_entropy(logits, seqs.input_ids, self.loss.entropy_grad)
+            if seqs.prev_logprobs is None:  # the weights before this step's update are these (class docstring)
+                seqs = replace(seqs, prev_logprobs=logp.detach() * seqs.loss_mask)
+            loss_sum, normaliser, contributions = self.loss(logp, seqs, entropy)
             if loss_sum.requires_grad:
                 loss_sum.backward()
-            chunk_loss += float(loss_sum.detach())
-            chunk_norm += normaliser
-            self._step.add(contributions)
-        self._step.add({"loss": chunk_loss, "normaliser": chunk_norm, "sequences": batch.num_sequences})
-        return {"loss_sum": chunk_loss, "normaliser": chunk_norm, "sequences": float(batch.num_sequences)}
+            parts.append({**contributions, "loss": loss_sum.detach(), "normaliser": normaliser,
+                          "train_tokens": mb.real_tokens, "train_padded_tokens": mb.positions})
+        totals = micro_batches.add_all(self._step, parts)
+        self._step.add({"sequences": batch.num_sequences,
+                        "train_flops": 6.0 * self.num_parameters * totals.get("train_tokens", 0.0)})
+        return {"loss_sum": totals.get("loss", 0.0), "normaliser": totals.get("normaliser", 0.0),
+                "sequences": float(batch.num_sequences)}
 
     def finish_train_step(self) -> dict[str, float]:
         if not self._in_step:
@@ -373,8 +400,11 @@ class TorchGenerator:
     """The GenerationBackend on plain torch. Holds its own model; ``load_weights`` copies weights into it.
 
     ``submit`` only queues. ``poll`` takes everything queued and generates it in one batched call (all prompts ×
-    ``n`` samples, KV cache), returning the groups in submission order. ``load_weights`` and generation are
-    serialised by a lock, so a weight load never interleaves a generation (``poll`` may run in another thread).
+    ``n`` samples, KV cache), returning the groups in submission order. With ``min_new_tokens_tail`` each group
+    stops at its own long-tailed limit (``sampling.group_max_tokens``, the vLLM generator's), so CPU runs have
+    the length spread the padding-free training is for; off (the default) nothing changes in what is sampled.
+    ``load_weights`` and generation are serialised by a lock, so a weight load never interleaves a generation
+    (``poll`` may run in another thread).
     """
 
     def __init__(self, model_cfg: ModelConfig, gen_cfg: TorchGenerationConfig, seed: int, tokenizer=None):
@@ -428,11 +458,14 @@ class TorchGenerator:
             return []
         try:
             prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
+            limits = None  # long-tailed lengths: a limit per group, from the seed and the group id only
+            if self.gen_cfg.min_new_tokens_tail is not None:
+                limits = [group_max_tokens(self.gen_cfg, self.seed, r.group_id) for r in requests for _ in range(r.n)]
             with self._model_lock:
                 version = self._version
                 completions, logprobs, reasons = decode(
-                    self.model, prompts, self.gen_cfg.max_new_tokens, self._choose, self.eos_id, self.pad_id
-                )
+                    self.model, prompts, self.gen_cfg.max_new_tokens, self._choose, self.eos_id, self.pad_id,
+                    limits)
         finally:
             with self._queue_lock:
                 self._running -= len(requests)

@@ -48,8 +48,6 @@ to ``0`` here (engine in this process, so weights pass by reference), unless the
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import shutil
 import tempfile
@@ -65,6 +63,7 @@ import torch
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.device_lock import exclusive_device
 from asyncrl.backends.hf import build_hf_config, init_hf_model
+from asyncrl.backends.sampling import group_max_tokens, group_seed
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest, GroupRollouts
 
@@ -85,24 +84,6 @@ def write_model_dir(model_cfg: Any, tokenizer: Any, seed: int, path: str | Path)
     model.save_pretrained(str(path), safe_serialization=True)
     tokenizer.save_pretrained(str(path))
     return path
-
-
-def group_seed(seed: int, group_id: int) -> int:
-    """A 31-bit sampling seed for one group (vLLM gives sample ``i`` of the group ``seed + i``)."""
-    digest = hashlib.blake2b(f"{seed}:{group_id}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "little") & 0x3FFFFFFF
-
-
-def group_max_tokens(gen_cfg: Any, seed: int, group_id: int) -> int:
-    """A group's completion token limit: ``max_new_tokens``, or with ``min_new_tokens_tail`` a long-tailed draw
-    ``min(max_new_tokens, round(min_new_tokens_tail * exp(length_sigma * |z|)))``, z standard normal from a
-    generator seeded by (seed, group id): the same group gets the same limit whichever wave it is in."""
-    lo = gen_cfg.min_new_tokens_tail
-    if lo is None:
-        return gen_cfg.max_new_tokens
-    rng = torch.Generator().manual_seed(group_seed(seed, group_id) ^ 0x5EED)
-    z = abs(float(torch.randn((), generator=rng)))
-    return int(min(gen_cfg.max_new_tokens, max(lo, round(lo * math.exp(gen_cfg.length_sigma * z)))))
 
 
 def kv_cache_bytes(model_cfg: Any, hf_config: Any, tokens: int) -> int:
