@@ -223,7 +223,8 @@ def draw_throughput(ctrl, ax) -> None:
         facts.append(f"MFU {100 * last[MFU.name]:.1f}%")
     if last.get(TRAIN_TOKENS.name):  # positions computed per real token: what padding costs
         facts.append(f"padding x{last[TRAIN_PADDED_TOKENS.name] / last[TRAIN_TOKENS.name]:.2f}")
-    if facts:
+    if facts:  # a line of text above the curves: the top of the axis moves up to make room
+        ax.set_ylim(0, ax.get_ylim()[1] * 1.25)
         ax.text(0.02, 0.97, "last step: " + ", ".join(facts), transform=ax.transAxes, fontsize=8, va="top",
                 color="#333333")
 
