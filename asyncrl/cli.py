@@ -1,5 +1,6 @@
 """``asyncrl run CONFIG_OR_PRESET --steps N --out DIR``: a headless run that writes its metrics, trace and config.
-``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds).
+``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds);
+``--sweep KEY=V1,V2`` (repeatable) and ``--gpus G`` simulate a grid instead: ``sweep.csv``, ``sweep.png``.
 
 Overrides use dotted keys: ``--set seed=1 --set sampler.name=weight_fifo --set sampler.max_staleness_versions=2``.
 Checkpoints: ``--checkpoint-every K`` writes ``DIR/checkpoints/step-XXXXXX`` every K steps; ``--resume DIR``
@@ -271,12 +272,38 @@ def simulate(args: argparse.Namespace) -> int:
     from asyncrl.controller import Controller
 
     try:
-        cfg = load_config(args.config, **parse_overrides(args.set))
+        overrides = parse_overrides(args.set)
+        cfg = load_config(args.config, **overrides)
         _check_writable(Path(args.out))
         sim = sim_module.Simulation(Controller.from_config(cfg))
+        if args.sweep or args.gpus is not None:
+            import yaml
+
+            axes = {}
+            for item in args.sweep:
+                key, eq, values = item.partition("=")
+                if not eq or not values:
+                    raise ValueError(f"--sweep expects KEY=V1,V2,..., got {item!r}")
+                axes[key] = [yaml.safe_load(v) for v in values.split(",")]
+            table = sim_module.grid(args.config, args.steps, axes, gpus=args.gpus, **overrides)
     except (ValueError, TypeError, ImportError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         print(_error_message(exc).replace("asyncrl run:", "asyncrl simulate:"), file=sys.stderr)
         return 2
+    if args.sweep or args.gpus is not None:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        table.to_csv(out / "sweep.csv", index=False)
+        if not args.no_plot:
+            from asyncrl.simulate_plots import plot_grid
+
+            plot_grid(table, [c for c in table.columns if "." in c]).savefig(out / "sweep.png", dpi=110)
+        shown = [c for c in table.columns if "." in c] + ["gpus", "sim_steps_per_hour", "tokens_per_s",
+                                                          "tokens_per_s_per_gpu", "gen_idle", "train_idle", "best"]
+        print(table[shown].round(3).to_string(index=False))
+        best = table[table.best].iloc[0]
+        print(json.dumps({k: (v.item() if hasattr(v, "item") else v) for k, v in best[shown[:-1]].items()}))
+        print(f"{len(table)} points of {args.steps} simulated steps; files in {args.out}", file=sys.stderr)
+        return 0
     sim.run(args.steps)
     sim.write(args.out, plots=not args.no_plot)
     summary = sim.summary()
@@ -321,7 +348,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for metrics.csv, trace.csv, config.yaml, summary.json and simulation.png")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, dotted (repeatable): --set generation.lengths=pareto")
-    p.add_argument("--no-plot", action="store_true", help="do not write simulation.png")
+    p.add_argument("--sweep", action="append", default=[], metavar="KEY=V1,V2,...",
+                   help="simulate each value of a config key, dotted (repeatable: every combination); writes "
+                        "sweep.csv and sweep.png instead, the best point (tokens/s per GPU) marked")
+    p.add_argument("--gpus", type=_positive, metavar="G",
+                   help="keep the sweep's points that use G GPUs; without a sweep over generation.replicas or "
+                        "trainer.data_parallel, every split of G between them: how many for generation?")
+    p.add_argument("--no-plot", action="store_true", help="do not write simulation.png (sweep.png)")
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate(args)

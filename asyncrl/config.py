@@ -180,6 +180,24 @@ class SimulatedGeneration(_Knobs):
         "ceil(its seconds / rollout_tick_s) ticks after dispatch, counting the tick that dispatched it")
     reward_base: float = Field(0.1, ge=0, le=1, description="success probability with no progress (version 0)")
     reward_max: float = Field(0.95, ge=0, le=1, description="success probability ceiling")
+    # At scale (asyncrl/backends/simulated.py, "Replicas and weight updates"): K engines, how each takes groups, and
+    # what a weight update does to the groups it runs. Timed only on asyncrl.simulate's virtual clock.
+    admission: Literal["streaming", "wave"] = Field(
+        "streaming", description="how a replica takes groups: 'streaming' starts a group as soon as one of its "
+        "concurrency slots is free (the streaming vLLM engine); 'wave' starts up to concurrency queued groups "
+        "together once the replica is idle and returns them all when the slowest ends (LLM.generate waves)")
+    weight_update: Literal["drain", "inflight"] = Field(
+        "drain", description="the GPU generator's key, same meaning: 'drain' stops taking new groups when the "
+        "weights arrive, lets running ones finish on the old weights, loads, goes on (one group, one version); "
+        "'inflight' loads at once between two engine steps, running groups pause for the load and span versions "
+        "gen_start_version..gen_end_version (their staleness is judged by the oldest)")
+    load_s: float | None = Field(
+        None, ge=0, description="seconds a replica stops decoding to load weights once they arrived (the two-H200 "
+        "runs: load_weights 3.5 ms for 3.1M parameters, sync_load_s_median in "
+        "benchmarks/data/two_gpus_balanced_lr5e-4/runs.csv); None: the replica stops for its whole transfer "
+        "instead (receiving is loading: the model before link bandwidth, what the what_if numbers were made with)")
+    gpus_per_replica: int = Field(
+        1, ge=1, description="GPUs one engine uses (tensor parallel); summary()['gpus'] counts them")
 
     @model_validator(mode="after")
     def _ordered(self) -> "SimulatedGeneration":
@@ -193,6 +211,10 @@ class SimulatedGenerationConfig(_Generation, SimulatedGeneration):
 
     backend: Literal["simulated"] = "simulated"
     engine: ClassVar[str] = "asyncrl.backends.simulated:SimulatedGenerator"
+    replicas: int = Field(
+        1, ge=1, description="simulated engines, each with its concurrency slots, modelled in one backend with "
+        "placement 'local' (groups go to the least loaded; weights reach each as trainer.sync_fanout says); with "
+        "placement 'ray', one Ray actor each as for a real engine")
 
 
 class _Trainer(_Placement):
@@ -299,6 +321,27 @@ class SimulatedTraining(_Knobs):
     reward_gain: float = Field(0.01, ge=0, le=1, description="success probability a step on fresh data adds")
     stale_progress: float = Field(
         0.5, ge=0, le=1, description="share of a step's progress kept per version of lag: gain x this ** lag")
+    # At scale (asyncrl/backends/simulated.py, "Replicas and weight updates"): ranks and the weight transfer.
+    data_parallel: int = Field(
+        1, ge=1, description="simulated data-parallel ranks: a chunk's per-token time is divided by the speed-up "
+        "R x scaling_efficiency ** log2(R); train_s_per_step is paid once a step")
+    scaling_efficiency: float = Field(
+        0.9, gt=0, le=1, description="share of the ideal speed-up kept per doubling of data_parallel (gradient "
+        "all-reduce, stragglers). Not measured: no multi-rank GPU run has been timed (the two-H200 DP2 run checked "
+        "correctness only), so 0.9 is an assumption to sweep")
+    weight_bytes: float = Field(
+        0.0, ge=0, description="bytes sent to each replica per weight sync (parameters x bytes each: 236M in bf16 "
+        "is 4.72e8); each transfer takes sync_s + weight_bytes / link_gb_per_s")
+    link_gb_per_s: float = Field(
+        48.0, gt=0, description="link bandwidth of one transfer, GB/s. 48: the two-H200 NCCL receive of the ~0.5B "
+        "model (1.007 GB in 21 ms with the GPU otherwise idle; benchmarks/README.md, 'Two GPUs')")
+    sync_fanout: Literal["sequential", "tree"] = Field(
+        "sequential", description="how the weights reach K replicas: 'sequential' one transfer after another "
+        "(replica i has them after (i + 1) transfers), 'tree' a binomial broadcast (every holder sends on: replica "
+        "i after floor(log2(i + 1)) + 1 transfers); the trainer waits until the last has them")
+    colocated: bool = Field(
+        False, description="the trainer runs on the generation replicas' GPUs (one GPU: the engines take turns; "
+        "model the sharing with overlap_slowdown); summary()['gpus'] then counts the replicas' GPUs only")
 
 
 class SimulatedTrainerConfig(_Trainer, SimulatedTraining):
@@ -465,7 +508,12 @@ def _check_scale(cfg: Config) -> None:
     """Replicas and ranks are Ray actors (Megatron ranks may also come from torchrun, with placement 'local');
     what is not built yet says so by its knob."""
     gen, trainer = cfg.generation, cfg.trainer
-    if gen.replicas > 1 and gen.placement != "ray":
+    if gen.backend == "simulated" and trainer.backend == "simulated" and trainer.colocated:
+        gpus = gen.replicas * gen.gpus_per_replica
+        if trainer.data_parallel > gpus:
+            raise ValueError(f"trainer.colocated with data_parallel {trainer.data_parallel}: the ranks share the "
+                             f"generation replicas' {gpus} GPU(s); use data_parallel <= {gpus} or colocated false")
+    if gen.replicas > 1 and gen.placement != "ray" and gen.backend != "simulated":  # simulated: modelled engines
         raise ValueError(f"generation.replicas {gen.replicas} starts each replica in a Ray actor: set "
                          f"generation.placement 'ray' (got {gen.placement!r})")
     ranks = trainer.ranks

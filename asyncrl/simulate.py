@@ -16,10 +16,13 @@ Invariants (kept in ``Simulation``):
   old ``T`` while the trainer works, as it would in a real run. (The chunk actually trained can differ from the one
   planned if rollouts committed meanwhile change a sampler's choice; the trainer's time then follows the chunk it
   trained, and ``summary()["train_ticks_replanned"]`` counts such ticks.)
-- After a step the sync takes ``sync_s``: the trainer waits and the generator pauses for it.
+- After a step the weights go to every replica (``SimulatedPolicy.sync_arrivals``: latency plus bytes over the link,
+  one after another or down a tree): the trainer waits for the last transfer; each replica loads them as its
+  ``weight_update`` says (``SimulatedGenerator.receive``).
 - While a chunk trains and a group decodes, both run ``overlap_slowdown`` times slower (``_contend``): the trainer's
   tick and the generator's groups in flight end later by the same stretch, booked as busy time of both.
-- Virtual time never goes back; busy + idle = elapsed for each side, by construction of the two timelines.
+- Virtual time never goes back; busy + idle = elapsed for each side (the generator's per replica), by construction
+  of the timelines.
 - Everything written to files is a function of the config and seed: no wall-clock value goes in them.
 """
 
@@ -90,7 +93,7 @@ class Simulation:
         ctrl, gen, clock = self.ctrl, self.gen, self.clock
         target, rows = ctrl.trainer_version + steps, len(self.steps)
         wall, tick_at, tick_start = time.perf_counter(), None, None
-        clock.stepping = False
+        clock.stepping, gen.timed_updates = False, True
         try:
             while ctrl.trainer_version < target:
                 now = clock.now
@@ -115,7 +118,7 @@ class Simulation:
                     later, tick_at = self._contend(now, later, tick_at)
                 clock.now = later
         finally:
-            clock.stepping = True
+            clock.stepping, gen.timed_updates = True, False
             self.wall_s += time.perf_counter() - wall
         return self.metrics.iloc[rows:]
 
@@ -186,9 +189,9 @@ class Simulation:
         self.trainer_free = max(now, start + took)
         self.step_groups += len(report.selected)
         if report.step_finished:
-            sync = self.policy.model.sync_s
-            if sync:
-                self.gen.pause(sync)
+            arrivals = self.policy.sync_arrivals(self.gen.replicas)
+            self.gen.receive([self.trainer_free + a for a in arrivals], self.policy.transfer_seconds())
+            sync = arrivals[-1]
             self.trainer_free += sync
             self.train_busy += sync
             self.steps.append({"sim_time_s": self.trainer_free, "train_time_s": self._step_train, "sync_time_s": sync})
@@ -241,23 +244,17 @@ class Simulation:
         return trace
 
     def busy(self) -> tuple[float, float]:
-        """Seconds the generator (at least one group decoding, or loading weights) and the trainer (training or
-        waiting for a sync) were busy since the simulation started."""
-        start, end = self.start, self.end
-        spans = list(self.gen.busy) + [(f.start, f.finish) for f in self.gen._flights.values()]
-        spans = sorted((max(a, start), min(b, end)) for a, b in spans if b > start and a < end)
-        total, cur_a, cur_b = 0.0, None, None
-        for a, b in spans:
-            if cur_b is None or a > cur_b:
-                total += 0.0 if cur_b is None else cur_b - cur_a
-                cur_a, cur_b = a, b
-            else:
-                cur_b = max(cur_b, b)
-        total += 0.0 if cur_b is None else cur_b - cur_a
-        return total, min(self.train_busy, end - start)
+        """Seconds the generator's replicas (a group decoding, or loading weights; summed over replicas) and the
+        trainer (training or waiting for a sync) were busy since the simulation started."""
+        return sum(self.gen.busy_s(self.start, self.end)), min(self.train_busy, self.end - self.start)
 
     def summary(self) -> dict[str, Any]:
-        """Throughput in simulated time, each side's busy/idle fraction, the lag distribution, groups dropped."""
+        """Throughput in simulated time, each side's busy/idle fraction, the lag distribution, groups dropped.
+
+        ``gpus``: what the config uses (``count_gpus``); ``tokens_per_s``: completion tokens trained per simulated
+        second, and per GPU; ``gen_idle`` / ``train_idle``: the share of the time a generation replica (mean over
+        replicas) / the trainer was idle (the same numbers as ``gen_idle_frac`` / ``train_idle_frac``);
+        ``gen_busy_s_per_step`` sums the replicas' busy seconds."""
         m, trace = self.metrics, self.ctrl.trace
         trace = trace.iloc[sum(self._seen.values()):]
         steps, elapsed = len(m), self.end - self.start
@@ -269,20 +266,29 @@ class Simulation:
         frac = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: math.nan)
         groups, seconds = (now - before for now, before in zip(self.gen.drawn, self._drawn))
         group_s = seconds / groups if groups else math.nan
-        slots = self.gen.model.concurrency
+        replicas, slots = self.gen.replicas, self.gen.model.concurrency
         # Overlap cannot beat the slower stage alone: the trainer's seconds per step, or the generator's when its
-        # slots are kept full (N groups x their mean seconds / slots; with no slot limit, generation never binds).
-        gen_capacity_s = self.ctrl.cfg.groups_per_step * group_s / slots if slots else 0.0
+        # slots are kept full (N groups x their mean seconds / all slots; with no slot limit, generation never binds).
+        gen_capacity_s = self.ctrl.cfg.groups_per_step * group_s / (slots * replicas) if slots else 0.0
         train_s = train_busy / steps if steps else math.nan
         bound = max(gen_capacity_s, train_s)
+        gpus = count_gpus(self.ctrl.cfg)
+        tokens_per_s = float(m.tokens.sum()) / elapsed if steps and elapsed > 0 and "tokens" in m else math.nan
         return {
             "sampler": self.ctrl.cfg.sampler.model_dump(),
             "seed": self.ctrl.cfg.seed,
             "steps": steps,
+            "gpus": gpus,
+            "replicas": replicas,
+            "data_parallel": self.policy.model.data_parallel,
             "sim_time_s": elapsed,
             "sim_steps_per_hour": 3600 * steps / elapsed if elapsed > 0 else math.nan,
-            "gen_busy_frac": frac(gen_busy),
-            "gen_idle_frac": frac(elapsed - gen_busy),
+            "tokens_per_s": tokens_per_s,
+            "tokens_per_s_per_gpu": tokens_per_s / gpus,
+            "gen_idle": frac(elapsed - gen_busy / replicas),
+            "train_idle": frac(elapsed - train_busy),
+            "gen_busy_frac": frac(gen_busy / replicas),
+            "gen_idle_frac": frac(elapsed - gen_busy / replicas),
             "train_busy_frac": frac(train_busy),
             "train_idle_frac": frac(elapsed - train_busy),
             "gen_busy_s_per_step": gen_busy / steps if steps else math.nan,
@@ -322,6 +328,13 @@ class Simulation:
 
 
 # ----------------------------------------------------------------------------------------------- entry points
+def count_gpus(cfg: Config) -> int:
+    """GPUs a simulated config stands for: ``generation.replicas x gpus_per_replica``, plus
+    ``trainer.data_parallel`` unless the trainer is ``colocated`` on the replicas' GPUs."""
+    gen, trainer = cfg.generation, cfg.trainer
+    return gen.replicas * gen.gpus_per_replica + (0 if trainer.colocated else trainer.data_parallel)
+
+
 def run(ctrl: Controller, steps: int) -> Simulation:
     """Run ``ctrl`` (simulated backends) ``steps`` steps on the virtual clock; the ``Simulation`` has the results."""
     sim = Simulation(ctrl)
@@ -357,6 +370,50 @@ def sweep(samplers: Iterable[str] = ("in_order", "weight_fifo", "windowed", "rea
                     rows.append({"latency": label, "sampler": name, "window": window, "seed": seed,
                                  **{k: v for k, v in s.items() if k not in ("sampler", "seed", "lag_counts")}})
     return pd.DataFrame(rows)
+
+
+def grid(preset: str | Path = "what_if", steps: int = 200, axes: Mapping[str, Iterable[Any]] | None = None,
+         gpus: int | None = None, **overrides: Any) -> pd.DataFrame:
+    """One simulation per point of the grid ``axes`` (a dotted config key -> its values, e.g.
+    ``{"generation.replicas": [1, 2, 4]}``; several keys: every combination), on ``preset`` with ``overrides``.
+    ``gpus``: only the points whose config uses exactly that many GPUs (``count_gpus``); with neither
+    ``generation.replicas`` nor ``trainer.data_parallel`` among the axes, every split of ``gpus`` between the two
+    (replicas 1 .. gpus - 1, ranks the rest) is added. One row per point: its values, then the summary's numbers;
+    ``best`` marks the point with the most ``tokens_per_s_per_gpu`` (at a fixed GPU count: the most tokens/s)."""
+    import itertools
+
+    from asyncrl.config import merge_overrides
+
+    axes = {key: list(values) for key, values in (axes or {}).items()}
+    splits = gpus is not None and not {"generation.replicas", "trainer.data_parallel"} & set(axes)
+    if gpus is not None and (isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1 + splits):
+        raise ValueError(f"gpus must be an int >= {1 + splits} (one GPU for each side at least), got {gpus!r}")
+    if splits:
+        axes = {"generation.replicas": list(range(1, gpus)), "trainer.data_parallel": list(range(1, gpus)), **axes}
+    for key, values in axes.items():
+        if not values:
+            raise ValueError(f"the sweep over {key} has no values")
+    points = []  # every point's config first: a bad value fails before anything runs
+    for point in itertools.product(*axes.values()):
+        nested: dict = {}
+        for key, value in zip(axes, point):
+            *parents, leaf = key.split(".")
+            node = nested
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+        cfg = load_config(preset, **merge_overrides(dict(overrides), nested))
+        if gpus is None or count_gpus(cfg) == gpus:
+            points.append((point, cfg))
+    if not points:
+        raise ValueError(f"no point of the sweep {axes} uses {gpus} GPUs")
+    rows = []
+    for point, cfg in points:
+        s = simulate(cfg, steps).summary()
+        rows.append({**dict(zip(axes, point)), **{k: v for k, v in s.items() if k not in ("sampler", "lag_counts")}})
+    df = pd.DataFrame(rows)
+    df["best"] = df.index == df.tokens_per_s_per_gpu.idxmax()
+    return df
 
 
 # ------------------------------------------------------------------------------------------------ calibration
@@ -425,7 +482,9 @@ def calibrate(run: str | Path | pd.DataFrame, config: Config | None = None, skip
     N, G, cap = config.groups_per_step, config.group_size, config.generation.max_new_tokens
     lengths = _fit_lengths(float(m.tokens.mean()) / (N * G), cap)
     longest = _mean_longest(lengths, cap, N * G)
+    # A weight load pauses the groups in flight (the model this fit was checked with) unless the run said otherwise.
     generation = SimulatedGeneration(decode_s_per_token=max(0.0, float(gen.mean())) / longest,
+                                     weight_update=getattr(config.generation, "weight_update", "inflight"),
                                      **lengths.model_dump(include={"lengths", "length_mean", "length_sigma"}))
     tokens, train = m.tokens.to_numpy(float), m.train_time_s.to_numpy(float)
     per_step, per_token = 0.0, train.mean() / tokens.mean()

@@ -92,3 +92,41 @@ def _place_notes(ax, notes: list[tuple[float, float, str, str]]) -> None:
         ax.annotate(note, (x, y), textcoords="offset points", xytext=(5, 4 if above else -11), fontsize=7,
                     color=color)
         placed.append((x, y, note, above))
+
+
+def plot_grid(df: pd.DataFrame, axes: list[str]) -> Figure:
+    """A sweep (``asyncrl.simulate.grid``): tokens/s per GPU at each point, the best one marked, and each side's
+    idle share beside it. ``axes``: the swept columns (dotted config keys), which label the points."""
+    short = {"generation.replicas": "gen", "trainer.data_parallel": "train"}
+    if set(axes) == set(short) or (len(axes) == 2 and set(axes) <= set(short)):
+        labels = [f"{r.replicas} gen + {r.data_parallel} train" for r in df.itertuples()]
+    else:
+        labels = [", ".join(f"{short.get(k, k.split('.')[-1])}={v}" for k, v in zip(axes, row))
+                  for row in df[axes].itertuples(index=False)]
+    x = list(range(len(df)))
+    fig = Figure(figsize=(max(7.0, 0.55 * len(df) + 5), 4.0), layout="constrained")
+    ax_rate, ax_idle = fig.subplots(1, 2, width_ratios=[3, 2])
+    colors = ["#C44E52" if best else "#4C72B0" for best in df.best]
+    ax_rate.bar(x, df.tokens_per_s_per_gpu, color=colors)
+    i = int(df.best.to_numpy().argmax())
+    best = df.iloc[i]
+    ax_rate.annotate(f"best: {best.tokens_per_s_per_gpu:,.0f}", (i, best.tokens_per_s_per_gpu),
+                     textcoords="offset points", xytext=(0, 3), ha="center", fontsize=8, color="#C44E52")
+    ax_rate.set_ylim(0, df.tokens_per_s_per_gpu.max() * 1.15)
+    ax_rate.set_ylabel("trained tokens / simulated s / GPU")
+    gpus = sorted(set(df.gpus))
+    ax_rate.set_title(f"throughput per GPU ({', '.join(map(str, gpus))} GPUs)" if len(gpus) <= 3 else
+                      "throughput per GPU", fontsize=10)
+    width = 0.4
+    ax_idle.bar([v - width / 2 for v in x], df.gen_idle, width, color="#55A868", label="generation (mean replica)")
+    ax_idle.bar([v + width / 2 for v in x], df.train_idle, width, color="#8172B2", label="training")
+    ax_idle.set_ylim(0, 1.18)
+    ax_idle.set_ylabel("idle share of simulated time")
+    ax_idle.set_title("idle", fontsize=10)
+    ax_idle.legend(loc="upper center", ncol=2, fontsize=8, frameon=False)
+    for ax in (ax_rate, ax_idle):
+        ax.set_xticks(x, labels, rotation=35 if len(df) > 3 else 0, ha="right" if len(df) > 3 else "center",
+                      fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+    fig.suptitle("simulated sweep: predictions of the simulator, not measurements", fontsize=11)
+    return fig

@@ -1,8 +1,8 @@
 """The what-if simulator: its numbers, its speed, its determinism, and one calibrated prediction checked for real.
 
-    python benchmarks/bench_simulator.py [--steps 1000] [--real-steps 150] [--skip-real] [--sections 1,2,3,4]
+    python benchmarks/bench_simulator.py [--steps 1000] [--real-steps 150] [--skip-real] [--sections 1,2,3,4,5]
 
-Prints four tables:
+Prints five tables:
 1. ``equal stages`` — the ``what_if`` preset (mean generation time per batch = training + sync time per step):
    steps per simulated hour for sync (``in_order`` L=0) and async (``weight_fifo`` W=1), their ratio (the limit is
    2), and the wall time of each ``--steps``-step simulation.
@@ -15,12 +15,18 @@ Prints four tables:
    ``stepped sync``) gives the rest of the latency model (``calibrate``); the simulator predicts the async/sync
    ratio, and the real asynchronous run, measured right after, checks it (target: within 15%). The prediction
    assuming full overlap (``overlap_slowdown`` 1) is printed beside it.
+5. ``scaling`` — the scaling table of the scale-out work, *predicted* (no machine with 4+ GPUs has run it): the
+   generation-heavy workload (preset ``what_if_gen_heavy``: ``gpu_two_devices_gen_heavy``'s shape and two-H200
+   latencies), same batch, at 1 replica + 1 rank and then more replicas and ranks: steps/s, tokens/s per GPU and
+   against the 2-GPU figure (the goal: >= 0.8x at 4 GPUs, >= 0.75x at 8), each side's idle share; the engines in
+   waves (as measured) and streaming (8 groups an engine). Written with ``benchmarks/record.py``.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -78,6 +84,30 @@ def determinism(steps: int) -> pd.DataFrame:
     return pd.DataFrame({"file": list(digests[0]), "run 1": list(digests[0].values()),
                          "run 2": [digests[1][f] for f in digests[0]]}).assign(
         identical=lambda t: t["run 1"] == t["run 2"])
+
+
+SPLITS = [(1, 1), (2, 1), (3, 1), (2, 2), (5, 1), (6, 2), (7, 1)]  # (replicas, ranks): 2, 3, 4, 4, 6, 8, 8 GPUs
+ENGINES = {"waves": {}, "streaming": {"admission": "streaming", "concurrency": 8}}
+
+
+def scaling(steps: int) -> pd.DataFrame:
+    from asyncrl.simulate import grid
+
+    rows = []
+    for engine, knobs in ENGINES.items():
+        for replicas, ranks in SPLITS:
+            s = grid("what_if_gen_heavy", steps, {"generation.replicas": [replicas], "trainer.data_parallel": [ranks]},
+                     generation=knobs).iloc[0]
+            rows.append({"engine": engine, "replicas": replicas, "ranks": ranks, "gpus": s.gpus,
+                         "steps_per_s": s.sim_steps_per_hour / 3600, "tokens_per_s": s.tokens_per_s,
+                         "tokens_per_s_per_gpu": s.tokens_per_s_per_gpu, "gen_idle": s.gen_idle,
+                         "train_idle": s.train_idle, "lag_mean": s.lag_mean})
+    table = pd.DataFrame(rows)
+    base = table[table.gpus == 2].set_index("engine").tokens_per_s_per_gpu
+    table["per_gpu_vs_2_gpus"] = table.tokens_per_s_per_gpu / table.engine.map(base)
+    goal = {4: 0.8, 8: 0.75}
+    table["goal"] = table.gpus.map(goal)
+    return table
 
 
 def real_config(sampler: dict):
@@ -138,7 +168,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000, help="simulated steps per run")
     parser.add_argument("--real-steps", type=int, default=150, help="real CPU steps per run in the calibration")
     parser.add_argument("--skip-real", action="store_true", help="leave out the real runs (section 4)")
-    parser.add_argument("--sections", default="1,2,3,4", help="which sections to run, e.g. 4 for the calibration")
+    parser.add_argument("--sections", default="1,2,3,4,5", help="which sections to run, e.g. 4 for the calibration")
     args = parser.parse_args()
     sections = {int(x) for x in args.sections.split(",")}
     pd.set_option("display.width", 200)
@@ -151,6 +181,19 @@ def main() -> None:
     if 3 in sections:
         print("\n3. two runs with one seed")
         print(determinism(min(args.steps, 300)).to_string(index=False))
+    if 5 in sections:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from record import meta, save
+
+        before = meta("bench_simulator")
+        print("\n5. the scaling table, predicted (what_if_gen_heavy, same batch; no 4+ GPU machine has run it)")
+        table = scaling(min(args.steps, 100))
+        print(table.round(3).to_string(index=False))
+        met = table.dropna(subset=["goal"])
+        results = {"section": "scaling", "predicted_not_measured": True, "steps": min(args.steps, 100),
+                   "goal_met": {f"{r.engine} {r.replicas}+{r.ranks}": bool(r.per_gpu_vs_2_gpus >= r.goal)
+                                for r in met.itertuples()}}
+        print(f"wrote {save('bench_simulator', table, results, before=before)}")
     if 4 in sections and not args.skip_real:
         print("\n4. calibrated on a real synchronous CPU run, checked against the real asynchronous run")
         print(calibration(args.real_steps, min(args.steps, 300)).round(3).to_string(index=False))

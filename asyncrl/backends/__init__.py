@@ -63,7 +63,7 @@ def build_backends(cfg, loss: Loss | None = None):
     else:
         policy = policy_cls(*policy_args)
     try:
-        if cfg.generation.replicas > 1:
+        if cfg.generation.replicas > 1 and cfg.generation.placement == "ray":  # else simulated: modelled engines
             from asyncrl.backends.replicas import ReplicaSet
 
             generator = ReplicaSet.start(generator_cls, generator_args, cfg)

@@ -7,13 +7,27 @@ modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section'
   longest completion, whose lengths come from a (long-tailed, if asked) distribution clipped to
   ``[1, max_new_tokens]``. At most ``concurrency`` groups decode at once; the rest wait, first in first out.
   Training a chunk takes ``train_s_per_token`` per completion token, a step adds ``train_s_per_step``, and a weight
-  sync takes ``sync_s``, during which the generator stops decoding. While a chunk trains and a group decodes at
+  sync takes ``sync_s`` (plus the bytes over the link, below), during which the generator stops decoding. While a chunk trains and a group decodes at
   the same time, both go ``overlap_slowdown`` times slower (they share cores, memory bandwidth or an interpreter).
 - **Reward.** The policy accumulates *progress*: a step on fresh data adds ``reward_gain``, a step on data ``L``
   versions stale adds ``reward_gain * stale_progress ** L``. Progress travels to the generator with the weights; a
   group generated at version ``v`` succeeds with probability ``min(reward_max, reward_base + progress(v))``.
 - **Importance weights.** Token logprobs drift by ``DRIFT`` per version, so stale rollouts carry importance weights
   ``exp(-DRIFT * lag)`` as real ones do; the policy reads each token's lag back from that difference.
+
+**Replicas and weight updates** (timed only on ``asyncrl.simulate``'s clock):
+- ``generation.replicas: K`` engines, each with ``concurrency`` slots; a submitted group goes to the replica with
+  the fewest groups (ties: the lowest index), as ``ReplicaSet`` deals them. ``admission: streaming`` starts a group
+  as soon as a slot is free; ``wave`` starts up to ``concurrency`` queued groups together once the replica is idle
+  and returns them all when the slowest ends.
+- ``trainer.data_parallel: R`` divides a chunk's per-token time by ``R x scaling_efficiency ** log2(R)``.
+- After a step the weights go to each replica as one transfer of ``sync_s + weight_bytes / link_gb_per_s``, one after
+  another (``sync_fanout: sequential``) or down a binomial tree (``tree``); the trainer waits for the last. A replica
+  then loads for ``load_s`` (``None``: it stops for its whole transfer instead): ``weight_update: inflight`` at once,
+  its running groups paused and then spanning two versions; ``drain`` once the groups it runs have finished on the
+  old weights, starting none meanwhile. A group submitted after ``load_weights(v)`` starts on its replica only once
+  that replica holds ``v``; each group reports the versions its replica held when it started and ended, and its
+  tokens carry the start version's logprob. Stepped by hand or on the wall clock an update is instant.
 
 Time is virtual by default (``clock: ticks``, a ``SimClock``): nothing sleeps. Stepped by hand (or under
 ``Controller.run``) each ``poll`` is one rollout tick and advances the clock by ``rollout_tick_s``, so a group
@@ -23,8 +37,9 @@ finishes after a number of rollout ticks drawn from the model, the same every ti
 seconds real: ``poll`` waits for them and training sleeps, for exercising ``Controller.run`` in real time.
 
 Invariants (kept here): random draws happen only in ``submit`` (lengths and rewards, in request order), so a
-seed and the order of submissions fix every outcome; a group's finish time depends only on the groups submitted
-before it, aborts and pauses, never on when it is polled.
+seed and the order of submissions fix every outcome, whatever K; a group's finish time depends only on the groups
+submitted before it, aborts, pauses and weight updates, never on when it is polled; a replica's versions never
+decrease, and a group never starts on weights older than those current at its submission.
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -84,12 +99,35 @@ class WallClock:
 @dataclass
 class _Flight:
     request: GenerationRequest
-    version: int
+    version: int  # the generator's version at submit: the group is generated with these weights or newer
     seconds: float  # decoding time, drawn at submit
     lengths: list[int]
     rewards: list[float]
-    start: float | None = None
-    finish: float | None = None
+    replica: int = 0
+    start: float = math.inf  # planned by _schedule; fixed once the clock passed it; inf: not planned yet
+    finish: float = math.inf
+
+
+@dataclass
+class _Replica:
+    """One simulated engine's weights over time and what holds its next starts back."""
+
+    versions: list[tuple[float, int]]  # (from when, version) of the weights it decodes with, in time order
+    free_at: float = 0.0  # no group starts before this (a weight load, a pause)
+    pending: list[tuple[float, float, int]] = field(default_factory=list)  # timed updates: (begin, load s, version)
+    draining: tuple[float, int] | None = None  # drain: (load s, version) once it stopped taking groups
+
+    def version_at(self, t: float) -> int:
+        return next(v for when, v in reversed(self.versions) if when <= t)
+
+    def ready(self, version: int) -> float:
+        """When this replica first holds ``version`` or newer (inf while that update is still to come)."""
+        when = math.inf
+        for w, v in reversed(self.versions):  # versions never decrease: the newest entries answer
+            if v < version:
+                break
+            when = w
+        return when
 
 
 class SimulatedGenerator:
@@ -101,9 +139,13 @@ class SimulatedGenerator:
         self.clock = SimClock() if self.model.clock == "ticks" else WallClock()
         self.progress = 0.0  # what the weights have learned (see the module docstring), set by load_weights
         self._version = 0
-        self._flights: dict[int, _Flight] = {}  # in submission order: the order the engine starts them
-        self._paused_until = 0.0
-        self.busy: list[tuple[float, float]] = []  # (start, end) of every decoded group and every weight load
+        # In a Ray actor of its own each replica is one engine (asyncrl/backends/replicas.py); in-process this
+        # object models all of them.
+        self.replicas = gen_cfg.replicas if gen_cfg.placement != "ray" else 1
+        self._replicas = [_Replica([(-math.inf, 0)]) for _ in range(self.replicas)]
+        self.timed_updates = False  # asyncrl.simulate times each replica's update itself (``receive``)
+        self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
+        self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
         self._lock = threading.Condition()  # Controller.run calls in from two pumps; a wall-clock poll waits on it
 
@@ -119,46 +161,119 @@ class SimulatedGenerator:
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         with self._lock:
+            self._advance()
             p = self.success()
+            load = [0] * self.replicas
+            for f in self._flights.values():
+                load[f.replica] += 1
             for req in requests:
                 lengths = [self.length() for _ in range(req.n)]
                 rewards = [1.0 if self.rng.random() < p else 0.0 for _ in range(req.n)]
                 seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
                 self.drawn[0] += 1
                 self.drawn[1] += seconds
-                self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards)
+                replica = min(range(self.replicas), key=lambda r: (load[r], r))  # least loaded, as ReplicaSet
+                load[replica] += 1
+                self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards, replica)
             self._schedule()
             self._lock.notify_all()
 
     def _schedule(self) -> None:
-        """Start and finish times of every group not started yet: first in first out onto ``concurrency`` slots,
-        none before ``now`` or before a weight load ends. Started groups keep theirs."""
-        now = self.clock.now
-        started = [f for f in self._flights.values() if f.start is not None and f.start <= now]
-        waiting = [f for f in self._flights.values() if f.start is None or f.start > now]
-        slots = self.model.concurrency
-        free = [f.finish for f in started] + [now] * max(0, (slots or len(waiting)) - len(started))
-        heapq.heapify(free)
-        for f in waiting:
-            f.start = max(heapq.heappop(free), now, self._paused_until)
-            f.finish = f.start + f.seconds
-            heapq.heappush(free, f.finish)
+        """Start and finish times of every group not started yet, per replica, in submission order: none before
+        ``now``, before the replica's weight load ends, or before it holds the weights the group was submitted
+        under; a draining replica starts nothing. Started groups keep theirs."""
+        now, slots = self.clock.now, self.model.concurrency
+        mine: list[list[_Flight]] = [[] for _ in self._replicas]
+        for f in self._flights.values():
+            mine[f.replica].append(f)
+        for rep, flights in zip(self._replicas, mine):
+            started = [f for f in flights if f.start <= now]
+            waiting = [f for f in flights if f.start > now]
+            base = math.inf if rep.draining else max(now, rep.free_at)
+            if self.model.admission == "streaming":
+                free = [f.finish for f in started] + [base] * ((slots - len(started)) if slots else len(waiting))
+                heapq.heapify(free)
+                for f in waiting:
+                    f.start = max(heapq.heappop(free), base, rep.ready(f.version))
+                    f.finish = f.start + f.seconds
+                    heapq.heappush(free, f.finish)
+                continue
+            t = max([base] + [f.finish for f in started])  # a wave starts once the running one has ended
+            i = 0
+            while i < len(waiting):
+                t = max(t, rep.ready(waiting[i].version))
+                n = slots or len(waiting)
+                wave = [f for f in waiting[i:i + n] if rep.ready(f.version) <= t]  # versions never decrease
+                end = t + max(f.seconds for f in wave) if wave else math.inf
+                for f in wave or waiting[i:]:
+                    f.start, f.finish = (t, end) if wave else (math.inf, math.inf)
+                i += len(wave) or len(waiting)
+                t = end
 
     def next_event_time(self) -> float | None:
-        """When the next group finishes (virtual seconds), or None with nothing in flight."""
+        """When the next group finishes or a timed weight update begins (virtual seconds); None if neither."""
         with self._lock:
-            return min((f.finish for f in self._flights.values()), default=None)
+            times = [f.finish for f in self._flights.values() if f.finish < math.inf]
+            times += [u[0] for rep in self._replicas for u in rep.pending]
+            return min(times, default=None)
 
-    def pause(self, seconds: float) -> None:
-        """A weight load: groups decoding now finish ``seconds`` later; none starts before it ends."""
+    def pause(self, seconds: float, replicas: Sequence[int] | None = None) -> None:
+        """Decoding stops for ``seconds`` from now on ``replicas`` (default: every replica decoding a group now):
+        their running groups finish that much later and none starts before it ends. ``asyncrl.simulate`` books
+        contention this way (a slower decode)."""
         with self._lock:
             now = self.clock.now
-            self._paused_until = max(self._paused_until, now) + seconds
-            self.busy.append((now, now + seconds))
-            for f in self._flights.values():
-                if f.start <= now < f.finish:
-                    f.finish += seconds
+            if replicas is None:
+                replicas = sorted({f.replica for f in self._flights.values() if f.start <= now < f.finish})
+            for r in replicas:
+                self._stop(r, now, seconds)
             self._schedule()
+
+    def _stop(self, r: int, at: float, seconds: float) -> None:
+        rep = self._replicas[r]
+        rep.free_at = max(rep.free_at, at) + seconds
+        self.busy.append((at, at + seconds, r))
+        for f in self._flights.values():
+            if f.replica == r and f.start <= at < f.finish:
+                f.finish += seconds
+
+    def receive(self, arrivals: Sequence[float], transfer_s: float) -> None:
+        """The weights last loaded (``load_weights``) reach replica ``i`` at ``arrivals[i]`` (virtual seconds,
+        its transfer's end). It then loads them for ``load_s`` seconds as ``weight_update`` says; with ``load_s``
+        None it stops for its whole transfer instead (from ``arrivals[i] - transfer_s``)."""
+        load_s = self.model.load_s
+        with self._lock:
+            for rep, arrival in zip(self._replicas, arrivals):
+                begin, load = (arrival - transfer_s, transfer_s) if load_s is None else (arrival, load_s)
+                rep.pending.append((begin, load, self._version))
+            self._advance()
+            self._schedule()
+
+    def _advance(self) -> None:
+        """Apply the timed updates that began by now, each at its own time (the loop wakes at each begin)."""
+        now, applied = self.clock.now, False
+        for r, rep in enumerate(self._replicas):
+            while rep.pending and rep.pending[0][0] <= now:
+                applied = True
+                begin, load, version = rep.pending.pop(0)
+                version = max(version, rep.versions[-1][1])  # an instant update (stepped by hand) came first
+                if self.model.weight_update == "inflight":  # between two engine steps: running groups wait
+                    self._stop(r, begin, load)
+                    rep.versions.append((rep.free_at, version))
+                else:  # drain: finish what runs on the old weights first (one load for a newer update too)
+                    rep.draining = (load, version)
+                    self._drained(r, begin)
+        if applied:
+            self._schedule()
+
+    def _drained(self, r: int, t: float) -> None:
+        """A draining replica whose running groups all ended by ``t`` loads its weights now."""
+        rep = self._replicas[r]
+        if rep.draining is None or any(f.replica == r and f.start <= t < f.finish for f in self._flights.values()):
+            return
+        (load, version), rep.draining = rep.draining, None
+        self._stop(r, t, load)
+        rep.versions.append((rep.free_at, version))
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
         """Groups finished by ``clock.now``, in finishing order. With virtual time it never waits (when stepping,
@@ -169,6 +284,7 @@ class SimulatedGenerator:
             if self.clock.stepping and self._flights:
                 self.clock.now += self.model.rollout_tick_s
             while True:
+                self._advance()
                 now = self.clock.now
                 done = sorted((f for f in self._flights.values() if f.finish <= now),
                               key=lambda f: (f.finish, f.request.group_id))
@@ -182,18 +298,42 @@ class SimulatedGenerator:
                 self._lock.wait(wait)
             for f in done:
                 del self._flights[f.request.group_id]
-                self.busy.append((f.start, f.finish))
+                self.busy.append((f.start, f.finish, f.replica))
+            for r in {f.replica for f in done}:
+                self._drained(r, max(f.finish for f in done if f.replica == r))
             if done:
                 self._schedule()
             return [self._rollouts(f) for f in done]
 
     def _rollouts(self, f: _Flight) -> GroupRollouts:
-        req, logprob = f.request, LOG_HALF - DRIFT * f.version
+        req = f.request
+        if self.timed_updates:  # the weights its replica held when it started and when it ended
+            rep = self._replicas[f.replica]
+            start, end = rep.version_at(f.start), rep.version_at(f.finish)
+        else:  # updates are instant: the version it was submitted under, and the current one
+            start, end = f.version, self._version
+        logprob = LOG_HALF - DRIFT * start  # every token as the oldest weights sampled it (the larger correction)
         completions = [[ord("x")] * (n - 1) + [self.eos_id] for n in f.lengths]  # content is not modelled
         logprobs = [[logprob] * n for n in f.lengths]
         reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
-        return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, f.version, self._version,
-                             reasons, rewards=list(f.rewards))
+        return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start, end,
+                             reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None)
+
+    def busy_s(self, start: float, end: float) -> list[float]:
+        """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""
+        with self._lock:
+            spans = self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]
+            out = []
+            for r in range(self.replicas):
+                total, cur_a, cur_b = 0.0, None, None
+                for a, b in sorted((max(a, start), min(b, end)) for a, b, i in spans if i == r and b > start and a < end):
+                    if cur_b is None or a > cur_b:
+                        total += 0.0 if cur_b is None else cur_b - cur_a
+                        cur_a, cur_b = a, b
+                    else:
+                        cur_b = max(cur_b, b)
+                out.append(total + (0.0 if cur_b is None else cur_b - cur_a))
+            return out
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         with self._lock:
@@ -202,7 +342,9 @@ class SimulatedGenerator:
             for g in hit:
                 f = self._flights.pop(g)
                 if f.start < now:
-                    self.busy.append((f.start, now))
+                    self.busy.append((f.start, now, f.replica))
+            for r in sorted({r for r, rep in enumerate(self._replicas) if rep.draining}):
+                self._drained(r, now)
             if hit:
                 self._schedule()
             return hit
@@ -211,9 +353,14 @@ class SimulatedGenerator:
         return len(self._flights)
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """The new weights. Groups submitted from now on are generated with them. On ``asyncrl.simulate``'s clock
+        each replica gets them when its transfer ends (``receive``); otherwise every replica has them at once."""
         with self._lock:
             self._version = version
             self.progress = float(weights["progress"])
+            if not self.timed_updates:
+                for rep in self._replicas:
+                    rep.versions.append((self.clock.now, version))
 
     def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
         p = self.success()  # its own stream: evaluation must not shift the rollouts' draws
@@ -232,6 +379,7 @@ class SimulatedGenerator:
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self._version, self.progress = int(state["version"]), float(state["progress"])
+            self._replicas = [_Replica([(-math.inf, self._version)]) for _ in range(self.replicas)]
             self.rng.setstate(state["rng"])
             if "now" in state and isinstance(self.clock, SimClock):
                 self.clock.now = float(state["now"])
@@ -252,9 +400,23 @@ class SimulatedPolicy:
 
     def train_seconds(self, tokens: float, finishes_step: bool) -> float:
         """Virtual seconds to train a chunk of ``tokens`` completion tokens (and the optimizer step, if it ends
-        one). The weight sync after a step is ``model.sync_s`` on top."""
+        one) on ``data_parallel`` ranks. The weight sync after a step comes on top (``sync_arrivals``)."""
         m = self.model
-        return m.train_s_per_token * tokens + (m.train_s_per_step if finishes_step else 0.0)
+        speedup = m.data_parallel * m.scaling_efficiency ** math.log2(m.data_parallel)
+        return m.train_s_per_token * tokens / speedup + (m.train_s_per_step if finishes_step else 0.0)
+
+    def transfer_seconds(self) -> float:
+        """One weight transfer: the fixed latency plus the bytes over the link."""
+        m = self.model
+        return m.sync_s + m.weight_bytes / (m.link_gb_per_s * 1e9)
+
+    def sync_arrivals(self, replicas: int) -> list[float]:
+        """Seconds after a step's end at which each replica has the new weights (``sync_fanout``); the trainer
+        waits for the last."""
+        hop = self.transfer_seconds()
+        if self.model.sync_fanout == "sequential":
+            return [(i + 1) * hop for i in range(replicas)]
+        return [(i + 1).bit_length() * hop for i in range(replicas)]  # floor(log2(i + 1)) + 1 rounds
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """This version's logprobs: ``LOG_HALF - DRIFT * version`` on completion tokens, so a token generated
