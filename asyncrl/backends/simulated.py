@@ -322,11 +322,14 @@ class SimulatedGenerator:
     def busy_s(self, start: float, end: float) -> list[float]:
         """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""
         with self._lock:
-            spans = self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]
+            spans: list[list[tuple[float, float]]] = [[] for _ in range(self.replicas)]
+            for a, b, r in self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]:
+                if b > start and a < end:
+                    spans[r].append((max(a, start), min(b, end)))
             out = []
-            for r in range(self.replicas):
+            for mine in spans:
                 total, cur_a, cur_b = 0.0, None, None
-                for a, b in sorted((max(a, start), min(b, end)) for a, b, i in spans if i == r and b > start and a < end):
+                for a, b in sorted(mine):
                     if cur_b is None or a > cur_b:
                         total += 0.0 if cur_b is None else cur_b - cur_a
                         cur_a, cur_b = a, b

@@ -1,0 +1,154 @@
+"""The what-if simulator checked against GPU runs: fit its latency model to one ``bench_two_gpus.py`` output, predict
+steps/s and async / sync, and compare with what was measured, on the same layout and on the other one.
+
+    python benchmarks/calibrate_gpus.py benchmarks/data/two_gpus_balanced_lr5e-4 [benchmarks/data/one_gpu_balanced]
+        [--steps 300] [--host-share 0.5] [--admission wave] [--no-record]
+
+Each directory is one invocation of ``bench_two_gpus.py`` (``runs.csv``, or ``rows.csv`` as ``benchmarks/record.py``
+writes it, one row per run, with ``results.json`` or ``meta.json`` naming the preset): sync runs (``in_order`` L=0)
+and async runs (``weight_fifo`` W=1) of one workload. Its layout comes from the preset: both engines in Ray actors
+of their own is two GPUs; both in the driver's process on CUDA is one GPU, colocated.
+
+The model, per step, from the median of the sync runs: ``g`` the generation GPU's busy seconds (waves and weight
+loads), ``t`` the training GPU's, ``p`` the trainer's wait for a push, and the rest of a sync step, ``d = step - g - t
+- p``, the driver's work on neither GPU (scoring, batch building, Ray round trips). ``asyncrl.simulate.calibrate``
+fits the generation side to ``g - load + h d`` and training to ``t + (1 - h) d`` (``h``: ``--host-share``, the part of
+the driver's work done by the rollout pump; not measured apart, 0.5 assumed), the sync to ``p`` and the load to the
+measured ``load_weights`` time. When both stages run at once, what they share slows them: the rate model's
+``overlap_slowdown`` is ``1 + c``, ``c`` the share of a step's work that cannot overlap: ``kappa d / (g + t + d)`` on
+two GPUs (the driver's work, one interpreter for both pumps) and ``(g + t + kappa d) / (g + t + d)`` on one GPU (the
+GPU work too: the engines take turns). ``kappa``, the share of the driver's work that does not overlap, is 1 when
+only sync runs are known (within a layout: the async runs are what is predicted); from the other layout's async
+runs it is fitted (bisection on the simulated async steps/s), then carried over. Generation runs in waves
+(``--admission``; the vLLM generator of these runs), weights swapped in between (``weight_update: drain``).
+
+Prints a table per direction and records it (``benchmarks/data/calibrate_gpus/<date>/``) unless ``--no-record``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pandas as pd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from asyncrl import load_config  # noqa: E402
+from asyncrl.cli import parse_overrides  # noqa: E402
+from asyncrl.simulate import ASYNC, SYNC, calibrate  # noqa: E402
+from record import meta, save  # noqa: E402
+
+
+def load_bench(run_dir: Path) -> tuple[pd.DataFrame, str, dict]:
+    """(one row per run, the preset, its overrides) of a bench_two_gpus.py output directory."""
+    rows = run_dir / ("runs.csv" if (run_dir / "runs.csv").exists() else "rows.csv")
+    runs = pd.read_csv(rows)
+    if (run_dir / "results.json").exists():  # the bench's own file: "preset": "NAME KEY=VALUE ..."
+        preset, *pairs = json.loads((run_dir / "results.json").read_text())["preset"].split()
+    else:  # benchmarks/record.py's meta.json: the command line
+        argv = shlex.split(json.loads((run_dir / "meta.json").read_text())["command"])
+        preset = argv[argv.index("--preset") + 1] if "--preset" in argv else "gpu_two_devices"
+        pairs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
+    return runs, preset, parse_overrides(pairs)
+
+
+def layout(cfg) -> str:
+    placements = (cfg.trainer.placement, cfg.generation.placement)
+    if placements == ("ray", "ray"):
+        return "two GPUs"
+    if placements == ("local", "local") and str(cfg.generation.device).startswith("cuda"):
+        return "one GPU"
+    raise ValueError(f"placements {placements} on {cfg.generation.device}: neither two GPUs (both 'ray') nor one GPU "
+                     "colocated (both 'local' on CUDA)")
+
+
+class Fit:
+    """The stage times of one bench output's sync runs and the simulated config they give, for either layout."""
+
+    def __init__(self, run_dir: Path, host_share: float, admission: str) -> None:
+        runs, preset, overrides = load_bench(run_dir)
+        self.name, self.runs = run_dir.name, runs
+        self.cfg = load_config(preset, **overrides, sampler=SYNC)
+        self.layout = layout(self.cfg)
+        sync = runs[runs["mode"] == "sync"]
+        med = sync.median(numeric_only=True)
+        self.step = 1 / med.steps_per_s
+        self.g, self.t, self.p = med.gen_busy_per_step_s, med.train_busy_per_step_s, med.push_wait_s_median
+        self.load = float(med.get("sync_load_s_median", 0.0))
+        self.d = max(0.0, self.step - self.g - self.t - self.p)
+        gen = max(self.g - self.load, 0.0) + host_share * self.d
+        train = self.t + (1 - host_share) * self.d
+        metrics = pd.DataFrame({"step_time_s": [gen + train + self.p] * 8, "train_time_s": [train] * 8,
+                                "sync_time_s": [self.p] * 8, "tokens": [med.completion_tokens_per_step] * 8})
+        self.cal = calibrate(metrics, self.cfg, skip=0)
+        self.admission = admission
+        self.measured = {mode: float(runs.loc[runs["mode"] == mode, "steps_per_s"].median()) for mode in ("sync", "async")}
+
+    def slowdown(self, on: str, kappa: float) -> float:
+        work = self.g + self.t + self.d
+        shared = kappa * self.d + (self.g + self.t if on == "one GPU" else 0.0)
+        return min(2.0, 1 + shared / work)
+
+    def predict(self, on: str, kappa: float, steps: int) -> dict[str, float]:
+        knobs = {"generation": {"admission": self.admission, "weight_update": "drain", "load_s": self.load},
+                 "trainer": {"overlap_slowdown": self.slowdown(on, kappa), "colocated": on == "one GPU"},
+                 "torch_threads": 1}  # the simulated batches are small tensors: one thread is faster
+        rates = {mode: self.cal.predict(s, steps, **knobs)["sim_steps_per_hour"] / 3600
+                 for mode, s in (("sync", SYNC), ("async", ASYNC))}
+        return {**rates, "async/sync": rates["async"] / rates["sync"]}
+
+    def fit_kappa(self, steps: int) -> float:
+        """The share of the driver's work that does not overlap, from this output's own async runs."""
+        lo, hi = 0.0, 1.0
+        for _ in range(7):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if self.predict(self.layout, mid, steps)["async"] > self.measured["async"] else (lo, mid)
+        return (lo + hi) / 2
+
+
+def compare(fit: Fit, target: Fit, kappa: float, steps: int, how: str) -> list[dict]:
+    predicted = fit.predict(target.layout, kappa, steps)
+    measured = {**target.measured, "async/sync": target.measured["async"] / target.measured["sync"]}
+    return [{"fitted on": f"{fit.name} ({fit.layout})", "predicts": f"{target.name} ({target.layout})", "how": how,
+             "kappa": round(kappa, 3), "overlap_slowdown": round(fit.slowdown(target.layout, kappa), 3),
+             "what": what, "predicted": predicted[what], "measured": measured[what],
+             "error": predicted[what] / measured[what] - 1} for what in ("sync", "async", "async/sync")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dirs", type=Path, nargs="+", help="one or two bench_two_gpus.py output directories")
+    parser.add_argument("--steps", type=int, default=300, help="simulated steps per prediction")
+    parser.add_argument("--host-share", type=float, default=0.5, help="share of the driver's work on the rollout side")
+    parser.add_argument("--admission", choices=("wave", "streaming"), default="wave")
+    parser.add_argument("--no-record", action="store_true", help="print only; write nothing under benchmarks/data")
+    args = parser.parse_args()
+    before = meta("calibrate_gpus")
+    fits = [Fit(d, args.host_share, args.admission) for d in args.run_dirs]
+    rows = []
+    for fit in fits:  # within a layout: from the sync runs alone
+        rows += compare(fit, fit, 1.0, args.steps, "sync runs only (kappa 1)")
+    layouts = {f.layout for f in fits}
+    if len(fits) == 2 and len(layouts) == 2:  # across layouts: kappa from the fitted side's own async runs
+        for fit, target in (fits, fits[::-1]):
+            rows += compare(fit, target, fit.fit_kappa(args.steps), args.steps, "sync + async runs of the other layout")
+    table = pd.DataFrame(rows)
+    pd.set_option("display.width", 200)
+    print(table.round(4).to_string(index=False))
+    for fit in fits:
+        print(f"{fit.name} ({fit.layout}): sync step {1e3 * fit.step:.1f} ms = generation GPU {1e3 * fit.g:.1f} + "
+              f"training GPU {1e3 * fit.t:.1f} + push {1e3 * fit.p:.1f} + driver {1e3 * fit.d:.1f} ms")
+    if len(fits) == 2 and len(layouts) == 1:
+        print("both outputs have one layout: no cross-layout prediction (it needs a one-GPU and a two-GPU output)")
+    if not args.no_record:
+        results = {"worst_abs_error": float(table.error.abs().max()), "within_15%": bool((table.error.abs() <= 0.15).all()),
+                   "inputs": [str(d) for d in args.run_dirs], "host_share": args.host_share, "steps": args.steps}
+        print(f"wrote {save('calibrate_gpus', table, results, before=before)}")
+
+
+if __name__ == "__main__":
+    main()
