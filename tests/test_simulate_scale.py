@@ -194,3 +194,30 @@ def test_calibration_on_the_two_h200_runs_predicts_their_async_runs_within_15_pe
     # the other layout of the same workload: one GPU, both stages' GPU work taking turns, gains less from async
     one_gpu = fit.predict("one GPU", 1.0, 60)
     assert one_gpu["async/sync"] < rows["async/sync"]["predicted"]
+
+
+def test_calibration_across_layouts_fits_the_overlap_on_one_and_carries_it_to_the_other(tmp_path):
+    """The cross-layout path of calibrate_gpus.py on a one-GPU output shaped as bench_two_gpus.py writes it (the
+    stage times of benchmarks/README.md's colocated gpu_gen_heavy row, typed in): the layout is read off the preset,
+    kappa is fitted to its own async runs, and the same workload on two GPUs is predicted to gain more."""
+    root = Path(__file__).resolve().parents[1] / "benchmarks"
+    sys.path.insert(0, str(root))
+    try:
+        from calibrate_gpus import Fit, compare
+    finally:
+        sys.path.remove(str(root))
+    one = tmp_path / "one_gpu"
+    one.mkdir()
+    common = {"gen_busy_per_step_s": 2.27, "train_busy_per_step_s": 0.47, "push_wait_s_median": 0.018,
+              "completion_tokens_per_step": 10300.0, "sync_load_s_median": 0.009}
+    pd.DataFrame([{"run": "sync#0", "mode": "sync", "steps_per_s": 0.361, **common},
+                  {"run": "async#0", "mode": "async", "steps_per_s": 0.389, **common}]).to_csv(one / "runs.csv")
+    (one / "results.json").write_text(json.dumps({"preset": "gpu_gen_heavy", "overrides": {}}))
+    fit = Fit(one, host_share=0.5, admission="wave")
+    assert fit.layout == "one GPU" and fit.cfg.groups_per_step == 32
+    kappa = fit.fit_kappa(20)
+    assert 0 <= kappa <= 1
+    own = {r["what"]: r for r in compare(fit, fit, kappa, 20, "fitted")}
+    assert abs(own["sync"]["error"]) < 0.05 and abs(own["async"]["error"]) <= 0.15
+    assert fit.predict("two GPUs", kappa, 20)["async/sync"] > own["async/sync"]["predicted"]
+    assert fit.slowdown("one GPU", kappa) > fit.slowdown("two GPUs", kappa)
