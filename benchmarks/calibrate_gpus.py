@@ -95,12 +95,15 @@ class Fit:
         shared = kappa * self.d + (self.g + self.t if on == "one GPU" else 0.0)
         return min(2.0, 1 + shared / work)
 
-    def predict(self, on: str, kappa: float, steps: int) -> dict[str, float]:
+    def rate(self, on: str, kappa: float, steps: int, sampler: dict) -> float:
+        """Simulated steps/s of this workload on layout ``on`` under ``sampler``."""
         knobs = {"generation": {"admission": self.admission, "weight_update": "drain", "load_s": self.load},
                  "trainer": {"overlap_slowdown": self.slowdown(on, kappa), "colocated": on == "one GPU"},
                  "torch_threads": 1}  # the simulated batches are small tensors: one thread is faster
-        rates = {mode: self.cal.predict(s, steps, **knobs)["sim_steps_per_hour"] / 3600
-                 for mode, s in (("sync", SYNC), ("async", ASYNC))}
+        return self.cal.predict(sampler, steps, **knobs)["sim_steps_per_hour"] / 3600
+
+    def predict(self, on: str, kappa: float, steps: int) -> dict[str, float]:
+        rates = {mode: self.rate(on, kappa, steps, s) for mode, s in (("sync", SYNC), ("async", ASYNC))}
         return {**rates, "async/sync": rates["async"] / rates["sync"]}
 
     def fit_kappa(self, steps: int) -> float:
@@ -108,7 +111,7 @@ class Fit:
         lo, hi = 0.0, 1.0
         for _ in range(7):
             mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if self.predict(self.layout, mid, steps)["async"] > self.measured["async"] else (lo, mid)
+            lo, hi = (mid, hi) if self.rate(self.layout, mid, steps, ASYNC) > self.measured["async"] else (lo, mid)
         return (lo + hi) / 2
 
 

