@@ -50,7 +50,7 @@ from asyncrl.config import Config, load_config
 from asyncrl.controller import Controller
 from asyncrl.samplers import SAMPLERS
 
-WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s")  # the controller measures these in wall time
+WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s", "gen_tokens_per_s")  # the controller's are wall time
 SYNC = {"name": "in_order", "max_lookahead_versions": 0}
 ASYNC = {"name": "weight_fifo", "max_staleness_versions": 1}
 
@@ -77,6 +77,7 @@ class Simulation:
         self.first_step = ctrl.trainer_version
         self.steps: list[dict] = []  # per finished step: when it ended (sync done), its train and sync seconds
         self._step_train = 0.0
+        self._gen_tokens = 0  # completion tokens committed since the last step ended
         self._stretch = 0.0  # this train tick's extra seconds from decoding beside it (overlap_slowdown)
         self._times: dict[str, list[float]] = defaultdict(list)  # per trace event kind, times in trace order
         self._seen = ctrl.trace.event.value_counts().to_dict()  # events before the simulation: no time
@@ -147,6 +148,7 @@ class Simulation:
                 self._times["admit"].append(now)
             self._times["dispatch"].extend([now] * len(report.dispatched))
             self._times["commit"].extend([now] * len(report.committed))
+            self._gen_tokens += sum(self.ctrl.buffer[g].rollouts.num_tokens for g in report.committed)
             if not (report.dispatched or report.committed):
                 return
 
@@ -194,8 +196,9 @@ class Simulation:
             sync = arrivals[-1]
             self.trainer_free += sync
             self.train_busy += sync
-            self.steps.append({"sim_time_s": self.trainer_free, "train_time_s": self._step_train, "sync_time_s": sync})
-            self.step_groups, self._step_train = 0, 0.0
+            self.steps.append({"sim_time_s": self.trainer_free, "train_time_s": self._step_train, "sync_time_s": sync,
+                               "gen_tokens": self._gen_tokens})
+            self.step_groups, self._step_train, self._gen_tokens = 0, 0.0, 0
 
     def _record_train(self, report, start: float, end: float) -> None:
         times = self._times
@@ -216,7 +219,8 @@ class Simulation:
     @property
     def metrics(self) -> pd.DataFrame:
         """The controller's metrics for the simulated steps, with virtual times in place of wall-clock ones:
-        ``step_time_s``, ``train_time_s``, ``sync_time_s``, ``tokens_per_s`` and ``sim_time_s`` (step end)."""
+        ``step_time_s``, ``train_time_s``, ``sync_time_s``, ``tokens_per_s``, ``gen_tokens_per_s`` (completion
+        tokens committed during the step per simulated second) and ``sim_time_s`` (step end)."""
         m = self.ctrl.metrics
         m = m[m.step >= self.first_step].head(len(self.steps)).reset_index(drop=True).copy()
         sim = pd.DataFrame(self.steps[:len(m)])
@@ -227,6 +231,7 @@ class Simulation:
         m[M.TRAIN_TIME_S.name] = sim.train_time_s.to_numpy()
         m[M.SYNC_TIME_S.name] = sim.sync_time_s.to_numpy()
         m[M.TOKENS_PER_S.name] = m.tokens / m[M.STEP_TIME_S.name] if "tokens" in m else math.nan
+        m[M.GEN_TOKENS_PER_S.name] = sim.gen_tokens.to_numpy() / m[M.STEP_TIME_S.name]
         m["sim_time_s"] = ends
         return m
 

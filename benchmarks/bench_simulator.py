@@ -169,38 +169,41 @@ def main() -> None:
     parser.add_argument("--real-steps", type=int, default=150, help="real CPU steps per run in the calibration")
     parser.add_argument("--skip-real", action="store_true", help="leave out the real runs (section 4)")
     parser.add_argument("--sections", default="1,2,3,4,5", help="which sections to run, e.g. 4 for the calibration")
-    parser.add_argument("--no-record", action="store_true", help="print only; write nothing under benchmarks/data")
+    parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_simulator/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_simulator")
     args = parser.parse_args()
+    before = meta("bench_simulator")
     sections = {int(x) for x in args.sections.split(",")}
     pd.set_option("display.width", 200)
-    before = meta("bench_simulator")
-    tables: dict[str, pd.DataFrame] = {}
-    runs = [
-        (1, "equal_stages", "1. equal stage times (what_if preset)", lambda: equal_stages(args.steps)),
-        (2, "long_tail", "2. long-tailed lengths (pareto alpha 1.5, mean 24, max 128; concurrency 16)",
-         lambda: long_tail(args.steps)),
-        (3, "determinism", "3. two runs with one seed", lambda: determinism(min(args.steps, 300))),
-        (4, "calibration", "4. calibrated on a real synchronous CPU run, checked against the real asynchronous run",
-         lambda: calibration(args.real_steps, min(args.steps, 300))),
-        (5, "scaling", "5. the scaling table, predicted (what_if_gen_heavy, same batch; no 4+ GPU machine has run it)",
-         lambda: scaling(min(args.steps, 100))),
-    ]
-    for number, name, title, make in runs:
-        if number in sections and not (number == 4 and args.skip_real):
-            print(f"\n{title}")
-            tables[name] = make()
-            print(tables[name].round(3).to_string(index=False))
-    if tables and not args.no_record:
-        results = {"sections": list(tables), "steps": args.steps}
-        if "scaling" in tables:
-            met = tables["scaling"].dropna(subset=["goal"])
-            results["scaling_predicted_not_measured"] = True
-            results["scaling_goal_met"] = {f"{r.engine} {r.replicas}+{r.ranks}": bool(r.per_gpu_vs_2_gpus >= r.goal)
-                                           for r in met.itertuples()}
-        first, *rest = tables
-        out = save("bench_simulator", tables[first].assign(section=first), results, before=before,
-                   files={f"{name}.csv": tables[name] for name in tables})
-        print(f"\nwrote {out} (rows.csv: the {first} table; every section's table as <section>.csv)")
+    tables = {}  # section file name -> its table, each written to the run directory
+    if 1 in sections:
+        print("1. equal stage times (what_if preset)")
+        tables["equal_stages.csv"] = equal_stages(args.steps)
+        print(tables["equal_stages.csv"].round(3).to_string(index=False))
+    if 2 in sections:
+        print("\n2. long-tailed lengths (pareto alpha 1.5, mean 24, max 128; concurrency 16)")
+        tables["long_tail.csv"] = long_tail(args.steps)
+        print(tables["long_tail.csv"].round(3).to_string(index=False))
+    if 3 in sections:
+        print("\n3. two runs with one seed")
+        tables["determinism.csv"] = determinism(min(args.steps, 300))
+        print(tables["determinism.csv"].to_string(index=False))
+    if 4 in sections and not args.skip_real:
+        print("\n4. calibrated on a real synchronous CPU run, checked against the real asynchronous run")
+        tables["calibration.csv"] = calibration(args.real_steps, min(args.steps, 300))
+        print(tables["calibration.csv"].round(3).to_string(index=False))
+    results = {"steps": args.steps, "real_steps": args.real_steps, "sections": sorted(sections)}
+    if 5 in sections:
+        print("\n5. the scaling table, predicted (what_if_gen_heavy, same batch; no 4+ GPU machine has run it)")
+        tables["scaling.csv"] = scaling(min(args.steps, 100))
+        print(tables["scaling.csv"].round(3).to_string(index=False))
+        met = tables["scaling.csv"].dropna(subset=["goal"])
+        results["scaling_predicted_not_measured"] = True
+        results["scaling_goal_met"] = {f"{r.engine} {r.replicas}+{r.ranks}": bool(r.per_gpu_vs_2_gpus >= r.goal)
+                                       for r in met.itertuples()}
+    rows = pd.concat([t.assign(section=name.removesuffix(".csv")) for name, t in tables.items()], ignore_index=True)
+    where = save("bench_simulator", rows, results, before=before, out=args.out, name=args.name, files=tables)
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 from pathlib import Path
 
@@ -41,21 +40,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl import load_config  # noqa: E402
 from asyncrl.cli import parse_overrides  # noqa: E402
+from asyncrl.config import merge_overrides  # noqa: E402
 from asyncrl.simulate import ASYNC, SYNC, calibrate  # noqa: E402
 from record import meta, save  # noqa: E402
 
 
 def load_bench(run_dir: Path) -> tuple[pd.DataFrame, str, dict]:
-    """(one row per run, the preset, its overrides) of a bench_two_gpus.py output directory."""
+    """(one row per run, the preset, its overrides) of a bench_two_gpus.py output directory: the bench's own files
+    (``runs.csv``, ``results.json``) or a ``benchmarks/record.py`` run directory (``rows.csv``, ``meta.json`` with
+    the bench's results). Its ``preset`` may carry the invocation's ``KEY=VALUE`` pairs after the name."""
     rows = run_dir / ("runs.csv" if (run_dir / "runs.csv").exists() else "rows.csv")
-    runs = pd.read_csv(rows)
-    if (run_dir / "results.json").exists():  # the bench's own file: "preset": "NAME KEY=VALUE ..."
-        preset, *pairs = json.loads((run_dir / "results.json").read_text())["preset"].split()
-    else:  # benchmarks/record.py's meta.json: the command line
-        argv = shlex.split(json.loads((run_dir / "meta.json").read_text())["command"])
-        preset = argv[argv.index("--preset") + 1] if "--preset" in argv else "gpu_two_devices"
-        pairs = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--set"]
-    return runs, preset, parse_overrides(pairs)
+    if (run_dir / "results.json").exists():
+        info = json.loads((run_dir / "results.json").read_text())
+    else:
+        info = json.loads((run_dir / "meta.json").read_text())["results"]
+    preset, *pairs = info["preset"].split()
+    return pd.read_csv(rows), preset, merge_overrides(info.get("overrides") or {}, parse_overrides(pairs))
 
 
 def layout(cfg) -> str:

@@ -186,7 +186,10 @@ def test_calibration_on_the_two_h200_runs_predicts_their_async_runs_within_15_pe
         from calibrate_gpus import Fit, compare
     finally:
         sys.path.remove(str(root))
-    fit = Fit(root / "data" / "two_gpus_balanced_lr5e-4", host_share=0.5, admission="wave")
+    # where the data is kept: its first directory, or the record.py run directory it was converted to
+    data = next(d for d in (root / "data" / "two_gpus_balanced_lr5e-4",
+                            root / "data" / "bench_two_gpus" / "2026-11-30-balanced-g6-lr5e-4") if d.exists())
+    fit = Fit(data, host_share=0.5, admission="wave")
     assert fit.layout == "two GPUs" and fit.d > 0  # a sync step holds driver work on neither GPU
     rows = {r["what"]: r for r in compare(fit, fit, 1.0, 60, "sync runs only")}
     assert abs(rows["sync"]["error"]) < 0.05  # what it was fitted on
