@@ -97,8 +97,9 @@ def _place_notes(ax, notes: list[tuple[float, float, str, str]]) -> None:
 def plot_grid(df: pd.DataFrame, axes: list[str]) -> Figure:
     """A sweep (``asyncrl.simulate.grid``): tokens/s per GPU at each point, the best one marked, and each side's
     idle share beside it. ``axes``: the swept columns (dotted config keys), which label the points."""
-    short = {"generation.replicas": "gen", "trainer.data_parallel": "train"}
-    if set(axes) == set(short) or (len(axes) == 2 and set(axes) <= set(short)):
+    short = {"generation.replicas": "gen", "trainer.data_parallel": "train", "sampler.max_staleness_versions": "W",
+             "sampler.max_lookahead_versions": "L", "generation.concurrency": "slots"}
+    if set(axes) == {"generation.replicas", "trainer.data_parallel"}:
         labels = [f"{r.replicas} gen + {r.data_parallel} train" for r in df.itertuples()]
     else:
         labels = [", ".join(f"{short.get(k, k.split('.')[-1])}={v}" for k, v in zip(axes, row))
@@ -123,7 +124,7 @@ def plot_grid(df: pd.DataFrame, axes: list[str]) -> Figure:
     ax_idle.set_ylim(0, 1.18)
     ax_idle.set_ylabel("idle share of simulated time")
     ax_idle.set_title("idle", fontsize=10)
-    ax_idle.legend(loc="upper center", ncol=2, fontsize=8, frameon=False)
+    ax_idle.legend(loc="upper left", fontsize=7, frameon=False)
     for ax in (ax_rate, ax_idle):
         ax.set_xticks(x, labels, rotation=35 if len(df) > 3 else 0, ha="right" if len(df) > 3 else "center",
                       fontsize=8)
