@@ -2,6 +2,7 @@
 
     sim = asyncrl.simulate.simulate("what_if", steps=1000, sampler={"name": "weight_fifo"})
     sim.summary()["sim_steps_per_hour"]; sim.metrics; sim.trace; sim.write("out/")
+    asyncrl.simulate.grid("what_if_gen_heavy", 60, gpus=8)   # every split of 8 GPUs, the best marked
 
 ``Simulation.run`` is a single-threaded discrete-event loop around ``Controller.rollout_tick``/``train_tick``
 (nothing sleeps, nothing runs in a thread): virtual time jumps to the next event, which is a group finishing
