@@ -225,3 +225,27 @@ def test_calibration_across_layouts_fits_the_overlap_on_one_and_carries_it_to_th
     assert abs(own["sync"]["error"]) < 0.1 and abs(own["async"]["error"]) <= 0.15
     assert fit.predict("two GPUs", kappa, 30)["async/sync"] > own["async/sync"]["predicted"]
     assert fit.slowdown("one GPU", kappa) > fit.slowdown("two GPUs", kappa)
+
+
+def test_an_inflight_load_gives_the_tokens_after_it_the_new_weights_logprob():
+    from asyncrl.backends.simulated import DRIFT, LOG_HALF
+    from asyncrl.data import GenerationRequest
+
+    ctrl = Controller.from_config(load_config(
+        "what_if", generation={"weight_update": "inflight", "lengths": "uniform", "prefill_s": 0.0,
+                               "decode_s_per_token": 0.01, "load_s": 0.5}))
+    gen = ctrl.generator
+    gen.timed_updates, gen.clock.stepping = True, False
+    gen.submit([GenerationRequest(1000, [1, 2], 2)])
+    flight = gen._flights[1000]
+    longest, start = max(flight.lengths), flight.start
+    gen.clock.now = start + 0.01 * longest / 2  # half way through its decoding
+    gen.load_weights({"progress": gen.progress}, 1)
+    gen.receive([gen.clock.now], 0.0)  # arrives now, loads 0.5 s: the group pauses
+    assert flight.finish == pytest.approx(start + 0.01 * longest + 0.5)
+    gen.clock.now = flight.finish
+    (group,) = gen.poll()
+    assert (group.gen_start_version, group.gen_end_version) == (0, 1)
+    steps = max(group.logprobs, key=len)
+    assert steps[0] == pytest.approx(LOG_HALF) and steps[-1] == pytest.approx(LOG_HALF - DRIFT)
+    assert steps == sorted(steps, reverse=True)  # old weights first, then the new ones

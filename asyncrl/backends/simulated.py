@@ -26,8 +26,9 @@ modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section'
   then loads for ``load_s`` (``None``: it stops for its whole transfer instead): ``weight_update: inflight`` at once,
   its running groups paused and then spanning two versions; ``drain`` once the groups it runs have finished on the
   old weights, starting none meanwhile. A group submitted after ``load_weights(v)`` starts on its replica only once
-  that replica holds ``v``; each group reports the versions its replica held when it started and ended, and its
-  tokens carry the start version's logprob. Stepped by hand or on the wall clock an update is instant.
+  that replica holds ``v``; each group reports the versions its replica held when it started and ended, and each
+  token the logprob of the version it was decoded under (decoding steps spread evenly over the group's decoding
+  time, pauses included). Stepped by hand or on the wall clock an update is instant.
 
 Time is virtual by default (``clock: ticks``, a ``SimClock``): nothing sleeps. Stepped by hand (or under
 ``Controller.run``) each ``poll`` is one rollout tick and advances the clock by ``rollout_tick_s``, so a group
@@ -312,9 +313,15 @@ class SimulatedGenerator:
             start, end = rep.version_at(f.start), rep.version_at(f.finish)
         else:  # updates are instant: the version it was submitted under, and the current one
             start, end = f.version, self._version
-        logprob = LOG_HALF - DRIFT * start  # every token as the oldest weights sampled it (the larger correction)
+        longest = max(f.lengths)
+        per_step = [LOG_HALF - DRIFT * start] * longest
+        if start != end:  # weights loaded under it (inflight): each token keeps the logprob of the weights it was
+            # sampled with; decoding step j falls at a share (j + 1) / longest of the decoding time (pauses spread)
+            rep, decoding = self._replicas[f.replica], f.finish - f.start - self.model.prefill_s
+            per_step = [LOG_HALF - DRIFT * rep.version_at(f.start + self.model.prefill_s + (j + 1) / longest * decoding)
+                        for j in range(longest)]
         completions = [[ord("x")] * (n - 1) + [self.eos_id] for n in f.lengths]  # content is not modelled
-        logprobs = [[logprob] * n for n in f.lengths]
+        logprobs = [per_step[:n] for n in f.lengths]
         reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
         return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start, end,
                              reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None)
