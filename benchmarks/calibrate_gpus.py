@@ -2,7 +2,7 @@
 steps/s and async / sync, and compare with what was measured, on the same layout and on the other one.
 
     python benchmarks/calibrate_gpus.py benchmarks/data/two_gpus_balanced_lr5e-4 [benchmarks/data/one_gpu_balanced]
-        [--steps 300] [--host-share 0.5] [--admission wave] [--no-record]
+        [--steps 300] [--host-share 0.5] [--admission wave[,streaming]] [--no-record]
 
 Each directory is one invocation of ``bench_two_gpus.py`` (``runs.csv``, or ``rows.csv`` as ``benchmarks/record.py``
 writes it, one row per run, with ``results.json`` or ``meta.json`` naming the preset): sync runs (``in_order`` L=0)
@@ -19,8 +19,9 @@ measured ``load_weights`` time. When both stages run at once, what they share sl
 two GPUs (the driver's work, one interpreter for both pumps) and ``(g + t + kappa d) / (g + t + d)`` on one GPU (the
 GPU work too: the engines take turns). ``kappa``, the share of the driver's work that does not overlap, is 1 when
 only sync runs are known (within a layout: the async runs are what is predicted); from the other layout's async
-runs it is fitted (bisection on the simulated async steps/s), then carried over. Generation runs in waves
-(``--admission``; the vLLM generator of these runs), weights swapped in between (``weight_update: drain``).
+runs it is fitted (bisection on the simulated async steps/s), then carried over. Generation runs in waves or
+streams (``--admission``, per output: the vLLM generator before 2026-12-01 ran waves, the streaming one since), the
+weights loaded once the running groups are done (``weight_update: drain``); a prediction keeps the fitted output's.
 
 With outputs of one layout only, the other layout's steps/s and async / sync are predicted (``kappa`` fitted to the
 async runs), with no measurement beside them: what a later run on that layout checks. Prints the table and records
@@ -136,11 +137,18 @@ def main() -> None:
     parser.add_argument("run_dirs", type=Path, nargs="+", help="one or two bench_two_gpus.py output directories")
     parser.add_argument("--steps", type=int, default=300, help="simulated steps per prediction")
     parser.add_argument("--host-share", type=float, default=0.5, help="share of the driver's work on the rollout side")
-    parser.add_argument("--admission", choices=("wave", "streaming"), default="wave")
+    parser.add_argument("--admission", default="wave", help="how the outputs' generator took groups: 'wave' (the vLLM "
+                        "generator before the streaming one) or 'streaming'; one value, or one per directory, comma "
+                        "separated")
     parser.add_argument("--no-record", action="store_true", help="print only; write nothing under benchmarks/data")
     args = parser.parse_args()
     before = meta("calibrate_gpus")
-    fits = [Fit(d, args.host_share, args.admission) for d in args.run_dirs]
+    admissions = args.admission.split(",")
+    if len(admissions) == 1:
+        admissions *= len(args.run_dirs)
+    if len(admissions) != len(args.run_dirs) or not set(admissions) <= {"wave", "streaming"}:
+        parser.error(f"--admission {args.admission!r}: 'wave' or 'streaming', once or once per directory")
+    fits = [Fit(d, args.host_share, a) for d, a in zip(args.run_dirs, admissions)]
     rows = []
     for fit in fits:  # within a layout: from the sync runs alone
         rows += compare(fit, fit, 1.0, args.steps, "sync runs only (kappa 1)")
