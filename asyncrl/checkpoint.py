@@ -21,6 +21,12 @@ Invariants:
   newest ``keep_checkpoints`` complete ones; ``latest(dir)`` is the newest complete one.
 - A checkpoint is restored only by the asyncrl version that wrote it and only into the same model shape (the
   ``model`` config and every parameter's shape): anything else is a clear error before anything is loaded.
+- A damaged file (truncated, overwritten: what a full disk or a copy cut short leaves) is a ``CheckpointError`` of
+  one line naming the file and what is wrong. Given a directory of checkpoints, ``resolve`` skips a damaged one
+  with a ``CheckpointSkipped`` warning saying the same, and takes the newest intact one.
+- Restoring without a config builds from the checkpoint's ``config.yaml``: a checkpoint naming a ``custom``
+  sampler is refused unless the caller passes ``trust_code=True`` (importing it runs its module's code), and its
+  ``ray.address`` is dropped (where a restore connects is the caller's choice: its config or ``RAY_ADDRESS``).
 
 What a resume restores: weights, optimizer, the generator's weights, version and sampling RNG, the torch RNG, every
 buffered group (ready ones with their rollouts; pending ones are submitted again), the sampler's dispatch index,
@@ -52,7 +58,11 @@ PREFIX = "step-"
 
 
 class CheckpointError(ValueError):
-    """A checkpoint that cannot be restored here (another version, another model shape, incomplete)."""
+    """A checkpoint that cannot be restored here (another version, another model shape, incomplete, damaged)."""
+
+
+class CheckpointSkipped(UserWarning):
+    """A damaged checkpoint passed over for an older intact one (the message names the file and the damage)."""
 
 
 # --- the three file-system operations a save is made of (tests make each one fail in turn) ---------------------
@@ -122,22 +132,60 @@ def complete(path: Path) -> bool:
 
 def resolve(path: str | Path) -> Path:
     """The checkpoint at ``path``; the one a crashed overwrite left aside; or, for a directory of checkpoints
-    (``checkpoint_dir`` or a CLI ``--out`` directory), the newest complete one in it."""
+    (``checkpoint_dir`` or a CLI ``--out`` directory), the newest complete and intact one in it (each damaged one
+    passed over is a ``CheckpointSkipped`` warning naming the file)."""
+    import warnings
+
     path = Path(path)
     if complete(path):
         return path
     aside = sorted(path.parent.glob(f".{path.name}.old-*"))
     if aside and complete(aside[-1]):
         return aside[-1]
-    newest = latest(path) or latest(path / "checkpoints")
-    if newest is None:
-        raise CheckpointError(f"no complete checkpoint at {str(path)!r} (a checkpoint directory has meta.json)")
-    return newest
+    found = _complete(path) or _complete(path / "checkpoints")
+    skipped = []
+    for candidate in reversed(found):
+        problem = damage(candidate)
+        if problem is None:
+            return candidate
+        skipped.append(problem)
+        warnings.warn(CheckpointSkipped(f"skipping {problem}"), stacklevel=2)
+    if skipped:
+        raise CheckpointError(f"no intact checkpoint at {str(path)!r}: {'; '.join(skipped)}")
+    raise CheckpointError(f"no complete checkpoint at {str(path)!r} (a checkpoint directory has meta.json)")
+
+
+def _complete(directory: Path) -> list[Path]:
+    return sorted(p for p in Path(directory).glob(f"{PREFIX}*") if complete(p))
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with the files of a complete checkpoint, in one line naming the file (None: nothing found).
+    Parses the three text files and opens ``tensors.pt``'s zip directory, which sits at its end (a truncated or
+    overwritten file has none); it does not load the tensors."""
+    import zipfile
+
+    for name, parse in (("meta.json", json.loads), ("config.yaml", yaml.safe_load), ("state.json", json.loads)):
+        try:
+            parse((path / name).read_text())
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            return _damaged(path / name, exc)
+    try:
+        with zipfile.ZipFile(path / "tensors.pt"):
+            pass
+    except (OSError, zipfile.BadZipFile) as exc:
+        return _damaged(path / "tensors.pt", exc)
+    return None
+
+
+def _damaged(file: Path, exc: BaseException) -> str:
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    return f"damaged checkpoint file {str(file)!r}: {type(exc).__name__}: {detail[:200]}"
 
 
 def latest(directory: str | Path) -> Path | None:
     """The newest complete ``step-*`` checkpoint in ``directory`` (None when there is none)."""
-    found = sorted(p for p in Path(directory).glob(f"{PREFIX}*") if complete(p))
+    found = _complete(Path(directory))
     return found[-1] if found else None
 
 
@@ -164,17 +212,25 @@ class Checkpoint:
 def read(path: str | Path, version: str) -> Checkpoint:
     """Load a checkpoint written by asyncrl ``version`` (anything else is a ``CheckpointError``)."""
     path = resolve(path)
-    meta = json.loads((path / "meta.json").read_text())
+    meta = _load(path / "meta.json", json.loads)
     if meta.get("format") != FORMAT or meta.get("asyncrl_version") != version:
         raise CheckpointError(
             f"checkpoint {str(path)!r} was written by asyncrl {meta.get('asyncrl_version')!r} (format "
             f"{meta.get('format')!r}); this is asyncrl {version!r} (format {FORMAT}), which restores only its own "
             "checkpoints"
         )
-    config = yaml.safe_load((path / "config.yaml").read_text())
-    state = json.loads((path / "state.json").read_text())
-    tensors = torch.load(path / "tensors.pt", weights_only=True)
+    config = _load(path / "config.yaml", yaml.safe_load)
+    state = _load(path / "state.json", json.loads)
+    tensors = _load(path / "tensors.pt", lambda _: torch.load(path / "tensors.pt", weights_only=True), text=False)
     return Checkpoint(path, meta, config, state, tensors)
+
+
+def _load(file: Path, parse, text: bool = True) -> Any:
+    """``parse`` the file, or a one-line ``CheckpointError`` naming it and what is wrong."""
+    try:
+        return parse(file.read_text() if text else None)
+    except Exception as exc:  # torch's, json's and yaml's errors for a damaged file share no base class
+        raise CheckpointError(_damaged(file, exc)) from None
 
 
 def check_model(saved: dict, model: dict, where: str) -> None:
@@ -225,6 +281,22 @@ STATE_KEYS = ("buffer", "trace", "metrics", "evaluations")
 TENSOR_KEYS = ("policy", "generator", "torch_rng")
 
 
+def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool) -> dict:
+    """The checkpoint's own config as plain data, before anything of it is validated (validating a ``custom``
+    sampler imports its module): refused when it names a custom sampler the caller did not trust or replace; its
+    ``ray.address`` dropped (where to connect is the caller's: a config, or ``RAY_ADDRESS``)."""
+    data = {**(ckpt.config or {})}
+    named = data.get("sampler") or {}
+    if isinstance(named, dict) and named.get("name") == "custom" and not (trust_code or sampler_given):
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.path)!r} names a custom sampler, {named.get('target')!r}: building it would import "
+            "and run that module's code. Pass trust_code=True if you trust the checkpoint, or pass config= (or "
+            "sampler=) to choose what runs")
+    if isinstance(data.get("ray"), dict):
+        data["ray"] = {**data["ray"], "address": None}
+    return data
+
+
 def state_dict(ckpt: Checkpoint) -> dict:
     """A checkpoint's files as ``Controller.load_state_dict`` takes them (buffer slots as ``Prompt`` and
     ``GroupRollouts`` again)."""
@@ -239,7 +311,8 @@ def state_dict(ckpt: Checkpoint) -> dict:
     return state
 
 
-def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_change: str) -> Any:
+def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_change: str,
+            trust_code: bool = False) -> Any:
     """``Controller.restore`` (its docstring says what a sampler change does): read, check, build the controller
     ``cls.from_config``, then ``load_state_dict``. Every check that can fail runs before anything is loaded."""
     import asyncrl
@@ -250,7 +323,10 @@ def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_c
         raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {on_sampler_change!r}")
     ckpt = read(path, asyncrl.__version__)
     where = repr(str(ckpt.path))
-    data = (config if config is not None else Config.model_validate(ckpt.config)).model_dump(mode="json")
+    if config is None:
+        data = own_config(ckpt, sampler is not None, trust_code)
+    else:
+        data = config.model_dump(mode="json")
     if sampler is not None:
         data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)

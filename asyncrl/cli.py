@@ -17,6 +17,7 @@ import signal
 import sys
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     1 when it failed; summary.json says which (``status``) and why."""
     import yaml
 
-    from asyncrl.checkpoint import resolve
+    from asyncrl.checkpoint import CheckpointSkipped, resolve
     from asyncrl.config import load_config
     from asyncrl.controller import Controller
     from asyncrl.trace import StepEvent, TraceRow
@@ -66,7 +67,14 @@ def run(args: argparse.Namespace) -> int:
         if args.out is None and args.resume is None:
             raise ValueError("give --out DIR (or --resume DIR to continue a run)")
         out, overrides = Path(args.out or args.resume), parse_overrides(args.set)
-        resume = resolve(args.resume) if args.resume else None  # its newest complete checkpoint
+        with warnings.catch_warnings(record=True) as skipped:  # a damaged checkpoint: one line, then an older one
+            warnings.simplefilter("always", CheckpointSkipped)
+            resume = resolve(args.resume) if args.resume else None  # its newest complete, intact checkpoint
+        for w in skipped:
+            if issubclass(w.category, CheckpointSkipped):
+                print(f"asyncrl run: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         every = args.checkpoint_every
         if every is None and resume is not None:  # a resumed run keeps checkpointing as it did
             every = (yaml.safe_load((resume / "config.yaml").read_text()) or {}).get("checkpoint_every")

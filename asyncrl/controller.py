@@ -563,10 +563,13 @@ class Controller:
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
-                on_sampler_change: str = "rejudge") -> Controller:
+                on_sampler_change: str = "rejudge", trust_code: bool = False) -> Controller:
         """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
-        them: the newest complete one), built from ``config`` (default: the checkpoint's own), whose model must
+        them: the newest intact one), built from ``config`` (default: the checkpoint's own), whose model must
         have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
+        Built from the checkpoint's own config, a custom sampler it names is refused unless ``trust_code=True``
+        (importing it runs code), and its ``ray.address`` is ignored (``RAY_ADDRESS`` or a local Ray; pass a
+        config to join a cluster).
 
         When the sampler differs from the checkpoint's, the capacity is the new sampler's and the restored
         groups are, with ``on_sampler_change="rejudge"``, judged by the new sampler's rules: groups it can never
@@ -576,7 +579,7 @@ class Controller:
         checkpoint's step with an empty buffer. Either way the trace records each skip and eviction."""
         from asyncrl.checkpoint import restore
 
-        return restore(cls, path, sampler, config, on_sampler_change)
+        return restore(cls, path, sampler, config, on_sampler_change, trust_code)
 
     def close(self) -> None:
         """Release the backends (and their Ray actors). The controller's history stays readable."""

@@ -190,3 +190,95 @@ def small_config_like_cli():
     from asyncrl import load_config
 
     return load_config("quickstart", sampler=SYNC, eval_every=None, torch_threads=1)
+
+
+# ------------------------------------------------------------------------------------------ damaged files
+def truncate(file, keep: float = 0.5) -> None:
+    data = file.read_bytes()
+    file.write_bytes(data[: int(len(data) * keep)])
+
+
+@pytest.mark.parametrize("name", ["tensors.pt", "state.json", "config.yaml", "meta.json"])
+def test_a_damaged_checkpoint_is_one_error_naming_the_file(tmp_path, name):
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    (path / name).write_text("{ not: [ closed") if name == "config.yaml" else truncate(path / name)
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        Controller.restore(path)
+    message = str(caught.value)
+    assert "\n" not in message and f"damaged checkpoint file {str(path / name)!r}" in message, message
+    assert caught.value.__cause__ is None  # no torch / json traceback chained under it
+
+
+def test_resume_falls_back_to_the_newest_intact_checkpoint_and_says_so(tmp_path, capsys):
+    from asyncrl import cli
+
+    out = tmp_path / "run"
+    args = ["run", "quickstart", "--quiet", "--no-plot", "--set", "sampler.max_lookahead_versions=0",
+            "--set", "eval_every=null", "--set", "torch_threads=1", "--set", "groups_per_step=2",
+            "--set", "group_size=2"]
+    assert cli.main([*args, "--steps", "4", "--out", str(out), "--checkpoint-every", "2"]) == 0
+    newest = checkpoint.latest(out / "checkpoints")
+    assert newest.name == "step-000004"
+    truncate(newest / "tensors.pt")
+    capsys.readouterr()
+    assert cli.main([*args, "--steps", "5", "--resume", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    skipped = [line for line in err if "skipping damaged checkpoint file" in line]
+    assert len(skipped) == 1 and str(newest / "tensors.pt") in skipped[0] and "BadZipFile" in skipped[0], err
+    assert any(f"resuming from checkpoint {out / 'checkpoints' / 'step-000002'} at step 2 of 5" in line
+               for line in err), err
+    assert not any("Traceback" in line for line in err), err
+    assert pd.read_csv(out / "metrics.csv").step.tolist() == list(range(5))
+
+
+# ------------------------------------------------------------------------------ what a restore may run
+EVIL = '''
+import pathlib
+pathlib.Path(__file__).with_name("ran").write_text("the module's top-level code ran")
+from tests.custom_sampler_fixture import NewestFirstSampler as Sampler
+'''
+
+
+def test_restore_without_a_config_refuses_a_custom_sampler_unless_trusted(tmp_path, monkeypatch):
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    (tmp_path / "evil_sampler.py").write_text(EVIL)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = (path / "config.yaml").read_text().replace(
+        "sampler:\n  name: in_order\n  max_lookahead_versions: 1\n", "sampler:\n  name: custom\n  target: evil_sampler:Sampler\n")
+    assert "evil_sampler" in config
+    (path / "config.yaml").write_text(config)
+    with pytest.raises(checkpoint.CheckpointError, match="names a custom sampler, 'evil_sampler:Sampler'.*trust_code=True"):
+        Controller.restore(path)
+    assert not (tmp_path / "ran").exists() and "evil_sampler" not in sys.modules
+    kept = Controller.restore(path, config=small_config())  # the caller's config decides what runs
+    assert kept.trainer_version == 1 and not (tmp_path / "ran").exists()
+    trusted = Controller.restore(path, trust_code=True)
+    assert trusted.cfg.sampler.name == "custom" and (tmp_path / "ran").exists()
+    sys.modules.pop("evil_sampler", None)
+
+
+def test_restore_connects_where_the_caller_says_not_where_the_checkpoint_did(tmp_path, monkeypatch):
+    import asyncrl.backends.ray
+
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    config = (path / "config.yaml").read_text()
+    assert "placement: local" in config and "address: null" in config
+    (path / "config.yaml").write_text(
+        config.replace("placement: local", "placement: ray", 1).replace("address: null", "address: 10.9.8.7:6379"))
+
+    class Connecting(Exception):
+        pass
+
+    def ensure_ray(num_cpus=None, address=None):
+        raise Connecting(address)
+
+    monkeypatch.setattr(asyncrl.backends.ray, "ensure_ray", ensure_ray)
+    with pytest.raises(Connecting) as caught:
+        Controller.restore(path)
+    assert caught.value.args == (None,)  # RAY_ADDRESS or a local Ray, never the checkpoint's cluster
+    with pytest.raises(Connecting) as caught:
+        Controller.restore(path, config=small_config(generation={"placement": "ray"}, ray={"address": "auto"}))
+    assert caught.value.args == ("auto",)
