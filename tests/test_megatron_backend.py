@@ -527,3 +527,22 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
         assert b["is_weight_mean"] != 1.0
     wa, wb = given.export_weights(), forward.export_weights()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_the_supported_megatron_core_range_is_declared_once_and_checked_at_start():
+    import tomllib
+    from pathlib import Path
+
+    import megatron.core
+    from packaging.requirements import Requirement
+    from packaging.specifiers import SpecifierSet
+
+    from asyncrl.backends.megatron import MEGATRON_CORE, check_megatron_core
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    (extra,) = pyproject["project"]["optional-dependencies"]["megatron"]
+    assert Requirement(extra).specifier == SpecifierSet(MEGATRON_CORE)
+    assert check_megatron_core() == megatron.core.__version__  # CI's version is inside the range it declares
+    for outside in ("0.15.0", "0.16.0", "0.20.0", "1.0.0", "not-a-version"):
+        with pytest.raises(ImportError, match=f"megatron-core {outside} is not supported.*>=0.16.1,<0.20"):
+            check_megatron_core(outside)

@@ -91,7 +91,17 @@ def assert_steppable(ctrl: Controller) -> None:
 
 
 # -------------------------------------------------------------------------------------------------- interrupt
-def test_interrupt_during_run_stops_both_pumps_and_leaves_the_controller_steppable():
+@pytest.fixture
+def sigint_raises():
+    """Python's own SIGINT handler for the test. ``_thread.interrupt_main()`` raises KeyboardInterrupt only while
+    SIGINT has a Python handler; a suite started where SIGINT is ignored (``nohup``, ``trap '' INT``, some CI
+    runners) inherits SIG_IGN, the interrupt never arrives, and the run below would go on forever."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_interrupt_during_run_stops_both_pumps_and_leaves_the_controller_steppable(sigint_raises):
     ctrl = simulated({"name": "windowed", "max_staleness_versions": 1}, latency_s=0.02)
 
     def interrupt_once_running():

@@ -61,7 +61,30 @@ from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
 
-__all__ = ["MegatronPolicy"]
+__all__ = ["MEGATRON_CORE", "MegatronPolicy", "check_megatron_core"]
+
+# The megatron-core releases this backend is run against: 0.16.1 in CI (Python 3.11, CPU), 0.19.2 on the H200s
+# (docs/gpu.md). pyproject.toml's ``megatron`` extra declares the same range (tests/test_megatron_backend.py).
+MEGATRON_CORE = ">=0.16.1,<0.20"
+
+
+def check_megatron_core(version: str | None = None) -> str:
+    """The installed megatron-core version, or a clear ImportError when it is outside ``MEGATRON_CORE``."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    if version is None:
+        import megatron.core
+
+        version = megatron.core.__version__
+    try:
+        ok = Version(version) in SpecifierSet(MEGATRON_CORE)
+    except InvalidVersion:
+        ok = False
+    if not ok:
+        raise ImportError(f"megatron-core {version} is not supported: asyncrl's Megatron backend runs on megatron-core"
+                          f"{MEGATRON_CORE} (pip install 'megatron-core{MEGATRON_CORE}')")
+    return version
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -81,6 +104,7 @@ class MegatronPolicy:
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,
                  tokenizer: Any = None):
+        check_megatron_core()
         from megatron.core import parallel_state
 
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
