@@ -3,7 +3,8 @@
 Runs every cell, clicks the dashboard's "Train tick" button and checks that the buffer view and the verdict table
 changed; then clicks "Start" for a long background run, sees the progress line move, "Pause" (it stops moving) and
 "Stop". With ``ASYNCRL_SCREENSHOT=docs/dashboard.png`` it also saves a screenshot of the dashboard (the README's
-picture). Skips when Chromium or Playwright is missing.
+picture). Skips, saying so, only when there is no browser to drive (Chromium or Playwright missing); anything
+else that goes wrong (JupyterLab not starting, the notebook not running, the dashboard not appearing) fails.
 
 Reliability (see FACTS "Widgets in a real browser"): the notebook has a kernelspec (no kernel dialog); the news
 notice is off and notebook windowing is off (every cell stays in the DOM) through user settings; JupyterLab, the
@@ -42,7 +43,8 @@ SETTINGS = {  # JupyterLab user settings: no news notice, no update check, every
 }
 SERVER_TIMEOUT_S = 60
 FIRST_CELL_TIMEOUT_S = 90  # the imports cell
-RUN_TIMEOUT_S = 240  # the whole notebook on a busy 2-core machine (about 30 s when idle)
+RUN_TIMEOUT_S = float(os.environ.get("ASYNCRL_BROWSER_RUN_TIMEOUT_S", 240))  # the whole notebook on a busy 2-core
+# machine (about 30 s when idle); the environment variable lets a check of this test make it time out
 
 
 def _free_port() -> int:
@@ -55,7 +57,6 @@ def _free_port() -> int:
 def lab(tmp_path_factory):
     """A JupyterLab server on a free localhost port, serving a copy of the quickstart notebook; yields its URL."""
     pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
-    pytest.importorskip("jupyterlab", reason="jupyterlab is not installed")
     if not Path(CHROMIUM).exists():
         pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
     tmp = tmp_path_factory.mktemp("lab")
@@ -283,9 +284,9 @@ def test_dashboard_train_tick_then_start_pause_stop(lab):
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = None
         try:
-            # Getting the notebook to run is JupyterLab's part, not ours: on some machines it replaces the kernel
-            # just after start and the queued cells never run. Two tries in a fresh page; if neither ran the
-            # notebook, that is an environment failure (skip, with the log), not a failure of the dashboard.
+            # On some machines JupyterLab replaces the kernel just after start and the queued cells never run: a
+            # second try in a fresh page. A notebook that does not run in two tries fails the test (with the page
+            # and the server log kept below): a user opening it would see the same.
             for attempt in range(2):
                 if page is not None:
                     page.close()
@@ -299,10 +300,8 @@ def test_dashboard_train_tick_then_start_pause_stop(lab):
                     _wait_for_dashboard(page, lab)
                     break
                 except pytest.fail.Exception as exc:
-                    if "a notebook cell raised" in str(exc):
+                    if "a notebook cell raised" in str(exc) or attempt == 1:
                         raise
-                    if attempt == 1:
-                        pytest.skip(f"JupyterLab did not run the notebook in 2 tries (environment): {exc}"[:2000])
             page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
             _dismiss_dialogs(page)
 

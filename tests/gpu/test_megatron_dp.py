@@ -2,17 +2,29 @@
 actor, one GPU) on the same batch, in bf16 with Megatron's DDP and optimizer (the GPU default), through the same
 code path a run uses (``asyncrl/backends/ranks.py``: ``RankGroupPolicy`` over ``MegatronPolicy`` ranks).
 
-What is compared, step by step over ``STEPS`` optimizer steps on one fixed batch of 8 groups x 8 completions (each
-rank of the 2-rank trainer gets 4 whole groups): the loss, the token normaliser and the gradient norm each step
-reports, and the logprobs of the batch after the steps (their change from the start, and their values). The
-2-rank numbers differ from the 1-rank ones only by bf16 rounding of differently shaped matmuls and by the order of
-the gradient sum, so the bounds are bf16-sized (``TOLERANCES``), not exact.
+The claim (docs/cluster.md): a 2-rank step equals the 1-rank step up to float reassociation. So each step is compared
+from the same state: the 1-rank trainer takes ``STEPS`` optimizer steps on one fixed batch of 8 groups x 8
+completions, saving its state (weights, fp32 master weights, Adam moments) before each; the 2-rank trainer (4 whole
+groups a rank) loads each saved state and takes that one step. Trajectories compared without that reset drift apart
+by design (weights that differ by rounding, which Adam turns into lr-sized moves of near-zero gradient entries), so
+a bound on them would measure chaos, not the code; the runs of 2026-11-30 held later steps to 5% of step 1's norm
+while the norms had shrunk 13x, which allowed 70-80% relative error.
+
+Tolerance model (``TOLERANCES``). From one state, the two steps differ only in the order and blocking of sums: each
+rank's forward/backward on its 32 sequences (bf16 matmuls accumulating in fp32) and the gradient all-reduce in fp32
+(``grad_reduce_in_fp32``) instead of one 64-sequence pass. A reassociated sum of bf16 products is off by at most a
+few units of bf16's roundoff ``u = 2**-8`` relative to the sum of magnitudes, and the per-step scalars (loss, the
+gradient norm) are such sums: each is held to ``u`` relative (measured at step 1 of the unsynced runs: 2e-6 for the
+norm, 1e-4 for the loss). The token normaliser is an integer count: equal. The logprobs of the batch from the same
+state differ only by the forward's blocking: mean absolute difference at most ``u`` times the mean |logprob|. After
+the step, the update of the logprobs (after minus before) points the same way in both: cosine at least ``1 - u``
+(Adam moves an entry whose gradient is within rounding of zero by lr either way, so a few entries may differ).
 
 Needs only torch, megatron-core, Ray and the project (with pydantic): no vLLM. Skips without 2 CUDA GPUs.
 On a machine with two GPUs and the stack of docs/gpu.md, from the repo root:
-``PYTHONPATH=$PWD python -m pytest -q -s tests/gpu/test_megatron_dp.py`` (an absolute PYTHONPATH, plus any
-``--target`` site folder: Ray actors inherit it). Prints ``RESULT`` lines; with ``ASYNCRL_GPU_RESULTS`` set, also
-writes ``megatron_dp.json`` there.
+``PYTHONPATH=$PWD python -m pytest -q -s -o addopts="" tests/gpu/test_megatron_dp.py`` (an absolute PYTHONPATH,
+plus any ``--target`` site folder: Ray actors inherit it). Prints ``RESULT`` lines; with ``ASYNCRL_GPU_RESULTS``
+set, also writes ``megatron_dp.json`` there.
 """
 
 from __future__ import annotations
@@ -40,8 +52,8 @@ from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 STEPS = 4
 MODEL = {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
          "num_key_value_heads": 2, "max_position_embeddings": 128, "tie_word_embeddings": False}
-# bf16: relative bounds on per-step scalars, absolute bounds on logprobs (nats per token)
-TOLERANCES = {"loss_rel": 2e-2, "grad_norm_rel": 5e-2, "logprobs_mean_abs": 2e-2, "update_cosine_min": 0.95}
+U = 2.0 ** -8  # bf16's unit roundoff
+TOLERANCES = {"loss_rel": U, "grad_norm_rel": U, "logprobs_rel": U, "update_cosine_min": 1 - U}
 
 
 def make_batch(groups: int = 8, group_size: int = 8, prompt: int = 8, completion: int = 24, seed: int = 0,
@@ -61,8 +73,8 @@ def make_batch(groups: int = 8, group_size: int = 8, prompt: int = 8, completion
     return TrainBatch(ids, attn, loss_mask, torch.zeros(B, S), advantages, [group_size] * groups)
 
 
-def train(data_parallel: int, device: str = "cuda", dtype: str = "bfloat16", steps: int = STEPS) -> dict:
-    """``steps`` optimizer steps of a ``data_parallel``-rank Megatron trainer (Ray actors) on ``make_batch()``."""
+def trainer(data_parallel: int, device: str = "cuda", dtype: str = "bfloat16"):
+    """A ``data_parallel``-rank Megatron trainer in Ray actors (a run's code path) and how long it took to build."""
     from asyncrl.backends.megatron import MegatronPolicy
     from asyncrl.backends.ranks import RankGroupPolicy
     from asyncrl.backends.ray import ensure_ray, remote
@@ -75,22 +87,50 @@ def train(data_parallel: int, device: str = "cuda", dtype: str = "bfloat16", ste
     t0 = time.perf_counter()
     policy = RankGroupPolicy.start(MegatronPolicy, args, cfg) if data_parallel > 1 else remote(
         MegatronPolicy, args, cfg.trainer)
-    built_s = time.perf_counter() - t0
+    return policy, time.perf_counter() - t0
+
+
+def step(policy, batch: TrainBatch) -> dict:
+    """One optimizer step on ``batch``: its metrics, and the batch's logprobs before and after it."""
+    before = policy.logprobs(batch)
+    policy.begin_train_step()
+    policy.train_microbatches(batch)
+    m = policy.finish_train_step()
+    return {**{k: m[k] for k in ("loss", "grad_norm", "normaliser")}, "before": before, "after": policy.logprobs(batch)}
+
+
+def batch_for(policy) -> TrainBatch:
+    batch = make_batch()
+    start = policy.logprobs(batch)
+    # the generator's logprobs a little off the trainer's: importance weights that are not all 1
+    return replace(batch, prev_logprobs=start, gen_logprobs=start - 0.05 * batch.loss_mask)
+
+
+def run_one_rank(steps: int = STEPS, **kw) -> dict:
+    """The 1-rank trajectory: ``steps`` steps, the state before each saved (CPU copies)."""
+    policy, built_s = trainer(1, **kw)
     try:
-        batch = make_batch()
-        start = policy.logprobs(batch)
-        # the generator's logprobs a little off the trainer's: importance weights that are not all 1
-        batch = replace(batch, prev_logprobs=start, gen_logprobs=start - 0.05 * batch.loss_mask)
-        rows = []
+        batch = batch_for(policy)
+        states, rows = [], []
         for _ in range(steps):
-            policy.begin_train_step()
-            policy.train_microbatches(batch)
-            m = policy.finish_train_step()
-            rows.append({k: m[k] for k in ("loss", "grad_norm", "normaliser", "sequences")})
-        end = policy.logprobs(batch)
+            states.append(policy.state_dict())
+            rows.append(step(policy, batch))
     finally:
         policy.close()
-    return {"steps": rows, "start": start, "end": end, "mask": batch.loss_mask, "build_s": built_s}
+    return {"batch": batch, "states": states, "steps": rows, "build_s": built_s}
+
+
+def replay_two_ranks(one: dict, **kw) -> dict:
+    """Each of the 1-rank run's steps again on 2 ranks, from the state the 1-rank run had before it."""
+    policy, built_s = trainer(2, **kw)
+    try:
+        rows = []
+        for state in one["states"]:
+            policy.load_state_dict(state)
+            rows.append(step(policy, one["batch"]))
+    finally:
+        policy.close()
+    return {"steps": rows, "build_s": built_s}
 
 
 def record(results: dict) -> None:
@@ -104,40 +144,34 @@ def record(results: dict) -> None:
 
 
 def compare(one: dict, two: dict) -> dict:
-    """The numbers the test checks, as a dict (printed and recorded either way)."""
-    mask = one["mask"] > 0
-    d1, d2 = (one["end"] - one["start"])[mask], (two["end"] - two["start"])[mask]
-    return {
-        "loss_dp1": [r["loss"] for r in one["steps"]], "loss_dp2": [r["loss"] for r in two["steps"]],
-        "grad_norm_dp1": [r["grad_norm"] for r in one["steps"]],
-        "grad_norm_dp2": [r["grad_norm"] for r in two["steps"]],
-        "normaliser_dp1": [r["normaliser"] for r in one["steps"]],
-        "normaliser_dp2": [r["normaliser"] for r in two["steps"]],
-        "start_logprobs_mean_abs_diff": float((one["start"] - two["start"])[mask].abs().mean()),
-        "end_logprobs_mean_abs_diff": float((one["end"] - two["end"])[mask].abs().mean()),
-        "update_mean_abs_dp1": float(d1.abs().mean()),
-        "update_cosine": float(torch.nn.functional.cosine_similarity(d1, d2, dim=0)),
-        "build_s_dp1": round(one["build_s"], 1), "build_s_dp2": round(two["build_s"], 1),
-    }
+    """Per step, from the same state: the numbers the test checks (printed and recorded either way)."""
+    mask = one["batch"].loss_mask > 0
+    out: dict = {key: [[a[key], b[key]] for a, b in zip(one["steps"], two["steps"])]
+                 for key in ("loss", "grad_norm", "normaliser")}
+    for key in ("logprobs_before_mean_abs", "logprobs_before_rel", "update_cosine", "update_mean_abs"):
+        out[key] = []
+    for a, b in zip(one["steps"], two["steps"]):
+        gap = float((a["before"] - b["before"])[mask].abs().mean())
+        out["logprobs_before_mean_abs"].append(gap)
+        out["logprobs_before_rel"].append(gap / float(a["before"][mask].abs().mean()))
+        d1, d2 = (a["after"] - a["before"])[mask], (b["after"] - b["before"])[mask]
+        out["update_cosine"].append(float(torch.nn.functional.cosine_similarity(d1, d2, dim=0)))
+        out["update_mean_abs"].append(float(d1.abs().mean()))
+    out["build_s"] = [round(one["build_s"], 1), round(two["build_s"], 1)]
+    return out
 
 
 def check(r: dict) -> None:
     t = TOLERANCES
-    assert r["normaliser_dp2"] == r["normaliser_dp1"]  # both ranks' tokens counted once
-    for a, b in zip(r["loss_dp1"], r["loss_dp2"]):
-        assert abs(a - b) <= t["loss_rel"] * max(abs(a), 0.1), (r["loss_dp1"], r["loss_dp2"])
-    # Step 1 starts from identical weights: its gradients must agree to bf16 rounding. Later steps start from weights
-    # that already differ by that rounding, which Adam turns into lr-sized moves of near-zero gradient entries, while
-    # the gradient shrinks as the model fits this one batch (1.85 -> 0.14 on two H200s); so later norms are held to
-    # the first step's scale, not to their own shrinking size (measured: 8.7% and 21% of their own size at steps 3
-    # and 4, 1.4% and 1.6% of step 1's).
-    first = r["grad_norm_dp1"][0]
-    for i, (a, b) in enumerate(zip(r["grad_norm_dp1"], r["grad_norm_dp2"])):
-        assert abs(a - b) <= t["grad_norm_rel"] * (a if i == 0 else first), (r["grad_norm_dp1"], r["grad_norm_dp2"])
-    assert r["end_logprobs_mean_abs_diff"] <= t["logprobs_mean_abs"], r
-    # the steps moved the logprobs (else the comparison says nothing), the same way in both runs
-    assert r["update_mean_abs_dp1"] > 5 * r["end_logprobs_mean_abs_diff"] or r["update_cosine"] > 0.99, r
-    assert r["update_cosine"] >= t["update_cosine_min"], r
+    for i in range(len(r["loss"])):
+        (l1, l2), (g1, g2), (n1, n2) = r["loss"][i], r["grad_norm"][i], r["normaliser"][i]
+        assert n1 == n2, f"step {i + 1}: token normaliser {n1} vs {n2} (both ranks' tokens count once)"
+        assert abs(l1 - l2) <= t["loss_rel"] * max(abs(l1), 0.1), f"step {i + 1}: loss {l1} vs {l2}"
+        assert abs(g1 - g2) <= t["grad_norm_rel"] * g1, f"step {i + 1}: gradient norm {g1} vs {g2}"
+        assert r["logprobs_before_rel"][i] <= t["logprobs_rel"], f"step {i + 1}: forward differs, {r}"
+        # the step moved the logprobs well beyond what the two forwards differ by (else the cosine says nothing)
+        assert r["update_mean_abs"][i] > 10 * r["logprobs_before_mean_abs"][i], f"step {i + 1} moved nothing: {r}"
+        assert r["update_cosine"][i] >= t["update_cosine_min"], f"step {i + 1}: update cosine, {r}"
 
 
 def test_megatron_data_parallel_2_matches_data_parallel_1():
@@ -147,10 +181,10 @@ def test_megatron_data_parallel_2_matches_data_parallel_1():
 
     results = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "ray": ray.__version__,
                "torch": torch.__version__, "megatron_core": megatron.core.__version__, "tolerances": TOLERANCES}
-    one = train(1)
+    one = run_one_rank()
     record({**results, "loss_dp1": [r["loss"] for r in one["steps"]],  # on record even if the 2-rank run fails
             "grad_norm_dp1": [r["grad_norm"] for r in one["steps"]]})
-    two = train(2)
+    two = replay_two_ranks(one)
     results.update(compare(one, two))
     record(results)
     check(results)
