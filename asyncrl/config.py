@@ -153,6 +153,17 @@ class VLLMGenerationConfig(_LongTail):
     llm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
 
+    @field_validator("device")
+    @classmethod
+    def _first_visible_gpu(cls, device: str) -> str:
+        # vLLM builds its engine on the first GPU the process sees; a device index would only key the device lock
+        # while the engine ran elsewhere, so it is refused rather than silently ignored.
+        if device.startswith("cuda:") and device != "cuda:0":
+            raise ValueError(
+                f"generation.device {device!r}: vLLM runs on the first GPU its process sees; choose the GPU with "
+                "placement 'ray' (Ray gives the actor a GPU of its own) or CUDA_VISIBLE_DEVICES, and set device 'cuda'")
+        return device
+
 
 class SimulatedGeneration(_Knobs):
     """Latency and reward model of the simulated generator (asyncrl/backends/simulated.py says how each knob

@@ -14,7 +14,8 @@ to back instead of one round trip each (on two H200s that took ~5 ms off every t
 actor that serves one call at a time: Ray runs one caller's calls to such an actor in the order they were made.
 GPU placement: a backend whose ``device`` is CUDA asks Ray for one GPU (``ray_options`` may say otherwise), and Ray
 makes that GPU the actor's only visible device, ``cuda`` / ``cuda:0``. Two such actors land on two GPUs. To pin
-devices by index instead, give ``ray_options: {num_gpus: 0}`` and ``device: cuda:1`` (Ray then hides no GPU).
+a trainer's device by index instead, give ``ray_options: {num_gpus: 0}`` and ``device: cuda:1`` (Ray then hides no
+GPU); vLLM takes the first GPU its process sees, so a vLLM generator's ``device`` has no index.
 Every CUDA actor gets NVLink multicast off in its runtime env (``NO_MULTICAST_ENV``).
 Each actor also times its calls (``RemoteBackend.call_times()``: seconds and count per method), which is how a
 benchmark tells how long each device was busy.
