@@ -33,7 +33,7 @@ quickstart: setup
 		$(VENV)/bin/jupyter nbconvert --to notebook --execute notebooks/quickstart.ipynb \
 		--ExecutePreprocessor.timeout=900 --output-dir runs/quickstart --output quickstart.ipynb
 	@echo "executed notebook: runs/quickstart/quickstart.ipynb, its figures runs/quickstart/metrics.png and buffer.png"
-	@echo "now 300 headless steps (10-30 s on 2 CPU cores; held-out accuracy climbs from the start, the sampled reward from step ~120) -> runs/quickstart/cli/"
+	@echo "now 300 headless steps (README.md says how long they took, from benchmarks/data/bench_quickstart) -> runs/quickstart/cli/"
 	$(VENV)/bin/asyncrl run quickstart --steps 300 --out runs/quickstart/cli
 
 clean:

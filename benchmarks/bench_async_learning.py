@@ -26,10 +26,7 @@ Files under ``--out`` (default ``$OUT`` or ``runs/bench_async_learning``): ``res
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import platform
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -37,6 +34,7 @@ from multiprocessing import get_context
 from pathlib import Path
 
 import pandas as pd
+from record import meta, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -121,8 +119,11 @@ def main() -> None:
     parser.add_argument("--async-steps", type=int, default=120)
     parser.add_argument("--settings", default="preset,old", help="comma-separated: preset, old, NAME:KEY=VALUE;...")
     parser.add_argument("--workers", type=int, default=2, help="runs at once (one process and torch thread each)")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None,
+                        help="run directory (default benchmarks/data/bench_async_learning/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_async_learning")
     args = parser.parse_args()
+    before = meta("bench_async_learning")
 
     settings = {}
     for spec in args.settings.split(","):
@@ -149,17 +150,11 @@ def main() -> None:
         median_async_steps_over_sync=("async_steps_over_sync", "median"), median_sync_final=("sync_final", "median"),
     ).to_string())
 
-    out = Path(args.out or os.environ.get("OUT") or "runs/bench_async_learning")
-    out.mkdir(parents=True, exist_ok=True)
-    curves.to_csv(out / "curves.csv", index=False)
-    (out / "results.json").write_text(json.dumps({
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-                   f"load average {os.getloadavg()[0]:.1f}",
+    where = save("bench_async_learning", table, {
         "preset": args.preset, "settings": settings, "seeds": seeds, "sync_steps": args.sync_steps,
-        "async_steps": args.async_steps, "wall_s": wall, "table": table.to_dict(orient="records"),
-    }, indent=1))
-    print(f"wrote {out}/results.json, curves.csv")
+        "async_steps": args.async_steps, "wall_s": wall}, before=before, out=args.out, name=args.name,
+        files={"curves.csv": curves})
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":

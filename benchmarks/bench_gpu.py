@@ -49,6 +49,7 @@ from types import SimpleNamespace
 
 import pandas as pd
 import torch
+from record import DATA, meta, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -403,7 +404,9 @@ def section_runs(base: Controller, cfg, run_steps: int, repeats: int) -> list[di
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.environ.get("OUT") or "runs/bench_gpu")
+    parser.add_argument("--out", default=os.environ.get("OUT"),
+                        help="run directory (default benchmarks/data/bench_gpu/<UTC time>)")
+    parser.add_argument("--name", default=None, help="the run directory's name under benchmarks/data/bench_gpu")
     parser.add_argument("--steps", type=int, default=40, help="steps of the asynchronous learning run")
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--run-steps", type=int, default=20)
@@ -412,7 +415,9 @@ def main() -> int:
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--sections", default="learn,gen,train,runs", help="which sections to run, in order")
     args = parser.parse_args()
-    out = Path(args.out)
+    before = meta("bench_gpu")
+    stamp = time.strftime("%Y-%m-%dT%H%MZ", time.gmtime())
+    out = Path(args.out) if args.out else DATA / "bench_gpu" / (args.name or stamp)
     out.mkdir(parents=True, exist_ok=True)
     for k, v in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
                  "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}.items():
@@ -499,8 +504,11 @@ def main() -> int:
     ]
     pd.set_option("display.width", 250)
     pd.set_option("display.max_colwidth", 120)
-    say(pd.DataFrame(table, columns=["what", "setting", "value", "target", "met"]).to_string(index=False))
+    summary = pd.DataFrame(table, columns=["what", "setting", "value", "target", "met"])
+    say(summary.to_string(index=False))
     (out / "results.json").write_text(json.dumps(RESULTS, indent=1, default=str))
+    save("bench_gpu", summary, RESULTS, before=before, out=out)  # rows.csv + meta.json beside the sections' CSVs
+    say(f"raw data: {out}")
     if failures:
         say(f"FAILED sections: {failures}")
     return 1 if failures else 0

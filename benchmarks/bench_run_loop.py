@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import _thread
 import argparse
+import signal
 import statistics
 import threading
 import time
+
+from record import meta, save
 
 from asyncrl import Controller, load_config
 
@@ -100,7 +103,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--sampler", default="weight_fifo", choices=["in_order", "weight_fifo", "windowed"])
+    parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_run_loop/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_run_loop")
     args = parser.parse_args()
+    before = meta("bench_run_loop")
+    # interrupt_main() raises only while SIGINT has Python's handler (not when started under nohup)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     ctrl = controller(args.sampler)
     step_ms = 1000 * ctrl.metrics.step_time_s.tail(3).median()
     print(f"quickstart, sampler {args.sampler}, torch_threads 1, {args.reps} reps; a step takes ~{step_ms:.0f} ms here")
@@ -115,9 +123,14 @@ def main() -> None:
         ("generator error, no retries", lambda: fail_fast(no_retries, "generator", "poll")),
         ("generator error, default retries", lambda: fail_fast(ctrl, "generator", "poll")),
     ]
+    raw = []
     for name, measure in rows:
         times = [1000 * measure() for _ in range(args.reps)]
+        raw += [{"request": name, "rep": i, "ms": t} for i, t in enumerate(times)]
         print(f"{name:<34} {statistics.median(times):>10.1f} {max(times):>8.1f}")
+    where = save("bench_run_loop", raw, {"sampler": args.sampler, "reps": args.reps, "step_ms": step_ms},
+                 before=before, out=args.out, name=args.name)
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":

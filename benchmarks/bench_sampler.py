@@ -34,6 +34,7 @@ import sys
 import time
 
 import pandas as pd
+from record import meta, save
 
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.samplers import build_sampler
@@ -140,7 +141,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="few samples, for a smoke run")
     parser.add_argument("--baseline", metavar="BUFFER_PY", help="also time the ReplayBuffer of this buffer.py file")
     parser.add_argument("--rounds", type=int, default=3, help="with --baseline: alternating rounds per cell")
+    parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_sampler/<UTC>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_sampler")
     args = parser.parse_args()
+    before = meta("bench_sampler")
     samples = 20 if args.quick else args.samples
     buffers = {"this": ReplayBuffer}
     if args.baseline:
@@ -173,10 +177,15 @@ def main() -> None:
     with pd.option_context("display.float_format", "{:.1f}".format, "display.width", 120):
         print()
         print(table.to_string())
+    results = {"samples": samples, "rounds": rounds, "baseline": args.baseline}
     for name in buffers:
         part = table.xs(name, level="buffer") if args.baseline else table
+        results[name] = {"worst_ratio": float(part.iloc[:, -1].max()), "largest": args.sizes[-1],
+                         "worst_at_largest_us": float(part.iloc[:, -2].max())}
         print(f"{name}: worst ratio {part.iloc[:, -1].max():.2f} (target <= 3), worst at {args.sizes[-1]:,}: "
               f"{part.iloc[:, -2].max():.1f} us (target < 100)")
+    where = save("bench_sampler", pd.DataFrame(rows), results, before=before, out=args.out, name=args.name)
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":

@@ -107,6 +107,8 @@ def main() -> None:
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "asyncrl-bench-trl")
     parser.add_argument("--modes", default="stepped sync,sync run,async run,async run (gen process)",
                         help="asyncrl modes (see bench_async.py)")
+    parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_trl/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_trl")
     args = parser.parse_args()
     ensure_trl(args.venv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -116,6 +118,9 @@ def main() -> None:
     import torch
     import trl
     from bench_async import MODES, timed_run
+    from record import meta, save
+
+    before = meta("bench_trl")
 
     modes = [m.strip() for m in args.modes.split(",")]
     unknown = [m for m in modes if m not in MODES]
@@ -143,6 +148,11 @@ def main() -> None:
         "time vs TRL": by_mode.min() / trl_best,
     })
     print(summary.round(2).to_string())
+    where = save("bench_trl", table.drop(columns="stages", errors="ignore"),
+                 {"trl": trl.__version__, "steps": args.steps, "repeats": args.repeats, "warmup": WARMUP,
+                  "best_ms": by_mode.min().to_dict(), "time_vs_trl": (by_mode.min() / trl_best).to_dict()},
+                 before=before, out=args.out, name=args.name)
+    print(f"raw data: {where}")
 
 
 if __name__ == "__main__":

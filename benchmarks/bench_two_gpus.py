@@ -46,7 +46,8 @@ one clock: a table of milliseconds a step per call, ``timeline_<mode>.csv`` and 
 (``timeline_<mode>.png``). It is how the time a step spends on neither GPU was found.
 ``--async-steps`` lets the asynchronous runs go on for more steps than the synchronous ones (same wall time, so the
 reward curves show where each stands when the other stops).
-Files under ``--out`` (default ``$OUT`` or ``runs/bench_two_gpus``): ``results.json``, ``runs.csv``,
+Files, through ``benchmarks/record.py``, in ``--out`` (default ``$OUT``, else ``benchmarks/data/bench_two_gpus/<UTC
+time>``): ``rows.csv`` (one row per run), ``meta.json`` (machine, versions, commit, command and the results above),
 ``reward_curves.csv``, ``reward_vs_time.png``.
 """
 
@@ -62,6 +63,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+from record import DATA, meta, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -439,16 +441,20 @@ def main() -> int:
     parser.add_argument("--probe", action="append", default=[], metavar="KEY=VALUE[,KEY=VALUE]",
                         help="a candidate batch shape: one short sync run each, the most balanced one is measured")
     parser.add_argument("--probe-steps", type=int, default=10, help="timed steps of each probe run (after --warmup)")
-    parser.add_argument("--out", default=os.environ.get("OUT", "runs/bench_two_gpus"))
+    parser.add_argument("--out", default=os.environ.get("OUT"),
+                        help="run directory (default benchmarks/data/bench_two_gpus/<UTC time>)")
+    parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_two_gpus")
     parser.add_argument("--timeline", action="store_true",
                         help="repeat 0 of each mode also records where each step's time goes (Timeline)")
     parser.add_argument("--cpu-dry-run", action="store_true")
     args = parser.parse_args()
+    before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
     steps = args.steps or (4 if dry else 40)
     async_steps = args.async_steps or steps
     warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
-    out = Path(args.out)
+    out = Path(args.out) if args.out else DATA / "bench_two_gpus" / (
+        args.name or time.strftime("%Y-%m-%dT%H%MZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
     os.environ.update({"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"})
     overrides = parse_overrides(args.overrides)
@@ -530,18 +536,17 @@ def main() -> int:
         f"(train/gen {sync_train / sync_gen:.2f}, imbalance {imbalance(sync_gen, sync_train):.2f}); two-stage bound "
         f"{bound:.3f}; async/sync = {ratio / bound:.0%} of it")
     say(f"time to the sync run's final reward: {json.dumps(reach)}")
-    runs.to_csv(out / "runs.csv", index=False)
-    curves.to_csv(out / "reward_curves.csv", index=False)
     plot(curves, out / "reward_vs_time.png", f"{label}: sync (in_order L=0) vs async (weight_fifo W=1)")
-    (out / "results.json").write_text(json.dumps({
-        "environment": env, "preset": label, "overrides": overrides, "probes": probed, "chosen_probe": chosen,
-        "steps": steps, "async_steps": async_steps, "warmup": warmup, "repeats": args.repeats,
+    save("bench_two_gpus", runs, {
+        "environment": env, "label": label, "preset": "quickstart" if dry else args.preset,
+        "overrides": merge_overrides(overrides, chosen), "invocation_overrides": overrides, "probes": probed,
+        "chosen_probe": chosen, "steps": steps, "async_steps": async_steps, "warmup": warmup, "repeats": args.repeats,
         "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "two_stage_bound": bound,
         "fraction_of_bound": ratio / bound, "stage_gen_s": sync_gen, "stage_train_s": sync_train,
         "stage_imbalance": imbalance(sync_gen, sync_train),
-        "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json()),
-        "runs": runs.to_dict(orient="records")}, indent=1, default=str))
-    say(f"wrote {out}/results.json, runs.csv, reward_curves.csv, reward_vs_time.png"
+        "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json())},
+        before=before, out=out, files={"reward_curves.csv": curves})
+    say(f"raw data: {out} (rows.csv: one row per run; meta.json; reward_curves.csv, reward_vs_time.png)"
         + ("  (CPU dry run: numbers mean nothing)" if dry else ""))
     return 0
 

@@ -1,0 +1,356 @@
+"""The numbers of ``README.md`` and ``benchmarks/README.md``, regenerated from the run directories under
+``benchmarks/data/`` (written by ``benchmarks/record.py``), never typed by hand.
+
+    python benchmarks/report.py           # rewrite every marked table and number from the data
+    python benchmarks/report.py --check   # change nothing; exit 1 naming each one that no longer matches the data
+
+In the markdown, a generated part sits between two invisible markers, on one line (a number in prose) or around a
+block (a table)::
+
+    async ran <!-- report:two_gpus_async_over_sync -->1.75x<!-- /report --> the synchronous steps/s
+
+    <!-- report:two_gpus_balanced -->
+    | | sync | async |
+    ...
+    <!-- /report -->
+
+``NAME`` is a key of ``REPORTS`` below: a function of no arguments that reads its run directory and returns the
+text that goes between the markers. To add a table or a number: write its function here, add it to ``REPORTS``,
+put the markers where it goes, run ``python benchmarks/report.py``. A marker whose name is not in ``REPORTS`` and a
+function whose run directory is missing are errors (``--check`` names them too); ``tests/test_report.py`` runs
+``--check``, so a README that drifts from its data fails the suite.
+
+Invariants: a generator reads only committed files under ``benchmarks/data/`` (no clock, no machine), so its output
+is the same wherever it runs; rewriting is idempotent (a second run changes nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pandas as pd
+
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "data"
+FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+# A marker written inside backticks (as in benchmarks/README.md's description of markers) is text, not a marker.
+MARKER = re.compile(r"(?<!`)<!-- report:(?P<name>[\w.-]+) -->(?P<body>(?:(?!<!-- report:).)*?)<!-- /report -->", re.S)
+
+
+class ReportError(RuntimeError):
+    """A marker or a run directory that does not add up (unknown name, missing data)."""
+
+
+def run(bench: str, name: str) -> tuple[dict, pd.DataFrame]:
+    """(meta with results, rows) of ``benchmarks/data/<bench>/<name>``."""
+    path = DATA / bench / name
+    if not (path / "meta.json").is_file():
+        raise ReportError(f"no run directory {path.relative_to(DATA.parent.parent)} (meta.json missing)")
+    return json.loads((path / "meta.json").read_text()), pd.read_csv(path / "rows.csv")
+
+
+def frame(bench: str, name: str, file: str) -> pd.DataFrame:
+    return pd.read_csv(DATA / bench / name / file)
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    """A markdown table as a block (leading and trailing newline, so the markers stay on lines of their own)."""
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n" + "\n".join(lines) + "\n"
+
+
+def spread(values, fmt: str = "{:.2f}") -> str:
+    """``median (min..max)`` of a series."""
+    s = pd.Series(values, dtype=float)
+    return f"{fmt.format(s.median())} ({fmt.format(s.min())}..{fmt.format(s.max())})"
+
+
+def machine(meta: dict) -> str:
+    """One line: where and when a run was made, from its meta.json (what is not recorded says so)."""
+    m, v = meta.get("machine", {}), meta.get("versions", {})
+    gpus = m.get("gpus") or []
+    where = f"{len(gpus)} x {gpus[0].split(',')[0]}" if gpus else f"{m.get('cpu') or 'CPU not recorded'}"
+    cores = f", {m['cores']} cores" if m.get("cores") else ""
+    load = f", load {m['load_1min']} before the run" if m.get("load_1min") is not None else ", load not recorded"
+    sw = ", ".join(f"{k} {v[k]}" for k in ("torch", "vllm", "megatron-core", "ray") if k in v)
+    commit = (meta["commit"][:7] + (" (dirty)" if meta.get("dirty") else "")) if meta.get("commit") else "not recorded"
+    return f"{meta['date_utc'][:16].replace('T', ' ')} UTC, {where}{cores}{load}; {sw}; commit {commit}"
+
+
+# --- bench_two_gpus ----------------------------------------------------------------------------------------------
+def _learning_curves(curves: pd.DataFrame, mode: str) -> int:
+    """How many different reward trajectories the repeats of a mode trained (1: one seed, the repeats replay it)."""
+    per = curves[curves["mode"] == mode]
+    return len({tuple(g.reward.round(6)) for _, g in per.groupby("repeat")})
+
+
+def two_gpus_table(name: str) -> Callable[[], str]:
+    def make() -> str:
+        meta, runs = run("bench_two_gpus", name)
+        r, curves = meta["results"], frame("bench_two_gpus", name, "reward_curves.csv")
+        by = {m: runs[runs["mode"] == m] for m in ("sync", "async")}
+        reach = r["time_to_sync_final_reward"]
+
+        def both(fn):
+            return [fn(by["sync"]), fn(by["async"])]
+
+        ms = lambda col: both(lambda d: f"{1e3 * d[col].median():.1f} ms")  # noqa: E731
+        rows = [
+            ["steps/s, median (min..max)", *both(lambda d: spread(d.steps_per_s))],
+            ["async / sync (per repeat)", "", f"**{r['async_over_sync']:.2f}x** ("
+             + ", ".join(f"{x:.2f}" for x in r["async_over_sync_per_repeat"]) + ")"],
+            ["GPU busy a step, generation", *ms("gen_busy_per_step_s")],
+            ["GPU busy a step, training", *ms("train_busy_per_step_s")],
+            ["two-stage bound (from the sync runs) / async as a share of it", f"{r['two_stage_bound']:.2f}x",
+             f"**{r['fraction_of_bound']:.0%}**"],
+            ["trainer's wait for a push, median (largest)",
+             *both(lambda d: f"{1e3 * d.push_wait_s_median.median():.1f} ms ({1e3 * d.push_wait_s_max.max():.0f} ms)")],
+            ["train reward, last 5 steps, per repeat", *both(lambda d: ", ".join(f"{x:.3f}" for x in d.reward_last5))],
+            ["different learning curves among the repeats",
+             *[f"{_learning_curves(curves, m)} of {len(by[m])}" for m in ("sync", "async")]],
+            ["sync run's final reward first reached, per repeat",
+             ", ".join(f"{v['sync_wall_s']:.1f} s (its end)" for v in reach.values()),
+             ", ".join("never" if v["async_reaches_it_at_s"] is None else f"{v['async_reaches_it_at_s']:.1f} s"
+                       for v in reach.values())],
+        ]
+        if "groups_evicted" in runs:
+            rows.append(["groups evicted", *both(lambda d: str(int(d.groups_evicted.sum())))])
+        head = (f"\n`{meta['results']['preset']}` with {json.dumps(r['overrides'])}, {r['repeats']} repeats x "
+                f"{r['steps']} sync / {r['async_steps']} async timed steps after {r['warmup']} warm-up; "
+                f"{machine(meta)}; data `benchmarks/data/bench_two_gpus/{name}/`.\n")
+        return head + table(rows, ["", "sync (`in_order` L=0)", "async (`weight_fifo` W=1)"])
+    return make
+
+
+def two_gpus_number(name: str, what: str) -> Callable[[], str]:
+    """One figure of a bench_two_gpus run for prose."""
+    def make() -> str:
+        meta, runs = run("bench_two_gpus", name)
+        r = meta["results"]
+        reach = [v["async_reaches_it_at_s"] for v in r["time_to_sync_final_reward"].values()]
+        values = {
+            "async_over_sync": lambda: f"{r['async_over_sync']:.2f}x",
+            "fraction_of_bound": lambda: f"{r['fraction_of_bound']:.0%}",
+            "stage_ms": lambda: f"{1e3 * r['stage_gen_s']:.0f} / {1e3 * r['stage_train_s']:.0f} ms",
+            "push_ms": lambda: f"{1e3 * runs[runs['mode'] == 'async'].push_wait_s_median.median():.1f} ms",
+            "time_to_reward": lambda: (
+                f"{min(reach):.1f}-{max(reach):.1f} s against "
+                f"{min(v['sync_wall_s'] for v in r['time_to_sync_final_reward'].values()):.1f} s"
+                if None not in reach else "not in every repeat"),
+        }
+        return values[what]()
+    return make
+
+
+# --- bench_async, bench_ab -----------------------------------------------------------------------------------------
+def _met(met: bool) -> str:
+    return "met" if met else "missed"
+
+
+def bench_async_table(*names: str) -> Callable[[], str]:
+    """One row per bench_async run: the modes' best ms/step against stepped synchronous, and the targets."""
+    def make() -> str:
+        rows, where = [], []
+        for name in names:
+            meta, runs = run("bench_async", name)
+            r, m = meta["results"], meta["machine"]
+            best = runs.groupby("mode").ms_per_step
+            sp = r["speedup_vs_stepped"]
+            rows.append([f"`{name}`", f"{meta['date_utc'][11:16]} UTC, load {m['load_1min']}",
+                         f"{r['stepped_ms']:.1f}", " ".join(f"{v:.1f}" for v in best.get_group("stepped sync")),
+                         f"**{r['sync_run_over_stepped']:.2f}x** ({_met(r['sync_run_over_stepped_met'])})",
+                         f"**{r['async_run_speedup']:.2f}x** ({_met(r['async_run_speedup_met'])})",
+                         f"{sp.get('async run (gen process)', float('nan')):.2f}x", f"{r['bound']:.2f}x",
+                         f"{r['async_run_speedup'] / r['bound']:.0%}"])
+            where.append(meta)
+        head = (f"\n{where[0]['machine']['cpu']}, {where[0]['machine']['cores']} cores, Python "
+                f"{where[0]['machine']['python']}, torch {where[0]['versions'].get('torch')}, commit "
+                f"{where[0]['commit'][:7]}{' (with uncommitted changes)' if where[0].get('dirty') else ''}; "
+                f"`{where[0]['command']}`; data `benchmarks/data/bench_async/<run>/`.\n")
+        return head + table(rows, ["run", "when", "stepped sync ms (best)", "stepped, every repeat",
+                                   "sync `run` / stepped (<= 1.05x)", "async `run` speed-up (>= 1.3x)",
+                                   "async, gen process", "two-stage bound", "async of the bound"])
+    return make
+
+
+def bench_async_stages(name: str) -> Callable[[], str]:
+    """The stage times of the fastest stepped synchronous repeat, and the interpreter-lock probe."""
+    def make() -> str:
+        stages = json.loads((DATA / "bench_async" / name / "stages.json").read_text())
+        gil = frame("bench_async", name, "gil_probe.csv")
+        rows = [[k, f"{v:.2f}"] for k, v in stages.items()]
+        probe = [[c["call"], *(_cell(c[k], 2) for k in ("alone ms", "beside spinner ms", "slowdown",
+                                                          "lock held (1 - spinner share)"))]
+                 for c in gil.to_dict("records")]
+        return (f"\nRun `{name}`: stage times of its fastest stepped synchronous repeat (mean ms a step):\n"
+                + table(rows, ["stage", "ms"]) + "\nThe interpreter-lock probe of the same run (ms; 'slowdown' of the "
+                "last two rows is against one after the other):\n"
+                + table(probe, ["call", "alone", "beside the spinner", "slowdown", "lock held"]))
+    return make
+
+
+def bench_async_number(first: str, second: str, key: str) -> str:
+    """A ratio of two bench_async runs for prose: ``0.90x and 0.91x``."""
+    return " and ".join(f"{run('bench_async', n)[0]['results'][key]:.2f}x" for n in (first, second))
+
+
+def bench_ab_line(name: str) -> Callable[[], str]:
+    """A whole-process A/B: the median A/B wall ratio with its spread, and the CPU ratio."""
+    def make() -> str:
+        meta, rows = run("bench_ab", name)
+        r = meta["results"]
+        return (f"{r['wall_ratio_median']:.2f} median ({r['wall_ratio_min']:.2f}-{r['wall_ratio_max']:.2f}) over "
+                f"{r['pairs']} pairs, CPU time {r['cpu_ratio_median']:.2f}")
+    return make
+
+
+def bench_ab_wall(name: str, side: str = "a") -> Callable[[], str]:
+    """The wall seconds of one side of an A/B, as ``min-max s`` with the run count and the machine's load."""
+    def make() -> str:
+        meta, rows = run("bench_ab", name)
+        wall = rows[rows.side == side].wall_s
+        m = meta["machine"]
+        return (f"{wall.min():.0f}-{wall.max():.0f} s ({len(wall)} runs, the whole command, on a {m['cores']}-core "
+                f"{m['cpu']} machine at load {m['load_1min']}; `benchmarks/data/bench_ab/{name}`)")
+    return make
+
+
+# --- any run directory's CSV as a table ---------------------------------------------------------------------------
+def _cell(value, digits: int) -> str:
+    if isinstance(value, float):
+        if pd.isna(value):
+            return ""
+        return f"{value:,.{digits}f}" if abs(value) >= 0.01 or value == 0 else f"{value:.{digits}g}"
+    return str(value)
+
+
+def csv_table(bench: str, name: str, file: str = "rows.csv", columns: list[str] | None = None, digits: int = 2,
+              note: str = "") -> Callable[[], str]:
+    """``file`` of a run directory as a markdown table (``columns`` in that order; floats to ``digits``), under
+    the line saying where and when it was measured."""
+    def make() -> str:
+        meta, _ = run(bench, name)
+        data = frame(bench, name, file)
+        data = data[columns] if columns else data
+        rows = [[_cell(v, digits) for v in row] for row in data.itertuples(index=False)]
+        return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/{bench}/{name}/{file}`.{note}\n"
+                + table(rows, list(data.columns)))
+    return make
+
+
+def run_loop_table(name: str) -> Callable[[], str]:
+    def make() -> str:
+        meta, rows = run("bench_run_loop", name)
+        by = rows.groupby("request", sort=False).ms
+        body = [[k, f"{v.median():.0f}", f"{v.max():.0f}", len(v)] for k, v in by]
+        return (f"\n{machine(meta)}; a step took ~{meta['results']['step_ms']:.0f} ms there; `{meta['command']}`; "
+                f"data `benchmarks/data/bench_run_loop/{name}/`.\n"
+                + table(body, ["request", "median ms", "max ms", "reps"]))
+    return make
+
+
+def quickstart_number(name: str, what: str) -> Callable[[], str]:
+    """Figures of the bench_quickstart run for the README's prose."""
+    def make() -> str:
+        meta, rows = run("bench_quickstart", name)
+        acc, first = rows.final_eval_accuracy, rows.first_eval_step_above_constant
+        seeds = ", ".join(str(s) for s in rows.seed)
+        values = {
+            "last_line": lambda: f"`{rows.last_line.iloc[0]}`",
+            "accuracy": lambda: (f"{acc.min():.2f}-{acc.max():.2f} over seeds {seeds} (median {acc.median():.2f}; "
+                                 f"the best constant answer scores {rows.constant_answer_accuracy.iloc[0]:.2f}, first "
+                                 f"beaten at step {int(first.min())}-{int(first.max())})"),
+            "figure": lambda: (f"![Reward and held-out accuracy of `asyncrl run quickstart --steps 300`, seed "
+                               f"{rows.seed.iloc[0]}](benchmarks/data/bench_quickstart/{name}/reward.png)"),
+        }
+        return values[what]()
+    return make
+
+
+# --- the registry: marker name -> the function that writes what goes between its markers -------------------------
+TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
+QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
+SIMULATOR, SIMULATOR_REAL, ASYNC_LEARNING = "2026-12-01T2017Z", "2026-12-01-loaded-box", "2026-12-01-seeds-0-2"
+REPORTS: dict[str, Callable[[], str]] = {
+    "two_gpus_balanced": two_gpus_table(TWO_GPUS),
+    "two_gpus_balanced_lr1e-3": two_gpus_table("2026-11-30-balanced-g8-lr1e-3"),
+    "two_gpus_async_over_sync": two_gpus_number(TWO_GPUS, "async_over_sync"),
+    "two_gpus_fraction_of_bound": two_gpus_number(TWO_GPUS, "fraction_of_bound"),
+    "two_gpus_stage_ms": two_gpus_number(TWO_GPUS, "stage_ms"),
+    "two_gpus_push_ms": two_gpus_number(TWO_GPUS, "push_ms"),
+    "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
+    "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
+    "bench_async_stages": bench_async_stages("2026-12-01-issue20-run1"),
+    "bench_async_sync_run": lambda: bench_async_number("2026-12-01-issue20-run1", "2026-12-01-issue20-run2",
+                                                        "sync_run_over_stepped"),
+    "bench_async_async_run": lambda: bench_async_number("2026-12-01-issue20-run1", "2026-12-01-issue20-run2",
+                                                         "async_run_speedup"),
+    "ab_sync_run_vs_1eef95c": bench_ab_line("2026-12-01-issue20-sync-run-new-vs-1eef95c"),
+    "quickstart_wall": bench_ab_wall("2026-12-01-quickstart-300-steps", "a"),
+    "quickstart_accuracy": quickstart_number(QUICKSTART, "accuracy"),
+    "quickstart_last_line": quickstart_number(QUICKSTART, "last_line"),
+    "quickstart_figure": quickstart_number(QUICKSTART, "figure"),
+    "bench_quickstart": csv_table("bench_quickstart", QUICKSTART, columns=[
+        "seed", "steps", "wall_s", "untrained_eval_accuracy", "final_eval_accuracy", "constant_answer_accuracy",
+        "first_eval_step_above_constant"]),
+    "bench_sampler": csv_table("bench_sampler", SAMPLER, digits=1),
+    "bench_run_loop": run_loop_table(RUN_LOOP),
+    "simulator_equal_stages": csv_table("bench_simulator", SIMULATOR, "equal_stages.csv", digits=3),
+    "simulator_long_tail": csv_table("bench_simulator", SIMULATOR, "long_tail.csv", digits=3),
+    "simulator_determinism": csv_table("bench_simulator", SIMULATOR, "determinism.csv"),
+    "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
+}
+
+
+# --- rewriting and checking ------------------------------------------------------------------------------------
+def render(text: str, where: str, problems: list[str]) -> str:
+    """``text`` with every marker's body regenerated; a marker that cannot be made is left as it is and named in
+    ``problems``."""
+    def body(match: re.Match) -> str:
+        name = match["name"]
+        if name not in REPORTS:
+            problems.append(f"{where}: marker report:{name} is not in benchmarks/report.py's REPORTS")
+            return match[0]
+        try:
+            new = REPORTS[name]()
+        except (ReportError, OSError, KeyError, ValueError) as exc:
+            problems.append(f"{where}: report:{name} cannot be made from its data: {exc}")
+            return match[0]
+        return f"<!-- report:{name} -->{new}<!-- /report -->"
+
+    return MARKER.sub(body, text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 naming every table or number that does not match its data")
+    args = parser.parse_args(argv)
+    problems: list[str] = []
+    for path in FILES:
+        where = str(path.relative_to(ROOT))
+        old = path.read_text()
+        new = render(old, where, problems)
+        if new == old:
+            continue
+        if args.check:
+            for a, b in zip(MARKER.finditer(old), MARKER.finditer(new)):
+                if a[0] != b[0]:
+                    problems.append(f"{where}: report:{a['name']} no longer matches its data "
+                                    f"(python benchmarks/report.py rewrites it)")
+        else:
+            path.write_text(new)
+            print(f"rewrote {where}")
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
