@@ -310,6 +310,17 @@ class MegatronTrainerConfig(_MicroBatched):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     compute_entropy: bool = Field(
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
+
+    @model_validator(mode="after")
+    def _megatron_optimizer_needs_cuda(self) -> "MegatronTrainerConfig":
+        # megatron-core's optimizer makes its own tensors on 'cuda' and accepts only torch.cuda.*Tensor parameters
+        # (megatron/core/optimizer/optimizer.py, clip_grads.py), so off CUDA it cannot be built at all.
+        if self.optimizer == "megatron" and not str(self.device).startswith("cuda"):
+            raise ValueError(
+                f"trainer.optimizer 'megatron' needs a CUDA device (megatron-core's optimizer makes its tensors on "
+                f"cuda); got trainer.device {self.device!r}: use optimizer 'torch' (the default off CUDA)")
+        return self
+
     @property
     def ranks(self) -> int:
         return self.data_parallel * self.tensor_parallel

@@ -246,10 +246,12 @@ def test_restore_without_a_config_refuses_a_custom_sampler_unless_trusted(tmp_pa
     (tmp_path / "evil_sampler.py").write_text(EVIL)
     monkeypatch.syspath_prepend(str(tmp_path))
     config = (path / "config.yaml").read_text().replace(
-        "sampler:\n  name: in_order\n  max_lookahead_versions: 1\n", "sampler:\n  name: custom\n  target: evil_sampler:Sampler\n")
+        "sampler:\n  name: in_order\n  max_lookahead_versions: 1\n",
+        "sampler:\n  name: custom\n  target: evil_sampler:Sampler\n")
     assert "evil_sampler" in config
     (path / "config.yaml").write_text(config)
-    with pytest.raises(checkpoint.CheckpointError, match="names a custom sampler, 'evil_sampler:Sampler'.*trust_code=True"):
+    refused = "names a custom sampler, 'evil_sampler:Sampler'.*trust_code=True"
+    with pytest.raises(checkpoint.CheckpointError, match=refused):
         Controller.restore(path)
     assert not (tmp_path / "ran").exists() and "evil_sampler" not in sys.modules
     kept = Controller.restore(path, config=small_config())  # the caller's config decides what runs

@@ -39,3 +39,15 @@ def test_gpu_preset_model_fits_the_embedded_tokenizer():
 def test_gpu_preset_rejects_dropping_the_importance_correction():
     with pytest.raises(ValueError, match="importance"):
         load_config("gpu_quickstart", loss={"importance_correction": "none", "truncation": "none"})
+
+
+def test_a_vllm_device_index_is_refused_since_the_engine_would_not_use_it():
+    """vLLM builds its engine on the first GPU its process sees: ``generation.device: cuda:1`` only keyed the device
+    lock while the engine ran on GPU 0. The index is refused, naming how to choose the GPU."""
+    from pydantic import ValidationError
+
+    refused = "generation.device 'cuda:1': vLLM runs on the first GPU.*placement 'ray'"
+    with pytest.raises(ValidationError, match=refused):
+        load_config("gpu_two_devices", generation={"device": "cuda:1"})
+    assert load_config("gpu_two_devices", generation={"device": "cuda:0"}).generation.device == "cuda:0"
+    assert load_config("gpu_two_devices").generation.device == "cuda"

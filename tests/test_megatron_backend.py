@@ -546,3 +546,16 @@ def test_the_supported_megatron_core_range_is_declared_once_and_checked_at_start
     for outside in ("0.15.0", "0.16.0", "0.20.0", "1.0.0", "not-a-version"):
         with pytest.raises(ImportError, match=f"megatron-core {outside} is not supported.*>=0.16.1,<0.20"):
             check_megatron_core(outside)
+
+
+def test_megatron_s_own_optimizer_off_cuda_is_a_configuration_error():
+    """megatron-core's optimizer cannot be built on CPU (it makes its tensors on cuda and takes only cuda
+    parameters), so it is covered on GPUs (docs/gpu.md); asking for it on CPU is one clear error, not a crash
+    inside Megatron when the policy is built."""
+    from pydantic import ValidationError
+
+    from asyncrl import load_config
+
+    with pytest.raises(ValidationError, match="trainer.optimizer 'megatron' needs a CUDA device.*'cpu'"):
+        load_config("quickstart", trainer={"backend": "megatron", "device": "cpu", "optimizer": "megatron"})
+    assert load_config("gpu_quickstart").trainer.optimizer is None  # the GPU preset: megatron's, chosen on CUDA

@@ -126,6 +126,18 @@ def test_interrupt_during_run_stops_both_pumps_and_leaves_the_controller_steppab
     assert ctrl.trainer_version == T + 2
 
 
+def test_the_interrupt_test_passes_in_a_suite_started_with_sigint_ignored():
+    """As under ``nohup`` or ``trap '' INT``: the test process inherits SIGINT ignored. The interrupt test installs
+    the handler it relies on, so it passes instead of running for ever (before: a 25-minute hang, until killed)."""
+    test = "tests/test_run_loop.py::test_interrupt_during_run_stops_both_pumps_and_leaves_the_controller_steppable"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "--timeout", "120", test],
+        cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "1 passed" in proc.stdout
+
+
 # ------------------------------------------------------------------------------------------------- fail fast
 class Boom(RuntimeError):
     pass
