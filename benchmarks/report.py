@@ -273,6 +273,31 @@ def quickstart_number(name: str, what: str) -> Callable[[], str]:
     return make
 
 
+# --- bench_padding ------------------------------------------------------------------------------------------------
+PLAN_NAMES = {"padded (one batch)": "one padded batch (the old path)",
+              "sorted": "sorted, each micro-batch padded to its own longest",
+              "packed": "packed, rows as wide as the step's longest (Megatron's default)"}
+
+
+def padding_plans(name: str) -> Callable[[], str]:
+    def make() -> str:
+        plans = {p["plan"]: p for p in run("bench_padding", name)[0]["results"]["plans"]}
+        rows = [[label, f"{plans[plan]['positions_per_token']:.2f}", f"{plans[plan]['passes']:.0f}"]
+                for plan, label in PLAN_NAMES.items() if plan in plans]
+        return table(rows, ["plan", "positions / real token", "passes"])
+    return make
+
+
+def padding_steps(name: str) -> Callable[[], str]:
+    def make() -> str:
+        timed = sorted(run("bench_padding", name)[0]["results"]["timed"],
+                       key=lambda t: (t["engine"], ["rows", "sorted", "packed"].index(t["plan"])))
+        rows = [[t["engine"], t["plan"], f"{t['positions_per_token']:.2f}", f"{t['passes']:.0f}",
+                 f"{t['step_ms']:,.0f}", f"{t['speedup_vs_padded']:.2f}"] for t in timed]
+        return table(rows, ["engine", "plan", "positions / real token", "passes", "step ms", "vs padded"])
+    return make
+
+
 # --- the registry: marker name -> the function that writes what goes between its markers -------------------------
 TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
 QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
@@ -305,6 +330,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_long_tail": csv_table("bench_simulator", SIMULATOR, "long_tail.csv", digits=3),
     "simulator_determinism": csv_table("bench_simulator", SIMULATOR, "determinism.csv"),
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
+    "padding_plans": padding_plans("2026-12-01T2028Z"),
+    "padding_steps": padding_steps("2026-12-01T2028Z"),
 }
 
 
