@@ -116,6 +116,19 @@ def test_documented_command_loads_and_runs_a_step_on_cpu(where, kind, argv, tmp_
     if args.command == "run":
         args.quiet, args.resume, args.checkpoint_every = True, None, None
     monkeypatch.undo()
-    code = (cli.simulate if args.command == "simulate" else cli.run)(args)
+    ray_before = _ray_running()
+    try:
+        code = (cli.simulate if args.command == "simulate" else cli.run)(args)
+    finally:
+        if not ray_before and _ray_running():  # a Ray-placed command started Ray: leave none behind
+            import ray
+
+            ray.shutdown()
     assert code == 0, where
     assert (tmp_path / "out" / "metrics.csv").exists()
+
+
+def _ray_running() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
