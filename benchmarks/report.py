@@ -223,6 +223,8 @@ def bench_ab_wall(name: str, side: str = "a") -> Callable[[], str]:
 
 # --- any run directory's CSV as a table ---------------------------------------------------------------------------
 def _cell(value, digits: int) -> str:
+    if value is pd.NA:
+        return ""
     if isinstance(value, float):
         if pd.isna(value):
             return ""
@@ -238,6 +240,11 @@ def csv_table(bench: str, name: str, file: str = "rows.csv", columns: list[str] 
         meta, _ = run(bench, name)
         data = frame(bench, name, file)
         data = data[columns] if columns else data
+        for col in data.columns:  # a column of counts with gaps reads back as floats: show it as counts
+            values = data[col].dropna()
+            integral = len(values) and (values == values.round()).all()
+            if data[col].dtype.kind == "f" and integral and data[col].isna().any():
+                data[col] = data[col].astype("Int64")
         rows = [[_cell(v, digits) for v in row] for row in data.itertuples(index=False)]
         return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/{bench}/{name}/{file}`.{note}\n"
                 + table(rows, list(data.columns)))
@@ -332,6 +339,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "padding_plans": padding_plans("2026-12-01T2028Z"),
     "padding_steps": padding_steps("2026-12-01T2028Z"),
+    "bench_async_learning": csv_table("bench_async_learning", ASYNC_LEARNING, digits=3),
 }
 
 
