@@ -155,9 +155,7 @@ class VLLMGenerationConfig(_LongTail):
 
     @field_validator("device")
     @classmethod
-    def _first_visible_gpu(cls, device: str) -> str:
-        # vLLM builds its engine on the first GPU the process sees; a device index would only key the device lock
-        # while the engine ran elsewhere, so it is refused rather than silently ignored.
+    def _first_visible_gpu(cls, device: str) -> str:  # an index would only key the device lock, not the engine
         if device.startswith("cuda:") and device != "cuda:0":
             raise ValueError(
                 f"generation.device {device!r}: vLLM runs on the first GPU its process sees; choose the GPU with "
@@ -205,8 +203,9 @@ class SimulatedGeneration(_Knobs):
     load_s: float | None = Field(
         None, ge=0, description="seconds a replica stops decoding to load weights once they arrived (the two-H200 "
         "runs: load_weights 3.5 ms for 3.1M parameters, sync_load_s_median in "
-        "benchmarks/data/two_gpus_balanced_lr5e-4/runs.csv); None: the replica stops for its whole transfer "
-        "instead (receiving is loading: the model before link bandwidth, what the what_if numbers were made with)")
+        "benchmarks/data/bench_two_gpus/2026-11-30-balanced-g6-lr5e-4/rows.csv); None: the replica stops for its "
+        "whole transfer instead (receiving is loading: the model before link bandwidth, what the what_if numbers "
+        "were made with)")
     gpus_per_replica: int = Field(
         1, ge=1, description="GPUs one engine uses (tensor parallel); summary()['gpus'] counts them")
 
@@ -312,13 +311,10 @@ class MegatronTrainerConfig(_MicroBatched):
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
 
     @model_validator(mode="after")
-    def _megatron_optimizer_needs_cuda(self) -> "MegatronTrainerConfig":
-        # megatron-core's optimizer makes its own tensors on 'cuda' and accepts only torch.cuda.*Tensor parameters
-        # (megatron/core/optimizer/optimizer.py, clip_grads.py), so off CUDA it cannot be built at all.
+    def _megatron_optimizer_needs_cuda(self) -> "MegatronTrainerConfig":  # it takes only torch.cuda parameters
         if self.optimizer == "megatron" and not str(self.device).startswith("cuda"):
-            raise ValueError(
-                f"trainer.optimizer 'megatron' needs a CUDA device (megatron-core's optimizer makes its tensors on "
-                f"cuda); got trainer.device {self.device!r}: use optimizer 'torch' (the default off CUDA)")
+            raise ValueError(f"trainer.optimizer 'megatron' needs a CUDA device (megatron-core's optimizer makes its "
+                             f"tensors on cuda); got trainer.device {self.device!r}: use optimizer 'torch'")
         return self
 
     @property

@@ -567,10 +567,7 @@ class Controller:
         """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
         them: the newest intact one), built from ``config`` (default: the checkpoint's own), whose model must
         have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
-        Built from the checkpoint's own config, a custom sampler it names is refused unless ``trust_code=True``
-        (importing it runs code), and its ``ray.address`` is ignored (``RAY_ADDRESS`` or a local Ray; pass a
-        config to join a cluster).
-
+        ``trust_code``: what a restore without a config may import, and where it connects (asyncrl/checkpoint.py).
         When the sampler differs from the checkpoint's, the capacity is the new sampler's and the restored
         groups are, with ``on_sampler_change="rejudge"``, judged by the new sampler's rules: groups it can never
         train (no ``target_step`` under a stamping sampler such as ``in_order``) and groups beyond its capacity

@@ -1,7 +1,7 @@
 """The what-if simulator checked against GPU runs: fit its latency model to one ``bench_two_gpus.py`` output, predict
 steps/s and async / sync, and compare with what was measured, on the same layout and on the other one.
 
-    python benchmarks/calibrate_gpus.py benchmarks/data/two_gpus_balanced_lr5e-4 [benchmarks/data/one_gpu_balanced]
+    python benchmarks/calibrate_gpus.py benchmarks/data/bench_two_gpus/2026-11-30-balanced-g6-lr5e-4 [ONE_GPU_RUN_DIR]
         [--steps 300] [--host-share 0.5] [--admission wave[,streaming]] [--no-record]
 
 Each directory is one invocation of ``bench_two_gpus.py`` (``runs.csv``, or ``rows.csv`` as ``benchmarks/record.py``
