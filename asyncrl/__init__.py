@@ -14,6 +14,8 @@ _LAZY = {
     "ReplayBuffer": "asyncrl.buffer",
     "TraceRow": "asyncrl.trace",  # what Controller.subscribe delivers for each trace event
     "StepEvent": "asyncrl.trace",  # ... and for each finished step, with its metrics row
+    "Recording": "asyncrl.recording",  # scrub a run directory or a live controller
+    "attach": "asyncrl.remote",  # control a live `asyncrl run` through its socket
 }
 
 

@@ -11,7 +11,6 @@ rewritten to hold exactly the steps of one uninterrupted history).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import signal
 import sys
@@ -45,15 +44,16 @@ def parse_overrides(pairs: list[str]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv.
-    Exit 0 when the run completed (or the data ran out), 130 on Ctrl-C (the files hold every finished step),
-    1 when it failed; summary.json says which (``status``) and why."""
+    """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv (and
+    trace_index.csv, which lets ``asyncrl.Recording`` scrub it), listening on DIR/control.sock for
+    ``asyncrl.attach`` meanwhile. Exit 0 when the run completed (or the data ran out) or was stopped by an attached
+    controller, 130 on Ctrl-C (the files hold every finished step), 1 when it failed; summary.json says which
+    (``status``) and why."""
     import yaml
 
     from asyncrl.checkpoint import CheckpointSkipped, resolve
     from asyncrl.config import load_config
     from asyncrl.controller import Controller
-    from asyncrl.trace import StepEvent, TraceRow
 
     stop = {"asked": False, "handle": None}
 
@@ -93,21 +93,29 @@ def run(args: argparse.Namespace) -> int:
         print(_error_message(exc), file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)
+    from asyncrl.remote import ControlServer
+
+    try:  # a live run in this directory answers on its socket: refuse before touching its files
+        server = ControlServer(out, ctrl, lambda: stop["handle"], lambda: stop.update(remote=True)).start()
+    except (RuntimeError, OSError) as exc:
+        print(f"asyncrl run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        return _run(args, ctrl, cfg, out, stop, on_sigint)
+    finally:
+        server.close()  # last: an attached Remote that sees it hang up knows every file is written
+
+
+def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
+    """The run itself, its files and its summary (``run`` checked everything and listens for ``attach``)."""
+    import yaml
+
+    from asyncrl.recording import RunFiles
+
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    metrics, trace = _CsvLog(out / "metrics.csv"), _CsvLog(out / "trace.csv")
-    events: list[TraceRow] = []  # written at each step (and at the end), with the step's metrics row
-
-    def on_event(event: TraceRow | StepEvent) -> None:
-        events.append(event.row if isinstance(event, StepEvent) else event)
-        if isinstance(event, StepEvent):
-            trace.write(row._asdict() for row in events)
-            events.clear()
-            metrics.write([dict(event.metrics)])
-
-    # history=True: a resumed run's files start from its checkpoint's history, not the old files
-    subscription = ctrl.subscribe(on_event, history=True)
-    trace.write(row._asdict() for row in events)
-    events.clear()
+    # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/recording.py); history=True: a
+    # resumed run's files start from its checkpoint's history, not the old files
+    files = RunFiles(out).attach(ctrl)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     error = None
@@ -122,11 +130,9 @@ def run(args: argparse.Namespace) -> int:
         traceback.print_exception(exc)
     finally:
         signal.signal(signal.SIGINT, previous)
-    subscription.cancel()
-    trace.write(row._asdict() for row in events)  # after the last step
-    metrics.close()
-    trace.close()
-    status = "failed" if error is not None else "interrupted" if stop["asked"] else "completed"
+    files.close()
+    status = ("failed" if error is not None else "interrupted" if stop["asked"] else
+              "stopped" if stop.get("remote") else "completed")
     handle = stop["handle"]
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
     if error is not None:
@@ -142,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     print(json.dumps(summary))
     if status == "completed":
         print(_learning(ctrl, final))
-    return {"completed": 0, "interrupted": 130}.get(status, 1)
+    return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status, 1)
 
 
 def _check_writable(out: Path) -> None:
@@ -158,40 +164,6 @@ def _check_writable(out: Path) -> None:
         tempfile.TemporaryDirectory(dir=probe, prefix=".asyncrl-probe-").cleanup()
     except OSError as exc:
         raise ValueError(f"--out {str(out)!r}: cannot create files in {str(probe)!r} ({exc.strerror or exc})") from exc
-
-
-class _CsvLog:
-    """A CSV file that grows by rows while a run goes, flushed after every write. A row bringing a new column
-    rewrites the file with the wider header (metrics gain ``eval_*`` columns at the first evaluation)."""
-
-    def __init__(self, path: Path):
-        self.file = open(path, "w", newline="")
-        self.columns: list[str] = []
-        self.rows: list[dict] = []
-
-    @property
-    def count(self) -> int:
-        return len(self.rows)
-
-    def write(self, rows) -> None:
-        rows = list(rows)
-        if not rows:
-            return
-        self.rows.extend(rows)
-        new = list(dict.fromkeys(k for row in rows for k in row if k not in self.columns))
-        if new:
-            self.columns += new
-            self.file.seek(0)
-            self.file.truncate()
-            writer = csv.DictWriter(self.file, self.columns)
-            writer.writeheader()
-            writer.writerows(self.rows)
-        else:
-            csv.DictWriter(self.file, self.columns).writerows(rows)
-        self.file.flush()
-
-    def close(self) -> None:
-        self.file.close()
 
 
 def _plot(ctrl, path: Path) -> None:

@@ -19,8 +19,8 @@ Invariants:
   (A generator that stages weights — vLLM behind the collective sync — reports the staged version as soon as the
   receive completed, before the sync returns, and swaps the weights in before its next wave; a wave already running
   finishes on the old ones. Groups carry the version they were really generated with.)
-- Stepping is deterministic for a seed: the torch generator consumes its own seeded RNG once per generate call,
-  and step mode generates each dispatched batch inside the tick that dispatched it.
+- With a gated sampler the schedule does not depend on timing, stepped or threaded: ``_finish_step`` admits the
+  batches due at the old ``T`` before the sync, and a generator generates what was submitted before a weight load.
 """
 
 from __future__ import annotations
@@ -170,7 +170,7 @@ class Controller:
             decide = reasoned(self.sampler)  # each decision with the words its verdict gives, for the trace
             for slot, reason in decide.evict_reasoned(T):
                 report.evicted.append(slot.group_id)
-                self._step.add({"groups_evicted": 1})
+                self._step.add({"groups_evicted": 1, **M.skew("drop", [slot.rollouts])})
                 state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
                              "", reason)
             remaining = N - self._step.groups
@@ -236,7 +236,7 @@ class Controller:
         self._step.add({
             "reward_mean": sum(rewards), "completions": len(rewards), "lag_mean": sum(lags), "lag_max": max(lags),
             "groups": len(chunk), "chunks": 1, "completion_tokens": sum(g.num_tokens for g in groups),
-            "train_time_s": time.perf_counter() - train_start,
+            "train_time_s": time.perf_counter() - train_start, **M.skew("train", groups),
         })
         self._state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
                            reason=f"chunk {chunk_index} of step {T}")
@@ -253,7 +253,7 @@ class Controller:
         state = self._state
         T = state.trainer_version + 1
         sync_start = time.perf_counter()
-        self._rollout.sync_generator(T)
+        self._rollout.sync_generator(T, report)  # first admits the batches due at the old T (admit_due)
         sync_s = time.perf_counter() - sync_start
         state.trainer_version = T
         state.record(SYNC, None, T, reason=f"generator now holds weights {T}")  # no timings: traces replay
@@ -274,7 +274,7 @@ class Controller:
         row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
             M.STEP.name: T - 1,
             M.TRAINER_VERSION.name: T,
-            **self._step.result(),
+            **self._step.result(), **self._rollout.take_skew(),  # M.GEN_METRICS: committed this step
             M.STEP_TIME_S.name: elapsed,
             M.TOKENS_PER_S.name: self._step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
             M.SYNC_TIME_S.name: sync_s,

@@ -135,6 +135,37 @@ STEP_METRICS: tuple[Metric, ...] = (
                            "and forward/backward, and the optimizer step"),
 )
 
+# --- what the sampler skews: completion length and reward of the groups generated, trained and dropped per step ---
+# (``skew`` makes the contributions). Side by side they show what a policy's choices do to the training data:
+# eviction and ready-first favour short answers when lengths are long-tailed (widgets.bias_figure).
+SKEW_KINDS = {"gen": "committed", "train": "trained", "drop": "evicted or aborted"}
+SKEW_COUNT = {"gen": "gen_completions", "train": "completions", "drop": "drop_completions"}
+SKEW_LEN = {kind: Metric(f"{kind}_len_mean", "mean", f"mean completion tokens of the groups {what} this step",
+                         over=SKEW_COUNT[kind], empty=math.nan) for kind, what in SKEW_KINDS.items()}
+SKEW_REWARD = {kind: Metric(f"{kind}_reward_mean", "mean", f"mean reward of the completions of the groups {what} "
+                            "this step", over=SKEW_COUNT[kind], empty=math.nan) for kind, what in SKEW_KINDS.items()}
+STEP_METRICS += (
+    Metric("drop_completions", "sum", "completions of the groups evicted or aborted this step (an abort in "
+           "flight has none)"),
+    SKEW_LEN["train"], SKEW_REWARD["train"], SKEW_LEN["drop"], SKEW_REWARD["drop"],
+)
+GEN_METRICS: tuple[Metric, ...] = (  # made by the rollout pump, which commits (RolloutPump.take_generated)
+    Metric("gen_completions", "sum", "completions of the groups committed this step"),
+    SKEW_LEN["gen"], SKEW_REWARD["gen"],
+)
+
+
+def skew(kind: str, groups: Iterable) -> dict[str, float]:
+    """Contributions of ``groups`` (rollouts with ``completion_ids`` and ``rewards``; None or unscored ones are
+    left out: a group aborted in flight has no completions) to the ``kind`` skew metrics (``SKEW_KINDS``). The
+    trained groups' count is ``completions``, which the train chunk adds itself."""
+    groups = [g for g in groups if g is not None and g.rewards is not None]
+    out = {SKEW_LEN[kind].name: sum(len(c) for g in groups for c in g.completion_ids),
+           SKEW_REWARD[kind].name: sum(float(r) for g in groups for r in g.rewards)}
+    if kind != "train":
+        out[SKEW_COUNT[kind]] = sum(len(g.rewards) for g in groups)
+    return out
+
 STEP = Column("step", "the optimizer step the row reports (T - 1 once it is done)")
 TRAINER_VERSION = Column("trainer_version", "T after the step")
 STEP_TIME_S = Column("step_time_s", "seconds the step took, active time only (not a pause between hand ticks)")
@@ -145,7 +176,8 @@ INFLIGHT = Column("inflight", "groups in flight at the end of the step")
 EVAL_REWARD = Column("eval_reward", "held-out greedy reward after the step (every eval_every steps, else absent)")
 EVAL_ACCURACY = Column("eval_accuracy", "held-out greedy accuracy after the step (every eval_every steps)")
 STEP_FACTS: tuple[Column, ...] = (STEP, TRAINER_VERSION, STEP_TIME_S, TOKENS_PER_S, SYNC_TIME_S, BUFFERED, INFLIGHT)
-"""A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, the rest of ``STEP_FACTS``,
+"""A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, ``GEN_METRICS`` (the
+rollout pump's), the rest of ``STEP_FACTS``,
 the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT`` (below), a generator's optional
 ``step_metrics()``, and ``EVAL_REWARD``/``EVAL_ACCURACY`` every ``eval_every`` steps."""
 

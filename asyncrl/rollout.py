@@ -21,7 +21,9 @@ from typing import Any
 from asyncrl.backends.base import ActorBackend, is_dead_actor
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import FaultContainment, RewardTypeError, StepShortfall, describe, reward_problem
+from asyncrl.metrics import GEN_METRICS, Accumulator, skew
 from asyncrl.reports import TickReport
+from asyncrl.samplers import GatedAdmission
 from asyncrl.state import RunState
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, FAULT, REFUSE, SKIP
 
@@ -40,6 +42,7 @@ class RolloutPump:
         self._skipped: list[int] = []  # since the last report
         self._shortfall: dict[int, list[int]] = {}  # stamped steps that lost groups nothing replaced
         self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
+        self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self, wait_s: float = 0.0) -> TickReport:
@@ -51,42 +54,63 @@ class RolloutPump:
         return report
 
     def _admit(self) -> TickReport:
-        ctrl, s = self.ctrl, self.state
-        N, T = self.cfg.groups_per_step, s.trainer_version
-        report = TickReport("rollout", T)
+        report = TickReport("rollout", self.state.trainer_version)
+        report.note = self._no_room() or ""
+        if not report.note:
+            self._admit_batch(report, trace_refusal=True)
+        report.skipped.extend(self.take_skipped())
+        return report
+
+    def admit_due(self, report: TickReport) -> None:
+        """In the section that moves ``T`` (under the lock, before the weight sync): admit every batch a gated
+        sampler lets through at the old ``T``. The gate never admits batch ``k`` before ``T = k - W``; this makes
+        sure it is admitted by then, so its weight version is ``max(0, k - W)`` however late the rollout pump is
+        (docs/samplers.md, "Timing-independent schedules"). An ungated sampler (``windowed``) admits on rollout
+        ticks only: its gate is always open."""
+        if isinstance(self.ctrl.sampler, GatedAdmission) and self.ctrl.sampler.gated:
+            while not self._no_room() and self._admit_batch(report, trace_refusal=False):
+                pass
+
+    def _no_room(self) -> str | None:
+        """Why no batch may be dispatched now (the buffer, the in-flight limit, the stream), or None."""
+        ctrl, s, N = self.ctrl, self.state, self.cfg.groups_per_step
         limit = self.cfg.max_inflight_groups
         if s.exhausted:
-            report.note = "no dispatch: the prompt stream is exhausted"
-        elif len(ctrl.buffer) + N > ctrl.capacity:
-            report.note = (f"no dispatch: buffer holds {len(ctrl.buffer)}, a batch of {N} needs room (capacity "
-                           f"{ctrl.capacity})")
-        elif limit is not None and len(s.inflight) + N > limit:
-            report.note = f"no dispatch: {len(s.inflight)} in flight, limit {limit}"
-        elif s.unsent:
-            report.note = f"no dispatch: {len(s.unsent)} group(s) wait to be re-submitted to the generation backend"
-        elif ctrl.stream.exhausted(s.data_position + N - 1):
+            return "no dispatch: the prompt stream is exhausted"
+        if len(ctrl.buffer) + N > ctrl.capacity:
+            return (f"no dispatch: buffer holds {len(ctrl.buffer)}, a batch of {N} needs room (capacity "
+                    f"{ctrl.capacity})")
+        if limit is not None and len(s.inflight) + N > limit:
+            return f"no dispatch: {len(s.inflight)} in flight, limit {limit}"
+        if s.unsent:
+            return f"no dispatch: {len(s.unsent)} group(s) wait to be re-submitted to the generation backend"
+        if ctrl.stream.exhausted(s.data_position + N - 1):
             s.exhausted = True
-            report.note = "no dispatch: fewer prompts left than a batch; the stream is exhausted"
-        else:
-            gate = ctrl.sampler.explain_admission(T)  # asked first: admit changes what it would say
-            admission = ctrl.sampler.admit(T)
-            report.admitted = admission
-            if admission is None:
+            return "no dispatch: fewer prompts left than a batch; the stream is exhausted"
+        return None
+
+    def _admit_batch(self, report: TickReport, trace_refusal: bool) -> bool:
+        """Ask the sampler; on an admission dispatch one batch and submit it. False when the gate is shut."""
+        ctrl, s, T = self.ctrl, self.state, self.state.trainer_version
+        gate = ctrl.sampler.explain_admission(T)  # asked first: admit changes what it would say
+        admission = ctrl.sampler.admit(T)
+        if admission is None:
+            if trace_refusal:
                 report.note = f"gate closed: {gate}"
                 if gate != self._refused:  # once per distinct refusal: a running pump asks a shut gate every poll
                     self._refused = gate
                     s.record(REFUSE, detail=f"batch {ctrl.sampler.dispatch_index + 1}", reason=gate)
-                return report
-            self._refused = None
-            version = self.generation_call("version", lambda: ctrl.generator.version)
-            if version is FAILED:  # the fault is recorded; under the lock the generator holds weights T
-                version = T
-            s.record(ADMIT, None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
-            for _ in range(N):
-                report.dispatched.append(self._dispatch(version, admission.target_step, ""))
-            self.flush_unsent()
-        report.skipped.extend(self.take_skipped())
-        return report
+            return False
+        report.admitted = admission
+        self._refused = None
+        version = self.generation_call("version", lambda: ctrl.generator.version)
+        if version is FAILED:  # the fault is recorded; under the lock the generator holds weights T
+            version = T
+        s.record(ADMIT, None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
+        for _ in range(self.cfg.groups_per_step):
+            report.dispatched.append(self._dispatch(version, admission.target_step, ""))
+        self.flush_unsent()  # one submit per batch: the generator decodes each batch on its own
+        return True
 
     def _dispatch(self, version: int, target_step: int | None, why: str) -> int | None:
         """The next prompt as a new group (slot reserved, in flight, queued for ``submit``); None when the stream
@@ -167,6 +191,7 @@ class RolloutPump:
                     s.unsent[:] = [r for r in s.unsent if r.group_id != group.group_id]
                 slot = buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version)
                 report.committed.append(group.group_id)
+                self._skew.add(skew("gen", [group]))
                 s.record(COMMIT, slot.group_id, slot.weight_version, slot.target_step, None,
                          f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
                          f"generated with weights {group.gen_start_version}..{group.gen_end_version}"
@@ -244,8 +269,11 @@ class RolloutPump:
         s.unsent.clear()
         self._redispatch(lost, "lost with the dead generator actor")
 
-    def sync_generator(self, version: int) -> None:
-        """Load weights ``version`` into the generator; a dead generator actor is restarted with them."""
+    def sync_generator(self, version: int, report: TickReport | None = None) -> None:
+        """Load weights ``version`` into the generator; a dead generator actor is restarted with them. At the end
+        of a step (``report``: its train tick's) ``admit_due`` runs first, at the old ``T``."""
+        if report is not None:
+            self.admit_due(report)
         try:
             self.ctrl.sync_weights(version)
         except Exception as exc:
@@ -303,6 +331,11 @@ class RolloutPump:
         tokens, seconds = self._generated
         self._generated = [0, 0.0]
         return tokens, seconds
+    def take_skew(self) -> dict[str, float]:
+        """``GEN_METRICS`` of the groups committed since the last call (the step that finishes now counts them)."""
+        out = self._skew.result()
+        self._skew.reset()
+        return out
 
     def take_skipped(self) -> list[int]:
         out, self._skipped = self._skipped, []

@@ -37,6 +37,7 @@ TIERS = [
     # the rollout pump, the background run and the checkpoint format the controller uses
     ["asyncrl.rollout", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
+    ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.simulate_plots"],
     ["asyncrl.simulate"],  # drives a controller on the simulated backends
     ["asyncrl.cli"],

@@ -6,12 +6,17 @@ Plain renderings (pandas DataFrames and matplotlib Figures, for static notebooks
     widgets.buffer_figure(ctrl)    widgets.buffer_table(ctrl)
     widgets.verdict_table(ctrl, action="evict")
     widgets.metrics_figure(ctrl)   widgets.lag_table(ctrl)
+    widgets.bias_figure(ctrl)      widgets.skew_table(ctrl)     (what the sampler skews)
+    widgets.replay_figure(rec.at(step, event))                  (a recorded view: asyncrl.Recording)
 
 Interactive views (ipywidgets): ``StepControls``, ``BufferView``, ``VerdictTable``, ``MetricsView`` and
-``Dashboard(ctrl)`` composing them. Only the controller's public read API and its stepping/run methods are used.
+``Dashboard(ctrl)`` composing them, and ``Replay(rec)`` (sliders over a recording). Only the controller's public
+read API and its stepping/run methods are used, so every view takes a recorded view (``Recording.at``) where it
+takes a controller, and ``Dashboard`` takes an attached run (``asyncrl.attach``).
 """
 
 from widgets.render import (
+    bias_figure,
     buffer_figure,
     buffer_table,
     draw_buffer,
@@ -20,11 +25,13 @@ from widgets.render import (
     draw_throughput,
     lag_table,
     metrics_figure,
+    replay_figure,
+    skew_table,
     step_events,
     verdict_table,
 )
 
-_VIEWS = ("StepControls", "BufferView", "VerdictTable", "MetricsView", "Dashboard")
+_VIEWS = ("StepControls", "BufferView", "VerdictTable", "MetricsView", "Dashboard", "Replay")
 
 
 def __getattr__(name: str):
@@ -37,5 +44,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "buffer_figure", "buffer_table", "draw_buffer", "draw_lags", "draw_reward", "draw_throughput", "lag_table",
-    "metrics_figure", "step_events", "verdict_table", *_VIEWS,
+    "metrics_figure", "step_events", "verdict_table", "bias_figure", "skew_table", "replay_figure", *_VIEWS,
 ]

@@ -19,8 +19,13 @@ from asyncrl.metrics import (
     EVALUATED_VERSION,
     GEN_TOKENS_PER_S,
     HELD_OUT_ACCURACY,
+    LAG_MEAN,
     MFU,
     REWARD_MEAN,
+    SKEW_COUNT,
+    SKEW_KINDS,
+    SKEW_LEN,
+    SKEW_REWARD,
     STEP,
     TOKENS_PER_S,
     TRAIN_PADDED_TOKENS,
@@ -236,6 +241,101 @@ def metrics_figure(ctrl, figsize=(14.4, 3.2)) -> Figure:
     draw_reward(ctrl, axes[0])
     draw_lags(ctrl, axes[1])
     draw_throughput(ctrl, axes[2])
+    return fig
+
+
+SKEW_COLOURS = {"gen": "#8C8C8C", "train": "#55A868", "drop": "#C44E52"}
+SKEW_LABELS = {"gen": "generated", "train": "trained", "drop": "dropped"}
+
+
+def skew_table(ctrl) -> pd.DataFrame:
+    """What the sampler skews, over the run so far: for the groups generated, trained and dropped (evicted or
+    aborted), the completion-weighted mean completion length and reward, the completions, and the steps that had
+    any (from the per-step ``*_len_mean`` / ``*_reward_mean`` metrics)."""
+    metrics, rows = ctrl.metrics, {}
+    for kind in SKEW_KINDS:
+        if metrics.empty or SKEW_LEN[kind].name not in metrics:
+            rows[SKEW_LABELS[kind]] = {"completions": 0, "steps": 0, "len_mean": float("nan"),
+                                       "reward_mean": float("nan")}
+            continue
+        n = metrics[SKEW_COUNT[kind]].fillna(0)
+        has = n > 0
+        rows[SKEW_LABELS[kind]] = {
+            "completions": int(n.sum()), "steps": int(has.sum()),
+            "len_mean": float((metrics[SKEW_LEN[kind].name][has] * n[has]).sum() / n.sum()) if n.sum() else
+            float("nan"),
+            "reward_mean": float((metrics[SKEW_REWARD[kind].name][has] * n[has]).sum() / n.sum()) if n.sum() else
+            float("nan"),
+        }
+    return pd.DataFrame.from_dict(rows, orient="index")
+
+
+def draw_bias(ctrl, axes) -> None:
+    """Two Axes: completion length and reward of the groups generated, trained and dropped, side by side: the
+    distribution of the per-step means (a box per kind) and the run's completion-weighted mean (a diamond)."""
+    metrics, table = ctrl.metrics, skew_table(ctrl)
+    for ax, (what, metric) in zip(axes, (("completion length (tokens)", SKEW_LEN), ("reward", SKEW_REWARD))):
+        data, labels, colours, means = [], [], [], []
+        for kind in SKEW_KINDS:
+            values = metrics[metric[kind].name].dropna() if metric[kind].name in metrics else pd.Series(dtype=float)
+            row = table.loc[SKEW_LABELS[kind]]
+            data.append(values.values)
+            labels.append(f"{SKEW_LABELS[kind]}\n{int(row.completions):,} completions")
+            colours.append(SKEW_COLOURS[kind])
+            means.append(row.len_mean if metric is SKEW_LEN else row.reward_mean)
+        positions = range(1, len(data) + 1)
+        shown = [(p, d, c) for p, d, c in zip(positions, data, colours) if len(d)]
+        if shown:
+            boxes = ax.boxplot([d for _, d, _ in shown], positions=[p for p, _, _ in shown], widths=0.55,
+                               patch_artist=True, showfliers=False, medianprops={"color": "black"})
+            for patch, (_, _, colour) in zip(boxes["boxes"], shown):
+                patch.set(facecolor=colour, alpha=0.45)
+        ax.scatter(list(positions), means, marker="D", color=colours, zorder=3, s=30, label="run mean")
+        ax.set_xticks(list(positions), labels, fontsize=8)
+        ax.set_xlim(0.4, len(data) + 0.6)
+        ax.set_title(what, fontsize=10)
+        ax.set_ylabel("per-step mean")
+        if not any(len(d) for d in data):
+            ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+    axes[0].legend(fontsize=8, loc="upper right", frameon=False)
+
+
+def bias_figure(ctrl, figsize=(8.4, 3.2), title: str | None = None) -> Figure:
+    """What the sampler skews (``draw_bias``): a controller, a recorded view or an attached run."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    draw_bias(ctrl, fig.subplots(1, 2))
+    state = ctrl.state()
+    fig.suptitle(title or f"{state.sampler}: what is generated, trained and dropped", fontsize=10)
+    return fig
+
+
+def draw_lag_history(ctrl, ax) -> None:
+    """Mean and largest lag of the groups trained per step, so far (a view: through its step)."""
+    metrics = ctrl.metrics
+    ax.set_title("lag of trained groups", fontsize=10)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("lag (T - weight version)")
+    if metrics.empty:
+        ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
+        return
+    ax.step(metrics[STEP.name], metrics["lag_max"], where="mid", color="#C44E52", lw=1, label="largest")
+    ax.plot(metrics[STEP.name], metrics[LAG_MEAN.name], color="#4C72B0", lw=1.5, label="mean")
+    ax.plot(metrics[STEP.name].iloc[-1:], metrics[LAG_MEAN.name].iloc[-1:], "o", color="#4C72B0")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(bottom=-0.1)
+    ax.legend(fontsize=8, loc="upper left", frameon=False)
+
+
+def replay_figure(view, figsize=(12.0, 3.4), verdicts: pd.DataFrame | None = None) -> Figure:
+    """A recorded view (``Recording.at``): the buffer by weight version at that row, and the lag history to it."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    left, right = fig.subfigures(1, 2, width_ratios=[1.75, 1])
+    draw_buffer(view, left.add_subplot(), verdicts)
+    draw_lag_history(view, right.add_subplot())
+    row = view.row
+    fig.suptitle(f"step {view.step}, trace row {row.seq}: {row.event}"
+                 + (f" group {row.group_id}" if row.group_id is not None else "")
+                 + (f" ({row.reason[:90]})" if row.reason else ""), fontsize=10)
     return fig
 
 

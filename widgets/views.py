@@ -274,3 +274,58 @@ class Dashboard(W.VBox):
         for view in (self.controls, self.verdicts, self.metrics):
             view.refresh()
         self.buffer.refresh(verdicts=self.verdicts._verdicts)  # the table's explain(): one per refresh
+
+
+class Replay(W.VBox):
+    """Scrub a recording (``asyncrl.Recording``): a slider over its finished steps and one over the trace rows of
+    the chosen step (the last row is the step itself, ``rec.at(step)``); each move redraws the buffer by weight
+    version and the lag to that point (``render.replay_figure``) and the sampler's verdicts there
+    (``view.explain()``). ``view`` is the ``RecordedView`` shown."""
+
+    def __init__(self, rec, step: int | None = None, event: int | None = None):
+        self.rec = rec
+        steps = rec.steps
+        if not steps:
+            raise ValueError(f"{rec!r} has no finished step to replay yet")
+        step = steps[-1] if step is None else step
+        self.step = W.IntSlider(value=step, min=steps[0], max=steps[-1], description="step",
+                                continuous_update=False, layout=W.Layout(width="520px"))
+        self.step.add_class("asyncrl-replay-step")
+        self.event = W.IntSlider(description="event", continuous_update=False, layout=W.Layout(width="520px"))
+        self.event.add_class("asyncrl-replay-event")
+        self.caption = W.HTML()
+        self.image = W.Image(format="png")
+        self.image.add_class("asyncrl-replay-image")
+        self.table = W.HTML(layout=W.Layout(max_height="260px", overflow="auto"))
+        self.table.add_class("asyncrl-replay-verdicts")
+        self._moving = False
+        super().__init__([W.HBox([self.step, self.event]), self.caption, self.image, self.table])
+        self.add_class("asyncrl-replay")
+        self.step.observe(lambda change: self._set_events(change["new"], None), names="value")
+        self.event.observe(lambda _change: self._moving or self.refresh(), names="value")
+        self._set_events(step, event)
+
+    def _set_events(self, step: int, event: int | None) -> None:
+        """The event slider spans the step's rows; a new step starts at its end (the step itself)."""
+        n = self.rec.events(step)
+        self._moving = True
+        try:
+            self.event.max = n - 1
+            self.event.value = n - 1 if event is None else event
+        finally:
+            self._moving = False
+        self.refresh()
+
+    def refresh(self) -> None:
+        self.view = self.rec.at(self.step.value, event=self.event.value)
+        verdicts = self.view.explain()
+        self.caption.value = f"<code>{html.escape(repr(self.view))}</code>"
+        self.image.value = render.png(render.replay_figure(self.view, verdicts=verdicts
+                                                           if "note" not in verdicts.attrs else None), dpi=80)
+        if verdicts.empty:
+            self.table.value = f"<p>T={self.view.trainer_version}: no buffered groups</p>"
+            return
+        note = f"<p>{html.escape(verdicts.attrs['note'])}</p>" if "note" in verdicts.attrs else ""
+        rows = verdicts.drop(columns=["state"]).to_html(index=False, na_rep="", border=0, classes="asyncrl-table")
+        self.table.value = (f"{TABLE_CSS}<p><b>verdicts at T={self.view.trainer_version}</b> (re-judged by the run's "
+                            f"sampler)</p>{note}{rows}")

@@ -11,11 +11,13 @@ How:
   torch thread count, then serves two pipes: *generation* (``poll``) and *control* (weight loads and every other
   method). It handles one message at a time, so a weight load never interleaves a generation, as with the
   in-process generator's lock.
-- ``submit`` and ``abort`` never cross the pipe: requests wait in the parent until ``poll`` sends everything
-  queued as one batch and waits for the child to generate it (``submit`` + ``poll(None)`` there). That keeps the
-  in-process generator's contract exactly: ``poll`` generates what is queued, ``abort`` cancels what is still
-  queued and a group being generated finishes; and one generate call per polled batch draws the same random
-  numbers in the same order, so a seeded run gives bit-identical tokens in either placement (same threads).
+- ``submit`` and ``abort`` never cross the pipe: requests wait in the parent until ``poll`` sends what is queued,
+  one generate call per ``submit`` call, and waits for the child to generate it (``submit`` + ``poll(None)``
+  there); ``load_weights`` first generates what is still queued (drain). That keeps the in-process generator's
+  contract exactly: ``poll`` generates what is queued, a load never changes the weights of a group submitted
+  before it, ``abort`` cancels what is still queued and a group being generated finishes; and one decode per
+  submitted batch draws the same random numbers in the same order, so a seeded run gives bit-identical tokens in
+  either placement (same threads).
   While ``poll`` waits on the pipe the parent's interpreter lock is free for training.
 - Weights: the first ``load_weights`` allocates one shared-memory tensor per weight (``share_memory_()``) and hands
   them to the child once; each load then copies into them and sends only ``("load", version)``; the child copies
@@ -133,8 +135,9 @@ class ProcessGenerator:
         gen_child.close()  # only the child holds these ends now: its death is an EOF here, not a hang
         ctl_child.close()
         self._gen, self._ctl = _Channel(gen_parent), _Channel(ctl_parent)
-        self._queue: list = []
+        self._queue: list[list] = []  # one list per submit call
         self._queue_lock = threading.Lock()
+        self._drain = threading.Lock()  # taking the queue and generating it, or a load: never interleaved
         self._running = 0
         self._late: list = []  # groups of an interrupted poll, returned by the next one
         self._staging: dict[str, torch.Tensor] | None = None
@@ -195,35 +198,43 @@ class ProcessGenerator:
 
     def submit(self, requests: Sequence) -> None:
         with self._queue_lock:
-            self._queue.extend(requests)
+            self._queue.append(list(requests))
 
     def num_inflight(self) -> int:
         with self._queue_lock:
-            return len(self._queue) + self._running + len(self._late)
+            return sum(map(len, self._queue)) + self._running + len(self._late)
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         """Remove still-queued groups; a group already being generated finishes (and is not listed)."""
         wanted = set(group_ids)
         with self._queue_lock:
-            removed = [r.group_id for r in self._queue if r.group_id in wanted]
+            removed = [r.group_id for batch in self._queue for r in batch if r.group_id in wanted]
             if removed:
-                self._queue = [r for r in self._queue if r.group_id not in wanted]
+                batches = ([r for r in batch if r.group_id not in wanted] for batch in self._queue)
+                self._queue = [batch for batch in batches if batch]
         return removed
 
     def poll(self, timeout: float | None = 0.0) -> list:
-        """Generate everything queued now in the child, as one batch, and return it (with the groups of an
-        interrupted earlier poll); ``[]`` when nothing is queued. Like the in-process generator, ``timeout`` never
-        makes it wait longer than the generation itself."""
+        """Generate everything queued now in the child, one call per submitted batch, and return it (with the
+        groups of an interrupted earlier poll or of a load's drain); ``[]`` when nothing is queued. Like the
+        in-process generator, ``timeout`` never makes it wait longer than the generation itself."""
+        with self._drain:
+            done = self._generate_queued()
+            late, self._late = self._late, []
+        return late + done
+
+    def _generate_queued(self) -> list:
         with self._queue_lock:
-            requests, self._queue = self._queue, []
-            self._running += len(requests)
+            batches, self._queue = self._queue, []
+            self._running += sum(map(len, batches))
+        done: list = []
         try:
-            done = self._call(self._gen, "generate", requests) if requests else []
+            for requests in batches:
+                done += self._call(self._gen, "generate", requests)
         finally:
             with self._queue_lock:
-                self._running -= len(requests)
-        late, self._late = self._late, []
-        return late + done
+                self._running -= sum(map(len, batches))
+        return done
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` into the shared staging tensors, then have the child load them; returns (and moves
@@ -241,7 +252,9 @@ class ProcessGenerator:
                     self._staging[name].copy_(tensor)
             return int(version), None
 
-        self._version = self._call(self._ctl, "load", prepare=stage)
+        with self._drain:  # what was submitted before the load is generated with the weights it was submitted for
+            self._late += self._generate_queued()
+            self._version = self._call(self._ctl, "load", prepare=stage)
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list:
         return self._call(self._ctl, "call", "generate_greedy", (prompts, max_new_tokens))

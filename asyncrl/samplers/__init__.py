@@ -18,6 +18,7 @@ from pydantic import Field, TypeAdapter
 from asyncrl.samplers.base import (
     Admission,
     AdmitsAhead,
+    GatedAdmission,
     KnobModel,
     PromptGroupSampler,
     ReasonedDecisions,
@@ -73,7 +74,7 @@ def explain_frame(verdicts: list[Verdict]):
 
 
 __all__ = [
-    "Admission", "AdmitsAhead", "PromptGroupSampler", "ReasonedDecisions", "reasoned", "StalenessWindow",
+    "Admission", "AdmitsAhead", "GatedAdmission", "PromptGroupSampler", "ReasonedDecisions", "reasoned", "StalenessWindow",
     "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
     "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),

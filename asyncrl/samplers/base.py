@@ -173,6 +173,15 @@ class AdmitsAhead(Protocol):
     admits_ahead: bool
 
 
+@runtime_checkable
+class GatedAdmission(Protocol):
+    """Optional: whether the sampler's gate admits batch ``k`` only once ``k <= T + W`` (``SamplerBase.gated``).
+    The section that moves ``T`` then admits every batch still due at the old ``T`` before the weight sync, so a
+    batch's weight version never depends on how fast the rollout pump is (docs/samplers.md). Without it: False."""
+
+    gated: bool
+
+
 class KnobModel(BaseModel):
     """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 

@@ -1,0 +1,94 @@
+"""Attach (asyncrl/remote.py) against a real ``asyncrl run`` subprocess: pause holds metrics.csv still, a hand tick
+moves it by at most one step, resume and stop work (exit 0, ``"status": "stopped"``, the socket removed), the
+socket is the owner's only, and the bad inputs (no live run, a stale socket, a second controller, a tick while
+running) are clear errors that leave the run unharmed."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from asyncrl import Recording, attach
+from asyncrl.remote import SOCKET, AttachError
+
+
+def rows(out: Path) -> int:
+    try:
+        return len(pd.read_csv(out / "metrics.csv"))
+    except (FileNotFoundError, pd.errors.EmptyDataError):
+        return 0
+
+
+def wait_for(predicate, timeout: float, what: str, proc=None):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc is not None and proc.poll() is not None:
+            pytest.fail(f"the run exited ({proc.returncode}) before {what}: {proc.stderr.read()}")
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_attach_pauses_steps_resumes_and_stops_a_live_run(tmp_path):
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "100000", "--out",
+                             str(out), "--quiet", "--no-plot", "--set", "eval_every=null", "--set", "torch_threads=1"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / SOCKET).exists() and rows(out) >= 2, 300, "socket and two steps", proc)
+        assert stat.S_IMODE((out / SOCKET).stat().st_mode) == 0o600 and stat.S_ISSOCK((out / SOCKET).stat().st_mode)
+        remote = attach(out)
+        with pytest.raises(RuntimeError, match="pause it"):  # a hand tick while the pumps go: refused, run unharmed
+            remote.train_tick()
+        remote.pause()
+        assert remote.paused
+        held = rows(out)
+        time.sleep(0.5)
+        assert rows(out) == held  # paused: nothing moves
+        with pytest.raises(AttachError, match="another controller is attached"):
+            attach(out)
+        for _ in range(6):  # hand ticks: each moves metrics.csv by at most one step
+            before = rows(out)
+            remote.rollout_tick()
+            remote.train_tick()
+            assert rows(out) - before <= 1
+        assert rows(out) > held, "six rollout+train ticks should finish a step"
+        verdicts = remote.explain()
+        assert list(verdicts.columns[:3]) == ["group_id", "weight_version", "target_step"]
+        state = remote.state()
+        assert state.trainer_version == rows(out) and state.sampler == "in_order"
+        assert remote.trace.event.isin(["step"]).sum() == rows(out)
+        remote.resume()
+        resumed_at = rows(out)
+        wait_for(lambda: rows(out) > resumed_at + 1, 120, "steps after resume", proc)
+        rec = Recording(out)  # a live run's directory scrubs too
+        assert rec.at(rec.steps[-1]).trainer_version == rec.steps[-1] + 1
+        remote.stop()
+        assert proc.wait(timeout=120) == 0, proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps"] == rows(out)
+    assert not (out / SOCKET).exists()
+    with pytest.raises(AttachError, match="no live run .* summary.json says 'stopped'"):
+        attach(out)
+
+
+def test_attach_to_no_run_or_a_stale_socket_is_a_clear_error(tmp_path):
+    with pytest.raises(AttachError, match="no live run in .*: there is no control.sock"):
+        attach(tmp_path)
+    stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # what a killed run leaves: a socket nobody serves
+    stale.bind(str(tmp_path / SOCKET))
+    stale.close()
+    with pytest.raises(AttachError, match="stale socket .*killed"):
+        attach(tmp_path)

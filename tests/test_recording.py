@@ -1,0 +1,146 @@
+"""Recordings (asyncrl/recording.py): a view at any step, or any trace row inside one, is the controller as it
+stood there, re-judged by the run's sampler: its ``explain()`` equals the live controller's, row for row, for every
+built-in sampler, from a live controller and from a run directory; a custom sampler is imported only when trusted;
+the skew metrics say what was generated, trained and dropped."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pandas as pd
+import pytest
+
+from asyncrl import Controller, Recording, load_config
+from asyncrl.recording import RunFiles
+
+PATTERN = ["rollout"] * 4 + ["train"] * 3 + ["rollout", "train", "rollout", "rollout", "train", "train"]
+SAMPLERS = [
+    {"name": "windowed", "max_staleness_versions": 1},  # four rollout ticks ahead of the trainer: evictions
+    {"name": "weight_fifo", "max_staleness_versions": 1},
+    {"name": "in_order", "max_lookahead_versions": 1},
+    {"name": "ready_first", "max_staleness_versions": 1},
+]
+
+
+def stepped(cfg, out=None, steps: int = 5):
+    """Step a controller by the pattern; after every tick, the trace length and the live ``explain()``."""
+    ctrl = Controller.from_config(cfg)
+    files = RunFiles(out).attach(ctrl) if out is not None else None
+    seen, i = [], 0
+    while ctrl.trainer_version < steps:
+        getattr(ctrl, f"{PATTERN[i % len(PATTERN)]}_tick")()
+        seen.append((ctrl.num_events - 1, ctrl.trainer_version, ctrl.explain()))
+        i += 1
+    if files is not None:
+        (out / "config.yaml").write_text(__import__("yaml").safe_dump(cfg.model_dump(mode="json")))
+        files.close()
+    return ctrl, seen
+
+
+def where(rec: Recording, seq: int) -> tuple[int, int] | None:
+    """``(step, event)`` of trace row ``seq``, or None when it is after the last finished step."""
+    first = 0
+    for step in rec.steps:
+        n = rec.events(step)
+        if seq < first + n:
+            return step, seq - first
+        first += n
+    return None
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS, ids=[s["name"] for s in SAMPLERS])
+def test_a_view_explains_what_the_live_controller_explained(sampler, tmp_path):
+    cfg = load_config("quickstart", seed=7, sampler=sampler, eval_every=None)
+    ctrl, seen = stepped(cfg, tmp_path)
+    for rec in (Recording(ctrl), Recording(tmp_path)):  # a live controller, and the run directory it wrote
+        assert rec.steps == list(range(ctrl.trainer_version))
+        compared, steps = 0, set()
+        for seq, T, live in seen:
+            at = where(rec, seq)
+            if at is None:
+                continue
+            view = rec.at(at[0], event=at[1])
+            assert view.trainer_version == T and view.row.seq == seq
+            pd.testing.assert_frame_equal(view.explain(), live)
+            compared += 1
+            if view.row.event == "step":  # right after the step: what rec.at(step) is
+                pd.testing.assert_frame_equal(rec.at(at[0]).explain(), live)
+                steps.add(at[0])
+        assert sorted(steps) == rec.steps and compared > len(steps)  # every step, and rows inside steps
+        view = rec.at(rec.steps[-1])
+        pd.testing.assert_frame_equal(view.metrics.reset_index(drop=True)[["step", "loss", "reward_mean"]],
+                                      ctrl.metrics[["step", "loss", "reward_mean"]], check_dtype=False)
+        state = view.state()
+        assert state.trainer_version == rec.steps[-1] + 1 and state.sampler == sampler["name"]
+        if sampler["name"] == "windowed":
+            found = rec.find("evict")
+            assert found is not None and rec.at(*found).row.event == "evict"
+
+
+def test_bad_scrubs_are_clear_errors(tmp_path):
+    cfg = load_config("quickstart", seed=1, eval_every=None)
+    ctrl, _ = stepped(cfg, tmp_path, steps=2)
+    rec = Recording(tmp_path)
+    with pytest.raises(ValueError, match=r"step must be a finished step of this recording \(0..1\), got 5"):
+        rec.at(5)
+    with pytest.raises(ValueError, match=r"event must be an int in \[0, \d+\)"):
+        rec.at(0, event=10_000)
+    with pytest.raises(ValueError, match="not a run directory"):
+        Recording(tmp_path / "nowhere")
+    assert not hasattr(rec.at(1), "rollout_tick")  # read-only
+    steps, indexed = rec.steps, [rec.at(step).explain() for step in rec.steps]
+    (tmp_path / "trace_index.csv").unlink()  # a run directory from before the index: one pass over trace.csv
+    old = Recording(tmp_path)
+    assert old.steps == steps
+    for step, frame in zip(old.steps, indexed):
+        pd.testing.assert_frame_equal(old.at(step).explain(), frame)
+
+
+CUSTOM = '''
+from asyncrl.samplers.windowed import WindowedSampler
+
+
+class FreshFirst(WindowedSampler):
+    name = "fresh_first_for_recording"
+'''
+
+
+def test_a_custom_sampler_is_imported_only_with_trust_code(tmp_path, monkeypatch):
+    module = "recording_custom_sampler_fixture"
+    (tmp_path / f"{module}.py").write_text(CUSTOM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = load_config("quickstart", seed=3, eval_every=None,
+                      sampler={"name": "custom", "target": f"{module}:FreshFirst", "max_staleness_versions": 1})
+    out = tmp_path / "run"
+    out.mkdir()
+    ctrl, seen = stepped(cfg, out, steps=3)
+    del sys.modules[module]
+    view = Recording(out).at(2)
+    assert module not in sys.modules  # nothing of the run's code ran
+    recorded = view.explain()
+    assert "trust_code=True" in recorded.attrs["note"] and set(recorded.action) <= {"select", "evict", "abort", "skip"}
+    assert view.state().sampler == "custom"
+    live = [frame for seq, T, frame in seen if seq == Recording(out, trust_code=True).at(2).row.seq][-1]
+    pd.testing.assert_frame_equal(Recording(out, trust_code=True).at(2).explain(), live)
+    assert module in sys.modules
+
+
+def test_skew_metrics_say_what_was_generated_trained_and_dropped():
+    G = 8
+    cfg = load_config("quickstart", seed=7, sampler=SAMPLERS[0], eval_every=None,
+                      generation={"max_new_tokens": 3}, group_size=G)
+    ctrl, _ = stepped(cfg, steps=6)
+    m = ctrl.metrics
+    assert (m.train_len_mean == m.completion_tokens / m.completions).all()
+    assert (m.train_reward_mean - m.reward_mean).abs().max() < 1e-12
+    committed = m.gen_completions > 0
+    assert (m.gen_completions % G == 0).all() and committed.any() and (~committed).any()
+    assert m.gen_len_mean[committed].between(1, 3).all() and m.gen_len_mean[~committed].map(math.isnan).all()
+    commits = ctrl.trace[ctrl.trace.event == "commit"]
+    assert m.gen_completions.sum() == G * len(commits[commits.seq <= ctrl.trace[ctrl.trace.event == "step"].seq.max()])
+    dropped = m.groups_evicted > 0
+    assert dropped.any() and (~dropped).any(), "the pattern should evict in some steps and not in others"
+    assert (m.drop_completions == G * m.groups_evicted).all()  # an abort in flight has no completions
+    assert m.drop_len_mean[dropped].between(1, 3).all() and m.drop_len_mean[~dropped].map(math.isnan).all()
+    assert m.drop_reward_mean[~dropped].map(math.isnan).all()
