@@ -19,6 +19,7 @@ from widgets.render import (
     bias_figure,
     buffer_figure,
     buffer_table,
+    draw_bias,
     draw_buffer,
     draw_lags,
     draw_reward,
@@ -44,5 +45,5 @@ def __getattr__(name: str):
 
 __all__ = [
     "buffer_figure", "buffer_table", "draw_buffer", "draw_lags", "draw_reward", "draw_throughput", "lag_table",
-    "metrics_figure", "step_events", "verdict_table", "bias_figure", "skew_table", "replay_figure", *_VIEWS,
+    "metrics_figure", "step_events", "verdict_table", "bias_figure", "draw_bias", "skew_table", "replay_figure", *_VIEWS,
 ]

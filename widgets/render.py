@@ -280,7 +280,7 @@ def draw_bias(ctrl, axes) -> None:
             values = metrics[metric[kind].name].dropna() if metric[kind].name in metrics else pd.Series(dtype=float)
             row = table.loc[SKEW_LABELS[kind]]
             data.append(values.values)
-            labels.append(f"{SKEW_LABELS[kind]}\n{int(row.completions):,} completions")
+            labels.append(f"{SKEW_LABELS[kind]}\n({int(row.completions):,})")
             colours.append(SKEW_COLOURS[kind])
             means.append(row.len_mean if metric is SKEW_LEN else row.reward_mean)
         positions = range(1, len(data) + 1)
@@ -295,6 +295,7 @@ def draw_bias(ctrl, axes) -> None:
         ax.set_xlim(0.4, len(data) + 0.6)
         ax.set_title(what, fontsize=10)
         ax.set_ylabel("per-step mean")
+        ax.set_xlabel("groups (completions)", fontsize=8)
         if not any(len(d) for d in data):
             ax.text(0.5, 0.5, "no steps yet", ha="center", va="center", transform=ax.transAxes, color="grey")
     axes[0].legend(fontsize=8, loc="upper right", frameon=False)
@@ -322,8 +323,8 @@ def draw_lag_history(ctrl, ax) -> None:
     ax.plot(metrics[STEP.name], metrics[LAG_MEAN.name], color="#4C72B0", lw=1.5, label="mean")
     ax.plot(metrics[STEP.name].iloc[-1:], metrics[LAG_MEAN.name].iloc[-1:], "o", color="#4C72B0")
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_ylim(bottom=-0.1)
-    ax.legend(fontsize=8, loc="upper left", frameon=False)
+    ax.set_ylim(-0.1, max(1, int(metrics["lag_max"].max())) + 0.6)
+    ax.legend(fontsize=8, loc="upper left", frameon=False, ncols=2)
 
 
 def replay_figure(view, figsize=(12.0, 3.4), verdicts: pd.DataFrame | None = None) -> Figure:
