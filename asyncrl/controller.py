@@ -17,8 +17,8 @@ Invariants:
 - ``T`` and the generator's version move together under the lock: the rollout pump never sees ``T + 1`` while
   the generator still holds weights ``T``. That is what makes ``in_order`` with no lookahead synchronous GRPO.
   (A generator that stages weights — vLLM behind the collective sync — reports the staged version as soon as the
-  receive completed, before the sync returns, and swaps the weights in before its next wave; a wave already running
-  finishes on the old ones. Groups carry the version they were really generated with.)
+  receive completed, before the sync returns, and swaps them in between two engine steps (``weight_update``: drain
+  or inflight). Groups carry the versions they were really generated with.)
 - With a gated sampler the schedule does not depend on timing, stepped or threaded: ``_finish_step`` admits the
   batches due at the old ``T`` before the sync, and a generator generates what was submitted before a weight load.
 """

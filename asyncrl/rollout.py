@@ -189,7 +189,8 @@ class RolloutPump:
                 s.attempts.pop(group.group_id, None)
                 if s.unsent:  # an attempt thought lost came back after all: no need to send it again
                     s.unsent[:] = [r for r in s.unsent if r.group_id != group.group_id]
-                slot = buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version)
+                slot = buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version,
+                                     start_weight_version=group.gen_start_version)
                 report.committed.append(group.group_id)
                 self._skew.add(skew("gen", [group]))
                 s.record(COMMIT, slot.group_id, slot.weight_version, slot.target_step, None,

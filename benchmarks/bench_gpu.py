@@ -89,9 +89,35 @@ def med(xs) -> float:
 
 class _SamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, detokenize=True):
+                 stop_token_ids=None, detokenize=True, output_kind=None):
         self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
         self.logprobs, self.seed, self.stop_token_ids = logprobs, seed, stop_token_ids
+
+
+class _CpuEngine:
+    """``LLM.llm_engine``'s request API over ``_CpuLLM.generate``: a step generates every request added so far."""
+
+    def __init__(self, llm):
+        self.llm, self.waiting = llm, {}
+
+    def add_request(self, request_id, prompt, params):
+        self.waiting[request_id] = ({"prompt_token_ids": prompt["prompt_token_ids"]}, params)
+
+    def has_unfinished_requests(self):
+        return bool(self.waiting)
+
+    def abort_request(self, request_ids, internal=False):
+        for rid in request_ids:
+            self.waiting.pop(rid, None)
+
+    def step(self):
+        ids = list(self.waiting)
+        outs = []
+        for rid in ids:  # one request at a time: each its own seed, as vLLM's per-request seeds
+            prompt, params = self.waiting.pop(rid)
+            (out,) = self.llm.generate([prompt], [params])
+            outs.append(SimpleNamespace(request_id=rid, finished=True, outputs=out.outputs))
+        return outs
 
 
 class _CpuLLM:
@@ -102,6 +128,7 @@ class _CpuLLM:
 
         self.model = build_model(model_cfg, len(tokenizer), seed).eval()
         self.pad = tokenizer.pad_token_id
+        self.llm_engine = _CpuEngine(self)
 
     def generate(self, prompts, params, use_tqdm=True):
         from asyncrl.backends.torch import _sample_from, decode
@@ -127,6 +154,11 @@ class _CpuLLM:
         assert method == "reload_weights"
         self.model.load_state_dict({k: v.float() for k, v in kwargs["weights_iterator"]}, strict=True)
         return [None]
+
+    def apply_model(self, fn):  # weight_load: load_weights
+        model = SimpleNamespace(load_weights=lambda items: self.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": list(items)}) and {name for name, _ in items})
+        return [fn(model)]
 
     def reset_prefix_cache(self, *a, **k):
         return True

@@ -19,14 +19,14 @@ version 0 into the generator. Runs alternate sync/async, ``--repeats`` times eac
 Reported per run, and per mode as the median with the spread (min..max) over repeats:
 - steps/s over the timed window, and async/sync (the ratio of the two modes' medians);
 - each GPU's busy time: the time its engine held the device (``device_lock``: every block of an engine's GPU work,
-  device synchronised at its end). Generation: waves and weight loads into vLLM; training: logprobs, forward/
+  device synchronised at its end). Generation: engine steps and weight loads into vLLM; training: logprobs, forward/
   backward, optimizer step, weight export. The weight *transfer* counts on neither (the receiver's NCCL receive is
   outside the engine's blocks; it runs on its own stream while vLLM generates). Idle = 1 - busy / wall.
 - the two-stage bound ``(gen + train) / max(gen, train)`` from the stage times of the *sync* runs of the same
   invocation (busy seconds per step of each GPU while the other waits), and async/sync as a fraction of it;
 - the weight sync, in parts: the trainer's wait for a push (the controller's ``sync_time_s``: export + transfer +
   what the generator did before answering), and from the generator (``VLLMGenerator.sync_parts``): ``receive_s``
-  (the transfer into staging buffers), ``swap_wait_s`` (staged until swapped in between waves), ``load_s``
+  (the transfer into staging buffers), ``swap_wait_s`` (staged until swapped in between engine steps), ``load_s``
   (``load_weights`` into vLLM) and ``reset_s`` (prefix-cache reset, 0 with the cache off);
 - reward against wall-clock seconds since the run began (warm-up included), sync vs async, every repeat
   (``reward_vs_time.png``, ``reward_curves.csv``), and when the async run first reaches (5-step rolling mean) the sync
@@ -46,6 +46,16 @@ one clock: a table of milliseconds a step per call, ``timeline_<mode>.csv`` and 
 (``timeline_<mode>.png``). It is how the time a step spends on neither GPU was found.
 ``--async-steps`` lets the asynchronous runs go on for more steps than the synchronous ones (same wall time, so the
 reward curves show where each stands when the other stops).
+``--baseline KEY=VALUE`` (repeatable) first measures the preset with these overrides too, in a child process of
+this invocation (its own engines; ``<out>/baseline/``), e.g. the settings a preset shipped with
+(``generation.enforce_eager=true``), and reports the new runs' steps/s and useful training TFLOP/s against it.
+``--stream-batches K`` (a generator in this process only) first runs raw vLLM and the generator side by side on the
+same requests: K batches of ``groups_per_step`` groups of the preset's shape (its per-group seeds and long-tailed
+limits), all submitted at once. *Raw* is one ``LLM.generate`` call over all of them on the generator's own engine
+(vLLM refills freed slots as completions end, with no locks, no controller); *generator* is ``submit`` of the same
+groups and ``poll(timeout)`` until every one came back (the streaming engine loop, device lock, logprob extraction).
+Completion tokens per second, ``--stream-reps`` alternating pairs after one warm-up pair; target: the generator
+within 10% of raw (``stream.csv``, and ``stream`` in the results).
 Files, through ``benchmarks/record.py``, in ``--out`` (default ``$OUT``, else ``benchmarks/data/bench_two_gpus/<UTC
 time>``): ``rows.csv`` (one row per run), ``meta.json`` (machine, versions, commit, command and the results above),
 ``reward_curves.csv``, ``reward_vs_time.png``.
@@ -279,7 +289,7 @@ def _set_gen_cfg(host, gen_cfg) -> None:  # runs in the generator actor
 
 def use_sampling(generator, gen_cfg) -> None:
     """Give the built generator this run's generation section: its per-request sampling settings (``SAMPLING_KEYS``)
-    are read from it at every wave; the engine itself is unchanged."""
+    are read from it at every submit; the engine itself is unchanged."""
     if isinstance(generator, RemoteBackend):
         import ray
 
@@ -369,6 +379,9 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         "groups_evicted": int(m.groups_evicted.sum()) if "groups_evicted" in m else 0,  # generated, never trained
         "reward_last5": float(ctrl.metrics.reward_mean.tail(5).mean()),
         "build_s": build_s,
+        # 6 x parameters x completion tokens over the training GPU's busy time: the useful work rate (no padding)
+        "useful_train_tflops": 6 * _parameters(policy) * float(m.completion_tokens.mean())
+        / max((tr1 - tr0) / n, 1e-12) / 1e12,
     }
     for part in ("receive_s", "swap_wait_s", "load_s", "reset_s"):
         row[f"sync_{part}_median"] = float(parts[part].median()) if len(parts) else float("nan")
@@ -379,6 +392,14 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         if col in ctrl.metrics:
             curve[col] = ctrl.metrics[col].to_numpy()
     return row, curve, policy
+
+
+def _parameters(policy) -> int:
+    """The policy's parameter count where it says (a local Megatron or torch policy), else 0."""
+    count = None if isinstance(policy, RemoteBackend) else getattr(policy, "num_parameters", None)
+    if count is None and not isinstance(policy, RemoteBackend) and hasattr(policy, "model"):
+        count = sum(p.numel() for p in policy.model.parameters())
+    return int(count or 0)
 
 
 def time_to_reward(curves: pd.DataFrame) -> dict:
@@ -429,6 +450,66 @@ def environment(dry: bool) -> dict:
     return env
 
 
+def stream_compare(generator, cfg, task, tok, batches: int, reps: int) -> pd.DataFrame:
+    """``--stream-batches``: raw ``LLM.generate`` vs the generator on the same requests (module docstring)."""
+    from asyncrl.data import GenerationRequest
+
+    n = batches * cfg.groups_per_step
+    prompts = [tok.encode(task.train_prompts[i % len(task.train_prompts)].text) for i in range(n)]
+    rows = []  # both sides return only once their GPU work ended (LLM.generate, and poll's device block)
+    for rep in range(reps + 1):  # rep 0 warms both up
+        # fresh group ids a rep (so fresh seeds and limits), the same ids on both sides (so the same requests)
+        requests = [GenerationRequest(1_000_000 * (rep + 1) + i, prompts[i], cfg.group_size) for i in range(n)]
+        for side in (("raw", "generator") if rep % 2 == 0 else ("generator", "raw")):
+            t0 = time.perf_counter()
+            if side == "raw":
+                outs = generator.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests],
+                                              [generator._params(r) for r in requests], use_tqdm=False)
+                tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
+            else:
+                generator.submit(requests)
+                got = []
+                while len(got) < n:
+                    got += generator.poll(timeout=1.0)
+                tokens = sum(g.num_tokens for g in got)
+            wall = time.perf_counter() - t0
+            if rep:
+                rows.append({"rep": rep, "side": side, "groups": n, "sequences": n * cfg.group_size,
+                             "tokens": tokens, "s": wall, "tok_s": tokens / wall})
+                say(f"  stream rep {rep} {side}: {tokens} tokens in {wall:.3f} s = {tokens / wall:.0f} tok/s")
+    return pd.DataFrame(rows)
+
+
+def _without(argv: list[str], flags: tuple[str, ...]) -> list[str]:
+    """``argv`` without the given options (``--flag VALUE`` and ``--flag=VALUE`` forms)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not any(arg.startswith(f + "=") for f in flags):
+            out.append(arg)
+    return out
+
+
+def run_baseline(args, out: Path) -> pd.DataFrame | None:
+    """``--baseline``: this bench again in a child process with the baseline overrides (its own engines, freed when
+    it exits) into ``<out>/baseline``; its rows (one per run), or None if it failed."""
+    where = out / "baseline"
+    cmd = [sys.executable, str(Path(__file__).resolve()),
+           *_without(sys.argv[1:], ("--baseline", "--out", "--stream-batches")), "--out", str(where)]
+    for item in args.baseline:
+        cmd += ["--set", item]
+    say(f"baseline: {' '.join(cmd)}")
+    done = subprocess.run(cmd)
+    path = where / "rows.csv"
+    if done.returncode != 0 or not path.exists():
+        say(f"!!! the baseline run failed (exit {done.returncode})")
+        return None
+    return pd.read_csv(path)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gpu_two_devices")
@@ -447,6 +528,11 @@ def main() -> int:
     parser.add_argument("--timeline", action="store_true",
                         help="repeat 0 of each mode also records where each step's time goes (Timeline)")
     parser.add_argument("--cpu-dry-run", action="store_true")
+    parser.add_argument("--baseline", action="append", default=[], metavar="KEY=VALUE",
+                        help="also measure the preset with these overrides (the old settings), first; repeatable")
+    parser.add_argument("--stream-batches", type=int, default=0,
+                        help="first compare raw vLLM and the generator on this many batches of requests")
+    parser.add_argument("--stream-reps", type=int, default=3)
     args = parser.parse_args()
     before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
@@ -472,8 +558,10 @@ def main() -> int:
     env = environment(dry)
     label = ("quickstart (CPU dry run)" if dry else args.preset) + "".join(f" {o}" for o in args.overrides)
     say(f"bench_two_gpus {label}: {env}")
+    baseline = run_baseline(args, out) if args.baseline else None
     task, tok = build_task(cfg.task), load_tokenizer(cfg.model)
     rows, curves, probed, chosen = [], [], [], {}
+    stream, stream_summary = pd.DataFrame(), {}
     # The policy first, then the engine: the order Controller.from_config builds a colocated pair in. The first run
     # uses this policy as built; every later run rebuilds it (fresh weights and optimizer).
     t0 = time.perf_counter()
@@ -482,8 +570,19 @@ def main() -> int:
     say(f"policy built in {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
     generator = build(cfg.generation.backend, GENERATORS, (cfg.model, cfg.generation, cfg.seed, tok), cfg.generation)
-    say(f"generator built in {time.perf_counter() - t0:.1f} s")
+    say(f"generator built in {time.perf_counter() - t0:.1f} s; build timings: "
+        f"{getattr(generator, 'build_timings', None) if not isinstance(generator, RemoteBackend) else 'in its actor'}")
     try:
+        if args.stream_batches and not isinstance(generator, RemoteBackend):
+            say(f"\nraw vLLM vs the generator: {args.stream_batches} batches of {cfg.groups_per_step} groups at once")
+            stream = stream_compare(generator, cfg, task, tok, args.stream_batches, args.stream_reps)
+            per = stream.pivot(index="rep", columns="side", values="tok_s")
+            ratio = float((per["generator"] / per["raw"]).median())
+            stream_summary = {"tok_s_raw": float(per["raw"].median()), "tok_s_generator": float(per["generator"].median()),
+                              "generator_over_raw": ratio, "per_rep": (per["generator"] / per["raw"]).tolist(),
+                              "same_tokens": bool(stream.groupby("rep").tokens.nunique().eq(1).all()),
+                              "target_met": ratio >= 0.9}
+            say(f"stream: generator / raw = {ratio:.3f} (target >= 0.9): {json.dumps(stream_summary)}")
         for i, probe in enumerate(probes):
             pcfg = configs(args.preset, dry, merge_overrides(overrides, probe))["sync"]
             row, _, policy = one_run(pcfg, "sync", -1 - i, generator, policy, task, tok, warmup, args.probe_steps,
@@ -517,7 +616,7 @@ def main() -> int:
     cols = ["steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "gen_gpu_idle", "train_gpu_idle",
             "device_lock_wait_per_step_s", "push_wait_s_median", "push_wait_s_max", "sync_receive_s_median",
             "sync_swap_wait_s_median", "sync_load_s_median", "sync_reset_s_median", "completion_tokens_per_step",
-            *(f"{c}_median" for c in THROUGHPUT_COLUMNS), "lag_max", "groups_evicted", "reward_last5"]
+            *(f"{c}_median" for c in THROUGHPUT_COLUMNS), "lag_max", "groups_evicted", "reward_last5", "useful_train_tflops"]
     summary = runs.groupby("mode")[cols].agg(["median", "min", "max"])
     med = runs.groupby("mode")[cols].median()
     sync_gen, sync_train = med.loc["sync", "gen_busy_per_step_s"], med.loc["sync", "train_busy_per_step_s"]
@@ -536,6 +635,16 @@ def main() -> int:
         f"(train/gen {sync_train / sync_gen:.2f}, imbalance {imbalance(sync_gen, sync_train):.2f}); two-stage bound "
         f"{bound:.3f}; async/sync = {ratio / bound:.0%} of it")
     say(f"time to the sync run's final reward: {json.dumps(reach)}")
+    versus = {}
+    if baseline is not None:
+        old = baseline.groupby("mode")[["steps_per_s", "useful_train_tflops"]].median()
+        for mode in ("sync", "async"):
+            versus[f"{mode}_steps_per_s_over_baseline"] = float(med.loc[mode, "steps_per_s"] / old.loc[mode, "steps_per_s"])
+        versus["useful_train_tflops_over_baseline"] = float(
+            runs.useful_train_tflops.median() / baseline.useful_train_tflops.median())
+        versus["baseline"] = {"overrides": args.baseline, "steps_per_s": old.steps_per_s.to_dict(),
+                              "useful_train_tflops": old.useful_train_tflops.to_dict()}
+        say(f"against the baseline {args.baseline}: {json.dumps(versus)}")
     plot(curves, out / "reward_vs_time.png", f"{label}: sync (in_order L=0) vs async (weight_fifo W=1)")
     save("bench_two_gpus", runs, {
         "environment": env, "label": label, "preset": "quickstart" if dry else args.preset,
@@ -544,8 +653,10 @@ def main() -> int:
         "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "two_stage_bound": bound,
         "fraction_of_bound": ratio / bound, "stage_gen_s": sync_gen, "stage_train_s": sync_train,
         "stage_imbalance": imbalance(sync_gen, sync_train),
-        "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json())},
-        before=before, out=out, files={"reward_curves.csv": curves})
+        "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json()),
+        "stream": stream_summary, "versus_baseline": versus,
+        "build_timings": getattr(generator, "build_timings", None) if not isinstance(generator, RemoteBackend) else None},
+        before=before, out=out, files={"reward_curves.csv": curves, **({"stream.csv": stream} if len(stream) else {})})
     say(f"raw data: {out} (rows.csv: one row per run; meta.json; reward_curves.csv, reward_vs_time.png)"
         + ("  (CPU dry run: numbers mean nothing)" if dry else ""))
     return 0

@@ -224,15 +224,36 @@ def test_summary_by_weight_version_and_state():
     frame = buf.summary()
     assert isinstance(frame, pd.DataFrame)
     assert frame.index.name == "weight_version" and list(frame.index) == [0, 2, 3]
-    assert list(frame.columns) == ["pending", "ready", "total"]
-    assert frame.loc[0].tolist() == [1, 2, 3]
-    assert frame.loc[2].tolist() == [3, 0, 3]
-    assert frame.loc[3].tolist() == [0, 1, 1]
+    assert list(frame.columns) == ["pending", "ready", "total", "spanning"]
+    assert frame.loc[0].tolist() == [1, 2, 3, 0]
+    assert frame.loc[2].tolist() == [3, 0, 3, 0]
+    assert frame.loc[3].tolist() == [0, 1, 1, 0]
+
+
+def test_a_group_generated_across_versions_is_counted_and_never_judged_newer_than_its_tokens():
+    """In-flight weight updates: a group reserved at 1 whose tokens came from weights 1..3 spans versions, and
+    stays judged at 1; a commit saying its tokens are older than its stamp is refused, changing nothing."""
+    buf = ReplayBuffer()
+    a, b, c = buf.reserve(1), buf.reserve(1), buf.reserve(1)
+    before = snapshot(buf)
+    with pytest.raises(ValueError, match="start_weight_version must be an int >= 1, got 0"):
+        buf.commit(a, None, end_weight_version=1, start_weight_version=0)
+    with pytest.raises(ValueError, match="end_weight_version must be an int >= 2, got 1"):
+        buf.commit(a, None, end_weight_version=1, start_weight_version=2)
+    assert snapshot(buf) == before
+    buf.commit(a, None, end_weight_version=3, start_weight_version=1)
+    buf.commit(b, None, end_weight_version=2, start_weight_version=2)  # entered the engine late: one version
+    assert buf[a].spans_versions and not buf[b].spans_versions and not buf[c].spans_versions
+    assert buf.summary().loc[1].tolist() == [1, 2, 3, 1] and buf[a].weight_version == 1
+    restored = ReplayBuffer.from_state_dict(buf.state_dict())
+    assert restored.summary().equals(buf.summary())
+    buf.remove([a])
+    assert buf.summary().loc[1, "spanning"] == 0
 
 
 def test_summary_of_an_empty_buffer():
     frame = ReplayBuffer().summary()
-    assert frame.empty and list(frame.columns) == ["pending", "ready", "total"]
+    assert frame.empty and list(frame.columns) == ["pending", "ready", "total", "spanning"]
     assert frame.index.name == "weight_version"
 
 

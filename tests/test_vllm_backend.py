@@ -1,6 +1,7 @@
-"""The vLLM generation backend: its request/response, abort and weight-update logic against a small fake of the
-``vllm.LLM`` surface it uses (``generate``, ``collective_rpc``, ``reset_prefix_cache``), and — on a machine with
-CUDA and vLLM — the same against the real engine (``-m gpu``; skipped cleanly elsewhere)."""
+"""The vLLM generation backend: its streaming, abort, weight-update (drain, inflight, staged) and failure logic
+against a small fake of the vLLM surface it uses (``LLM.llm_engine``'s ``add_request`` / ``step`` /
+``abort_request`` / ``has_unfinished_requests``, ``collective_rpc``, ``apply_model``, ``reset_prefix_cache``), and —
+on a machine with CUDA and vLLM — the same against the real engine (``-m gpu``; skipped cleanly elsewhere)."""
 
 from __future__ import annotations
 
@@ -29,63 +30,99 @@ def make_tokenizer():
     return build_tokenizer()
 
 
-# ---- a fake of the vllm.LLM surface ----------------------------------------------------------------------------
+# ---- a fake of the vLLM surface: LLM.llm_engine's request-level API, collective_rpc, apply_model -------------------
 
 
 class FakeSamplingParams:
     def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, detokenize=True):
+                 stop_token_ids=None, detokenize=True, output_kind=None):
         self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
         self.logprobs, self.seed, self.stop_token_ids, self.detokenize = logprobs, seed, stop_token_ids, detokenize
+        self.output_kind = output_kind
+
+
+class FakeEngine:
+    """vLLM's ``LLMEngine`` request API in miniature. Every ``step`` samples one token for each unfinished sequence
+    (the first ``max_num_seqs`` of them, in arrival order, as vLLM's scheduler would), from a generator seeded by the
+    request's seed + sample index, so a sequence's tokens do not depend on what else runs; a token's logprob is
+    ``-scale``, the weights loaded *when it is sampled*. A request is returned (FINAL_ONLY) at the step its last
+    sample ends. ``on_step(engine)`` runs at the start of every step; ``fail_step`` makes the next step raise."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.requests: dict[str, dict] = {}
+        self.added: list[tuple[str, int]] = []  # (request id, step count when added)
+        self.aborted: list[str] = []
+        self.steps = 0
+        self.max_num_seqs: int | None = None
+        self.on_step = None
+        self.fail_step = False
+        self.eos_p = 0.2  # chance that a sampled token is eos
+
+    def add_request(self, request_id, prompt, params):
+        assert isinstance(request_id, str) and request_id not in self.requests
+        assert set(prompt) == {"type", "prompt_token_ids"} and prompt["type"] == "token"
+        assert params.output_kind == "final_only"  # one output per group, when it finished
+        ids = list(prompt["prompt_token_ids"])
+        samples = []
+        for i in range(params.n):
+            seed = sum(ids) if params.temperature == 0 else (params.seed if params.seed is not None else 12345) + i
+            samples.append({"rng": torch.Generator().manual_seed(seed), "tokens": [], "lps": [], "reason": None})
+        self.requests[request_id] = {"params": params, "samples": samples, "prompt": ids}
+        self.added.append((request_id, self.steps))
+        return request_id
+
+    def has_unfinished_requests(self):
+        return bool(self.requests)
+
+    def abort_request(self, request_ids, internal=False):
+        for rid in request_ids:
+            if self.requests.pop(rid, None) is not None:
+                self.aborted.append(rid)
+
+    def step(self):
+        self.steps += 1
+        if self.on_step is not None:
+            self.on_step(self)
+        if self.fail_step:
+            self.fail_step = False
+            raise RuntimeError("engine died")
+        budget = self.max_num_seqs if self.max_num_seqs is not None else 10**9
+        outputs = []
+        for rid, req in list(self.requests.items()):
+            p = req["params"]
+            for s in req["samples"]:
+                if s["reason"] is not None or budget == 0:
+                    continue
+                budget -= 1
+                t = int(torch.randint(0, VOCAB, (1,), generator=s["rng"]))
+                if float(torch.rand(1, generator=s["rng"])) < self.eos_p:
+                    t = EOS
+                s["tokens"].append(t)
+                s["lps"].append({t: SimpleNamespace(logprob=-self.llm.scale, rank=1)})
+                if p.stop_token_ids and t in p.stop_token_ids:
+                    s["reason"] = "stop"
+                elif len(s["tokens"]) >= p.max_tokens:
+                    s["reason"] = "length"
+            if all(s["reason"] is not None for s in req["samples"]):
+                del self.requests[rid]
+                comps = [SimpleNamespace(index=i, token_ids=s["tokens"], finish_reason=s["reason"],
+                                         logprobs=s["lps"] if p.logprobs is not None else None)
+                         for i, s in enumerate(req["samples"])]
+                outputs.append(SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=req["prompt"],
+                                               outputs=comps[::-1]))  # any order: sorted by index
+        return outputs
 
 
 class FakeLLM:
-    """Samples tokens from a generator seeded by the request's seed (+ sample index, as vLLM does); the logprob of
-    every sampled token is ``-scale`` where ``scale`` is the loaded weight ``"scale"``. ``gate`` (an Event) makes
-    ``generate`` block until set, to hold a wave "running"."""
+    """The ``vllm.LLM`` around a ``FakeEngine``: in-place weight loads set ``scale`` from the weight ``"scale"``
+    (other weights, such as a real policy's, leave it)."""
 
     def __init__(self):
         self.scale = 1.0
-        self.calls: list[tuple[list, list]] = []
         self.log: list[str] = []
-        self.gate: threading.Event | None = None
-        self.started = threading.Event()
         self.fail_reload = False
-        self.fail_generate = False
-
-    def generate(self, prompts, params, use_tqdm=True):
-        assert use_tqdm is False
-        self.log.append("generate")
-        params = params if isinstance(params, list) else [params] * len(prompts)
-        self.calls.append((prompts, params))
-        self.started.set()
-        if self.gate is not None:
-            assert self.gate.wait(10)
-        if self.fail_generate:
-            raise RuntimeError("engine died")
-        outs = []
-        for prompt, p in zip(prompts, params):
-            ids = prompt["prompt_token_ids"]
-            completions = []
-            for i in range(p.n):
-                if p.temperature == 0:
-                    rng = torch.Generator().manual_seed(sum(ids))
-                else:
-                    rng = torch.Generator().manual_seed((p.seed if p.seed is not None else 12345) + i)
-                toks, lps, reason = [], [], "length"
-                for _ in range(p.max_tokens):
-                    t = int(torch.randint(0, VOCAB, (1,), generator=rng))
-                    if float(torch.rand(1, generator=rng)) < 0.2:
-                        t = EOS
-                    toks.append(t)
-                    lps.append({t: SimpleNamespace(logprob=-self.scale, rank=1)})
-                    if p.stop_token_ids and t in p.stop_token_ids:
-                        reason = "stop"
-                        break
-                completions.append(SimpleNamespace(index=i, token_ids=toks, logprobs=lps if p.logprobs is not None
-                                                   else None, finish_reason=reason, text=""))
-            outs.append(SimpleNamespace(prompt_token_ids=ids, outputs=completions[::-1]))  # any order: sorted by index
-        return outs
+        self.llm_engine = FakeEngine(self)
 
     def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
         self.log.append(method)
@@ -95,7 +132,8 @@ class FakeLLM:
         if self.fail_reload:
             raise RuntimeError("reload failed")
         self.loaded = dict(items)
-        self.scale = float(self.loaded["scale"])
+        if "scale" in self.loaded:
+            self.scale = float(self.loaded["scale"])
         return [None]
 
     def apply_model(self, fn):
@@ -107,6 +145,15 @@ class FakeLLM:
     def reset_prefix_cache(self, reset_running_requests=False, reset_connector=False):
         self.log.append("reset_prefix_cache")
         return True
+
+    def generate(self, prompts, params, use_tqdm=True):
+        """``LLM.generate`` as vLLM runs it: every request into the engine, then steps until none is left."""
+        for i, (prompt, sp) in enumerate(zip(prompts, params)):
+            self.llm_engine.add_request(f"generate-{i}", {"type": "token", **prompt}, sp)
+        outs = {}
+        while self.llm_engine.has_unfinished_requests():
+            outs.update((o.request_id, o) for o in self.llm_engine.step())
+        return [outs[f"generate-{i}"] for i in range(len(prompts))]
 
 
 def make_gen(background=False, seed=0, **gen_kw):
@@ -136,6 +183,16 @@ def run_in_thread(fn, *args):
     return t, box
 
 
+def step_until_running(gen, llm, steps: int = 2) -> None:
+    """Submitted groups into the engine and ``steps`` engine steps run, none of them finished yet: from here on
+    the engine samples no eos, so every completion runs to ``max_new_tokens``."""
+    llm.llm_engine.eos_p = 0.0
+    target = llm.llm_engine.steps + steps
+    llm.llm_engine.on_step = lambda engine: None
+    while llm.llm_engine.steps < target:
+        assert gen.poll(timeout=1e-9) == []
+
+
 # ---- request / response -------------------------------------------------------------------------------------------
 
 
@@ -144,20 +201,16 @@ def test_satisfies_the_protocol():
     assert isinstance(gen, GenerationBackend)
 
 
-def test_submit_only_queues_and_poll_generates_one_wave():
+def test_submit_only_queues_and_poll_runs_the_groups_through_the_engine():
     gen, llm = make_gen(seed=3)
+    engine = llm.llm_engine
     gen.submit([req(7, n=4), req(8, n=2, prompt=(257, 51))])
-    assert llm.calls == [] and gen.num_inflight() == 2
-    groups = gen.poll()
-    assert len(llm.calls) == 1 and gen.num_inflight() == 0  # one LLM.generate call for the whole queue
-    prompts, params = llm.calls[0]
-    assert prompts == [{"prompt_token_ids": [257, 49, 50]}, {"prompt_token_ids": [257, 51]}]
-    p = params[0]
-    assert (p.n, p.temperature, p.top_p, p.max_tokens, p.logprobs) == (4, 0.9, 0.95, 6, 0)
-    assert p.stop_token_ids == [EOS] and p.seed == group_seed(3, 7) and params[1].seed == group_seed(3, 8)
-    assert p.detokenize is False
-    assert [g.group_id for g in groups] == [7, 8]
-    g = groups[0]
+    assert engine.added == [] and gen.num_inflight() == 2
+    groups = gen.poll()  # timeout 0: everything in flight, to the end
+    assert gen.num_inflight() == 0 and not engine.requests
+    assert [rid for rid, _ in engine.added] == ["group-7", "group-8"]  # one request a group, both at once
+    assert sorted(g.group_id for g in groups) == [7, 8]
+    g = next(g for g in groups if g.group_id == 7)
     assert g.prompt_ids == [257, 49, 50] and len(g.completion_ids) == 4 and len(g.logprobs) == 4
     for ids, lps, reason in zip(g.completion_ids, g.logprobs, g.finish_reasons):
         assert len(ids) == len(lps) and all(lp == -1.0 for lp in lps)
@@ -166,7 +219,15 @@ def test_submit_only_queues_and_poll_generates_one_wave():
         else:
             assert reason == "length" and len(ids) == 6 and EOS not in ids
     assert (g.gen_start_version, g.gen_end_version) == (0, 0)
-    assert gen.poll() == [] and len(llm.calls) == 1  # nothing queued: no engine call
+    assert gen.poll() == [] and engine.steps == max(len(c) for g in groups for c in g.completion_ids)
+
+
+def test_sampling_params_of_a_group():
+    gen, llm = make_gen(seed=3)
+    p = gen._params(req(7, n=4))
+    assert (p.n, p.temperature, p.top_p, p.max_tokens, p.logprobs) == (4, 0.9, 0.95, 6, 0)
+    assert p.stop_token_ids == [EOS] and p.seed == group_seed(3, 7) and gen._params(req(8)).seed == group_seed(3, 8)
+    assert p.detokenize is False and p.output_kind == "final_only"
 
 
 def test_samples_are_returned_in_index_order_and_depend_only_on_the_group():
@@ -175,18 +236,47 @@ def test_samples_are_returned_in_index_order_and_depend_only_on_the_group():
     alone = gen.poll()[0]
     gen.submit([req(1), req(5), req(9)])
     together = {g.group_id: g for g in gen.poll()}
-    assert together[5].completion_ids == alone.completion_ids  # per-group seeds: wave composition does not matter
+    assert together[5].completion_ids == alone.completion_ids  # per-group seeds: other groups do not matter
     assert together[1].completion_ids != alone.completion_ids
     other_seed, _ = make_gen(seed=2)
     other_seed.submit([req(5)])
     assert other_seed.poll()[0].completion_ids != alone.completion_ids
 
 
-def test_waves_can_be_bounded():
-    gen, llm = make_gen(max_groups_per_wave=2)
-    gen.submit([req(i) for i in range(5)])
+def test_a_group_returns_when_its_last_completion_ends_and_a_new_one_joins_the_running_engine(monkeypatch):
+    """No waves: a streaming poll returns each group at the step its last completion ended, while others go on,
+    and a group submitted meanwhile enters the engine at the next step instead of waiting for them."""
+    import asyncrl.backends.vllm as backend
+
+    monkeypatch.setattr(backend, "STREAM_SLICE_S", 0.0)  # return at the first step a group ended in
+    gen, llm = make_gen(seed=0, max_new_tokens=40)
+    engine = llm.llm_engine
+    gen.submit([req(g, n=2) for g in range(6)])
+    first = gen.poll(timeout=5)
+    assert first and gen.num_inflight() == 6 - len(first) and engine.requests  # the others still run
+    ended = engine.steps
+    for g in first:
+        assert max(len(c) for c in g.completion_ids) == ended  # it ended in the step poll returned after
+    gen.submit([req(10, n=2)])
+    rest = gen.poll(timeout=5)
+    assert dict(engine.added)["group-10"] == ended  # added before the next step, others still running
+    while gen.num_inflight():
+        rest += gen.poll(timeout=5)
+    done = first + rest
+    assert sorted(g.group_id for g in done) == [0, 1, 2, 3, 4, 5, 10]
+    lengths = [max(len(c) for c in g.completion_ids) for g in done if g.group_id != 10]
+    assert lengths[:len(first)] == [min(lengths)] * len(first) and len(set(lengths)) > 1
+
+
+def test_the_engine_decodes_only_max_num_seqs_sequences_at_once_and_queues_the_rest():
+    gen, llm = make_gen(seed=0, max_new_tokens=20)
+    llm.llm_engine.max_num_seqs = 4
+    gen.submit([req(g, n=4) for g in range(3)])
     groups = gen.poll()
-    assert [g.group_id for g in groups] == list(range(5)) and [len(c[0]) for c in llm.calls] == [2, 2, 1]
+    assert sorted(g.group_id for g in groups) == [0, 1, 2]
+    alone, _ = make_gen(seed=0, max_new_tokens=20)
+    alone.submit([req(2, n=4)])
+    assert alone.poll()[0].completion_ids == next(g for g in groups if g.group_id == 2).completion_ids
 
 
 # ---- weights ------------------------------------------------------------------------------------------------------
@@ -227,76 +317,104 @@ def test_a_failed_weight_load_keeps_the_old_version():
     assert gen.version == 0 and "reset_prefix_cache" not in llm.log
 
 
-def test_a_weight_load_waits_for_the_running_wave():
-    gen, llm = make_gen()
-    llm.gate = threading.Event()
-    gen.submit([req(1)])
-    poller, box = run_in_thread(gen.poll)
-    assert llm.started.wait(5)
-    loader, _ = run_in_thread(gen.load_weights, {"scale": torch.tensor(3.0)}, 1)
-    time.sleep(0.2)
-    assert loader.is_alive() and gen.version == 0 and "reload_weights" not in llm.log
-    llm.gate.set()
-    poller.join(5)
-    loader.join(5)
-    (g,) = box["out"]
-    assert (g.gen_start_version, g.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
-    assert gen.version == 1 and llm.log == ["generate", "reload_weights"]
+def test_weight_update_must_be_drain_or_inflight():
+    with pytest.raises(ValueError, match="weight_update"):
+        VLLMGenerationConfig(weight_update="sometimes")
+    assert VLLMGenerationConfig().weight_update == "drain"
 
 
-def test_staged_weights_arrive_during_a_wave_and_are_swapped_in_between_waves():
-    gen, llm = make_gen()
-    llm.gate = threading.Event()
-    gen.submit([req(1)])
-    poller, box = run_in_thread(gen.poll)
-    assert llm.started.wait(5)
-    buffers = {"scale": torch.tensor(0.0)}
-    filled = []
+def test_drain_lets_the_groups_submitted_before_a_load_finish_under_the_old_weights():
+    gen, llm = make_gen(max_new_tokens=30)
+    engine = llm.llm_engine
+    gen.submit([req(1), req(2)])
+    step_until_running(gen, llm)
+    assert len(engine.requests) == 2
+    late = []
 
-    def fill():  # what the collective sync's receive does: write the buffers
-        buffers["scale"].fill_(3.0)
-        filled.append(True)
+    def submit_during_the_drain(engine):  # another thread's dispatch, while the load drains
+        if not late:
+            late.append(gen.submit([req(3)]))
 
-    stager, _ = run_in_thread(gen.stage_weights, buffers, 1, fill)
-    stager.join(5)
-    assert not stager.is_alive() and filled  # the receive did not wait for the wave
-    assert "reload_weights" not in llm.log  # nor touched the engine during it
-    assert gen.version == 1  # what a group dispatched now will run with: no wave starts before the swap
-    llm.gate.set()
-    poller.join(5)
-    (g,) = box["out"]
-    assert (g.gen_start_version, g.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g.logprobs[0])
-    assert gen.version == 1 and llm.log == ["generate", "reload_weights"]  # swapped in as the wave ended
-    gen.submit([req(2)])
+    engine.on_step = submit_during_the_drain
+    gen.load_weights({"scale": torch.tensor(3.0)}, version=1)
+    assert not engine.requests and "group-3" not in dict(engine.added)  # drained; the late group was held back
+    assert gen.version == 1 and gen.num_inflight() == 3
+    old = gen.poll()
+    assert sorted(g.group_id for g in old) == [1, 2, 3]
+    for g in old:
+        versions = (0, 0) if g.group_id != 3 else (1, 1)  # every group is generated by one version
+        assert (g.gen_start_version, g.gen_end_version) == versions
+        assert all(lp == -(1.0 if g.group_id != 3 else 3.0) for row in g.logprobs for lp in row)
+
+
+def test_inflight_loads_between_two_steps_and_each_token_keeps_the_logprob_it_was_sampled_with():
+    gen, llm = make_gen(max_new_tokens=30, weight_update="inflight")
+    engine = llm.llm_engine
+    gen.submit([req(1, n=2)])
+    step_until_running(gen, llm, steps=2)
+    gen.load_weights({"scale": torch.tensor(3.0)}, version=1)
+    assert gen.version == 1 and "group-1" in engine.requests  # no drain: it goes on under the new weights
     (g,) = gen.poll()
-    assert g.gen_start_version == 1 and all(lp == -3.0 for lp in g.logprobs[0])
+    assert (g.gen_start_version, g.gen_end_version) == (0, 1)
+    for row in g.logprobs:
+        assert row[:2] == [-1.0, -1.0] and all(lp == -3.0 for lp in row[2:])  # sampled before / after the load
+    gen.submit([req(2)])
+    assert gen.poll()[0].gen_start_version == 1
+
+
+def test_staged_weights_wait_for_the_drain_and_later_groups_wait_for_them():
+    gen, llm = make_gen(max_new_tokens=30)
+    engine = llm.llm_engine
+    gen.submit([req(1)])
+    step_until_running(gen, llm)
+    buffers = {"scale": torch.tensor(0.0)}
+    gen.stage_weights(buffers, 1, lambda: buffers["scale"].fill_(3.0))
+    assert "reload_weights" not in llm.log  # the receive did not wait for the engine, nor touched it
+    assert gen.version == 1  # what a group dispatched now runs with
+    gen.submit([req(2)])
+    done = []
+    while gen.num_inflight():
+        done += gen.poll(timeout=5)
+        if "group-2" in dict(engine.added):
+            assert "group-1" not in engine.requests  # group 2 entered only after group 1 ended and the swap
+    g1, g2 = sorted(done, key=lambda g: g.group_id)
+    assert (g1.gen_start_version, g1.gen_end_version) == (0, 0) and all(lp == -1.0 for lp in g1.logprobs[0])
+    assert (g2.gen_start_version, g2.gen_end_version) == (1, 1) and all(lp == -3.0 for lp in g2.logprobs[0])
     (parts,) = gen.sync_parts()
     assert parts["version"] == 1 and parts["swap_wait_s"] > 0 and parts["reset_s"] == 0
 
 
-@pytest.mark.parametrize("background", [False, True])
-def test_staged_weights_count_at_once_load_before_the_next_wave_and_a_newer_set_replaces_an_older_one(background):
-    """The receive returns without loading (the trainer's sync does not wait for the engine); ``version`` says the
-    staged one at once, and no wave runs before it is loaded: at the next poll, or at once by the wave thread."""
-    gen, llm = make_gen(background=background)
+def test_staged_weights_under_inflight_swap_in_before_the_next_step():
+    gen, llm = make_gen(max_new_tokens=30, weight_update="inflight")
+    gen.submit([req(1, n=1)])
+    step_until_running(gen, llm, steps=3)
     gen.stage_weights({"scale": torch.tensor(2.0)}, 1)
-    assert gen.version == 1  # a synchronous run sees the version move before its sync returns
-    gen.submit([req(1)])
-    (g,) = gen.poll(timeout=5)
-    assert g.gen_start_version == 1 and llm.scale == 2.0 and llm.log == ["reload_weights", "generate"]
-    llm.gate = threading.Event()
-    llm.started.clear()
-    gen.submit([req(2)])
-    poller, _ = run_in_thread(gen.poll, 5)
-    assert llm.started.wait(5)
-    gen.stage_weights({"scale": torch.tensor(3.0)}, 2)
-    gen.stage_weights({"scale": torch.tensor(4.0)}, 3)
-    assert gen.version == 3 and llm.scale == 2.0  # the running wave keeps its weights
-    llm.gate.set()
-    poller.join(5)
-    wait_until(lambda: llm.scale == 4.0)
-    assert [p["version"] for p in gen.sync_parts()] == [1, 3]
-    gen.close()
+    assert llm.scale == 1.0
+    (g,) = gen.poll()
+    assert g.logprobs[0][:3] == [-1.0] * 3 and all(lp == -2.0 for lp in g.logprobs[0][3:])
+    assert (g.gen_start_version, g.gen_end_version) == (0, 1)
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_staged_weights_count_at_once_load_before_new_groups_and_a_newer_set_replaces_an_older_one(background):
+    """The receive returns without loading (the trainer's sync does not wait for the engine); ``version`` says the
+    staged one at once, and no group starts before it is loaded."""
+    gen, llm = make_gen(background=background, max_new_tokens=30)
+    try:
+        gen.stage_weights({"scale": torch.tensor(2.0)}, 1)
+        assert gen.version == 1  # a synchronous run sees the version move before its sync returns
+        gen.submit([req(1)])
+        (g,) = gen.poll(timeout=5) or gen.poll(timeout=5)
+        assert g.gen_start_version == 1 and llm.scale == 2.0 and llm.log == ["reload_weights"]
+        gen.stage_weights({"scale": torch.tensor(3.0)}, 2)
+        gen.stage_weights({"scale": torch.tensor(4.0)}, 3)
+        assert gen.version == 3
+        gen.submit([req(2)])
+        (g,) = gen.poll(timeout=5) or gen.poll(timeout=5)
+        assert g.gen_start_version == 3 and llm.scale == 4.0
+        assert [p["version"] for p in gen.sync_parts()] == [1, 3]
+    finally:
+        gen.close()
 
 
 def test_a_failed_staged_receive_keeps_the_old_weights_and_version():
@@ -312,22 +430,49 @@ def test_a_failed_staged_receive_keeps_the_old_weights_and_version():
     assert gen.version == 0 and g.gen_start_version == 0 and "reload_weights" not in llm.log
 
 
+def test_loads_keep_vllms_per_load_log_lines_quiet_but_errors_show():
+    import logging
+
+    gen, llm = make_gen()
+    seen = []
+
+    class Catch(logging.Handler):
+        def emit(self, record):
+            seen.append((record.levelno, record.getMessage()))
+
+    vllm_log = logging.getLogger("vllm")
+    handler, level = Catch(), vllm_log.level
+    vllm_log.addHandler(handler)
+    vllm_log.setLevel(logging.INFO)
+    child = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    real = llm.collective_rpc
+
+    def noisy(method, **kw):
+        child.warning("%s: Failed to load weights", "RotaryEmbedding")
+        child.info("reloaded")
+        child.error("a real error")
+        return real(method, **kw)
+
+    llm.collective_rpc = noisy
+    try:
+        gen.load_weights({"scale": torch.tensor(2.0)}, 1)
+        child.info("after the load")
+    finally:
+        vllm_log.removeHandler(handler)
+        vllm_log.setLevel(level)
+    assert seen == [(logging.ERROR, "a real error"), (logging.INFO, "after the load")]
+
+
 def test_long_tailed_completion_limits_are_per_group_and_seeded():
     gen, llm = make_gen(max_new_tokens=200, min_new_tokens_tail=8, length_sigma=1.0)
-    gen.submit([req(gid, n=1) for gid in range(400)])
-    gen.poll()
-    limits = [p.max_tokens for p in llm.calls[0][1]]
+    limits = [gen._params(req(gid, n=1)).max_tokens for gid in range(400)]
     assert all(8 <= m <= 200 for m in limits)
     median = sorted(limits)[len(limits) // 2]
     assert median < 20 and max(limits) > 5 * median  # a long tail, not a spread around the mean
-    again, llm2 = make_gen(max_new_tokens=200, min_new_tokens_tail=8, length_sigma=1.0)
-    again.submit([req(gid, n=1) for gid in reversed(range(400))])
-    again.poll()
-    assert [p.max_tokens for p in llm2.calls[0][1]][::-1] == limits  # a group's limit does not depend on its wave
-    fixed, llm3 = make_gen(max_new_tokens=7)
-    fixed.submit([req(1)])
-    fixed.poll()
-    assert llm3.calls[0][1][0].max_tokens == 7
+    again, _ = make_gen(max_new_tokens=200, min_new_tokens_tail=8, length_sigma=1.0)
+    assert [again._params(req(gid, n=1)).max_tokens for gid in reversed(range(400))][::-1] == limits
+    fixed, _ = make_gen(max_new_tokens=7)
+    assert fixed._params(req(1)).max_tokens == 7
     with pytest.raises(ValueError, match="min_new_tokens_tail 300 exceeds max_new_tokens 200"):
         VLLMGenerationConfig(max_new_tokens=200, min_new_tokens_tail=300)
 
@@ -350,23 +495,21 @@ def test_abort_drops_queued_groups_before_they_reach_the_engine():
     assert sorted(gen.abort([2, 3, 99])) == [2, 3]
     assert gen.num_inflight() == 1
     assert [g.group_id for g in gen.poll()] == [1]
-    assert len(llm.calls[0][0]) == 1
+    assert [rid for rid, _ in llm.llm_engine.added] == ["group-1"]
     assert gen.abort([1]) == []  # finished and returned: nothing to cancel
 
 
-def test_abort_cancels_groups_of_the_running_wave():
-    gen, llm = make_gen()
-    llm.gate = threading.Event()
+def test_abort_frees_a_running_group_in_the_engine():
+    gen, llm = make_gen(max_new_tokens=30)
+    engine = llm.llm_engine
     gen.submit([req(1), req(2)])
-    poller, box = run_in_thread(gen.poll)
-    assert llm.started.wait(5)
+    step_until_running(gen, llm)
     assert gen.num_inflight() == 2
     assert gen.abort([2]) == [2]
+    assert engine.aborted == ["group-2"] and "group-2" not in engine.requests  # its KV blocks are freed now
     assert gen.abort([2]) == []  # already cancelled
     assert gen.num_inflight() == 1
-    llm.gate.set()
-    poller.join(5)
-    assert [g.group_id for g in box["out"]] == [1]
+    assert [g.group_id for g in gen.poll()] == [1]
     assert gen.num_inflight() == 0
 
 
@@ -374,32 +517,45 @@ def test_finished_groups_waiting_for_poll_are_not_cancelled():
     gen, llm = make_gen(background=True)
     try:
         gen.submit([req(4)])
-        deadline = time.monotonic() + 5
-        while gen._done == [] and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: gen._done != [])
         assert gen.abort([4]) == [] and gen.num_inflight() == 1
         assert [g.group_id for g in gen.poll(timeout=1)] == [4]
     finally:
         gen.close()
 
 
-# ---- background thread -------------------------------------------------------------------------------------------
+# ---- failures, background thread, greedy ---------------------------------------------------------------------------
 
 
-def test_background_mode_generates_in_its_own_thread():
-    gen, llm = make_gen(background=True)
+def test_a_failing_engine_step_surfaces_in_poll_and_leaves_no_group_in_flight():
+    gen, llm = make_gen(max_new_tokens=30)
+    engine = llm.llm_engine
+    gen.submit([req(1), req(2)])
+    step_until_running(gen, llm)
+    engine.fail_step = True
+    with pytest.raises(RuntimeError, match="engine step failed: engine died"):
+        gen.poll(timeout=5)
+    assert gen.num_inflight() == 0 and not engine.requests  # aborted in the engine; the caller re-sends them
+    gen.submit([req(1)])  # the same group again: a fresh request
+    assert [g.group_id for g in gen.poll()] == [1]
+
+
+def test_background_mode_steps_the_engine_in_its_own_thread():
+    gen, llm = make_gen(background=True, max_new_tokens=30)
+    gate = threading.Event()
+    llm.llm_engine.on_step = lambda engine: gate.wait(10)
     try:
         assert gen.poll(timeout=None) == []  # nothing in flight: returns at once
-        llm.gate = threading.Event()
         gen.submit([req(1), req(2)])
-        assert llm.started.wait(5)
+        wait_until(lambda: llm.llm_engine.steps > 0)
         t0 = time.monotonic()
         assert gen.poll(timeout=0.1) == []  # still generating: waits at most the timeout
         assert time.monotonic() - t0 < 2
-        llm.gate.set()
-        got = gen.poll(timeout=5)
-        assert [g.group_id for g in got] == [1, 2]
-        llm.gate = None
+        gate.set()
+        got = []
+        while len(got) < 2:
+            got += gen.poll(timeout=5)
+        assert sorted(g.group_id for g in got) == [1, 2]
         gen.submit([req(3)])
         assert [g.group_id for g in gen.poll(timeout=None)] == [3]
     finally:
@@ -412,7 +568,7 @@ def test_background_mode_generates_in_its_own_thread():
 def test_a_background_failure_surfaces_in_poll():
     gen, llm = make_gen(background=True)
     try:
-        llm.fail_generate = True
+        llm.llm_engine.fail_step = True
         gen.submit([req(1)])
         with pytest.raises(RuntimeError, match="background") as info:
             gen.poll(timeout=5)
@@ -422,27 +578,108 @@ def test_a_background_failure_surfaces_in_poll():
         gen.close()
 
 
-def test_a_synchronous_failure_leaves_no_group_in_flight():
-    gen, llm = make_gen()
-    llm.fail_generate = True
+def test_a_weight_load_in_another_thread_gets_its_turn_between_steps_of_the_background_engine():
+    gen, llm = make_gen(background=True, max_new_tokens=30, weight_update="inflight")
+    slow = threading.Event()
+    llm.llm_engine.on_step = lambda engine: slow.wait(0.01)
+    try:
+        gen.submit([req(1, n=1)])
+        wait_until(lambda: llm.llm_engine.steps >= 2)
+        gen.load_weights({"scale": torch.tensor(2.0)}, 1)  # returns while the group still runs
+        assert gen.version == 1
+        got = []
+        while not got:
+            got = gen.poll(timeout=5)
+        (g,) = got
+        assert g.gen_end_version == 1 and g.logprobs[0][0] == -1.0 and g.logprobs[0][-1] == -2.0
+    finally:
+        gen.close()
+
+
+def test_generate_greedy_runs_beside_the_groups_and_loses_none_of_them():
+    gen, llm = make_gen(max_new_tokens=30)
     gen.submit([req(1)])
-    with pytest.raises(RuntimeError, match="engine died"):
-        gen.poll()
-    assert gen.num_inflight() == 0
-
-
-def test_generate_greedy_and_state():
-    gen, llm = make_gen()
+    step_until_running(gen, llm)
     out = gen.generate_greedy([[257, 50], [257, 51]], max_new_tokens=3)
     assert len(out) == 2 and all(1 <= len(c) <= 3 for c in out)
-    p = llm.calls[-1][1][0]
-    assert (p.temperature, p.n, p.max_tokens, p.stop_token_ids) == (0.0, 1, 3, [EOS])
     assert gen.generate_greedy([[257, 50], [257, 51]], max_new_tokens=3) == out
+    assert [g.group_id for g in gen.poll()] == [1]  # the running group went on and is returned as usual
     gen.load_weights({"scale": torch.tensor(1.0)}, 4)
     state = gen.state_dict()
     other, _ = make_gen()
     other.load_state_dict(state)
     assert other.version == 4
+
+
+# ---- through the controller (CPU: a torch policy, the generator around the fake engine) ---------------------------
+
+
+def make_controller(sampler, weight_update="drain", step_s=0.0, **over):
+    from asyncrl import Controller, load_config
+    from asyncrl.algorithms import GRPOLoss
+    from asyncrl.backends.torch import TorchPolicy
+    from asyncrl.tasks import build_task
+
+    cfg = load_config("quickstart", sampler=sampler, eval_every=None, groups_per_step=4, group_size=4,
+                      generation={"backend": "vllm", "max_new_tokens": 6, "weight_update": weight_update}, **over)
+    tok = make_tokenizer()
+    torch.manual_seed(cfg.seed)
+    policy = TorchPolicy(cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok)
+    llm = FakeLLM()
+    if step_s:
+        llm.llm_engine.on_step = lambda engine: time.sleep(step_s)
+    gen = VLLMGenerator(cfg.model, cfg.generation, cfg.seed, tok, llm=llm, sampling_params_cls=FakeSamplingParams)
+    return Controller(cfg, build_task(cfg.task), policy, gen, tok), llm
+
+
+def schedule(ctrl) -> list[tuple]:
+    """Which groups each step trained, at which stamp, generated by which weights (the commit rows' words)."""
+    trace = ctrl.trace
+    spans = {int(r.group_id): r.reason.split("weights ")[1] for r in trace[trace.event == "commit"].itertuples()}
+    picked = trace[trace.event == "select"]
+    return [(int(r.trainer_version), int(r.group_id), int(r.weight_version), spans[int(r.group_id)])
+            for r in picked.itertuples()]
+
+
+@pytest.mark.parametrize("sampler", [{"name": "weight_fifo", "max_staleness_versions": 1},
+                                     {"name": "in_order", "max_lookahead_versions": 1}])
+def test_drain_keeps_a_threaded_runs_schedule_independent_of_timing(sampler):
+    """Two threaded runs of one seed, the engine's steps paced differently: the same groups trained at the same
+    steps, each generated wholly by the version it was stamped with."""
+    runs = []
+    for step_s in (0.0, 0.002):
+        ctrl, _ = make_controller(sampler, "drain", step_s=step_s)
+        ctrl.run(5, progress=False)
+        runs.append(schedule(ctrl))
+    assert runs[0] == runs[1] and len(runs[0]) == 5 * 4
+    assert all(span == f"{w}..{w}" for _, _, w, span in runs[0])
+
+
+def test_inflight_runs_and_never_judges_a_group_newer_than_its_oldest_tokens():
+    ctrl, _ = make_controller({"name": "weight_fifo", "max_staleness_versions": 1}, "inflight", step_s=0.002)
+    m = ctrl.run(5, progress=False)
+    assert len(m) == 5
+    for _, _, w, span in schedule(ctrl):
+        start, end = map(int, span.split(".."))
+        assert w <= start <= end  # lag T - w counts from no later than the oldest weights a group contains
+
+
+def test_a_failing_engine_step_is_a_fault_and_its_groups_are_sent_again():
+    ctrl, llm = make_controller({"name": "in_order", "max_lookahead_versions": 0})
+    engine = llm.llm_engine
+
+    def fail_once(engine, state={"n": 0}):
+        state["n"] += 1
+        engine.fail_step = state["n"] == 3
+
+    engine.on_step = fail_once
+    for _ in range(6):
+        ctrl.tick()
+    trace = ctrl.trace
+    faults = trace[trace.event == "fault"]
+    assert faults.detail.str.contains("engine step failed: engine died").any()
+    assert faults.reason.str.contains("re-dispatched").any()  # nothing lost: the groups go again
+    assert ctrl.trainer_version >= 2 and not (trace.event == "skip").any()
 
 
 def test_imports_without_vllm():
@@ -551,6 +788,53 @@ def test_real_vllm_weight_update_in_place(real):
     gen.submit([GenerationRequest(11, tok.encode("7="), 8)])
     got, ref = _hf_sampled_logprobs(real.hf, gen.poll())
     assert (got - ref).abs().mean() < 1e-2
+
+
+@pytest.mark.gpu
+def test_real_vllm_streams_groups_and_abort_frees_a_running_one(real):
+    gen, tok = real.gen, real.tok
+    long = gen.gen_cfg
+    gen.gen_cfg = long.model_copy(update={"max_new_tokens": 100})  # per-request settings: read at every submit
+    try:
+        gen.submit([GenerationRequest(30, tok.encode("ab"), 2), GenerationRequest(31, tok.encode("cd"), 2)])
+        while not gen._running:
+            assert gen.poll(timeout=1e-6) == []
+        assert gen.engine.get_num_unfinished_requests() == 4  # two groups of two sequences, running
+        assert gen.abort([31]) == [31]
+        assert gen.engine.get_num_unfinished_requests() == 2  # the aborted group's sequences are gone at once
+        (g,) = gen.poll()
+        assert g.group_id == 30 and gen.engine.get_num_unfinished_requests() == 0
+    finally:
+        gen.gen_cfg = long
+
+
+@pytest.mark.gpu
+def test_real_vllm_inflight_load_between_steps_keeps_each_tokens_logprob(real):
+    gen, tok = real.gen, real.tok
+    original = {k: v.detach().clone() for k, v in real.hf.state_dict().items()}
+    uniform = {k: (torch.zeros_like(v) if k in ("lm_head.weight", "model.embed_tokens.weight") else v)
+               for k, v in original.items()}
+    long, mode = gen.gen_cfg, gen.weight_update
+    gen.gen_cfg = long.model_copy(update={"max_new_tokens": 64})
+    gen.weight_update = "inflight"
+    try:
+        base = gen.version
+        gen.submit([GenerationRequest(40, tok.encode("7="), 1)])
+        while not gen._running:
+            assert gen.poll(timeout=1e-6) == []
+        gen.poll(timeout=0.002)
+        gen.load_weights(uniform, version=base + 1)  # between two steps; the group goes on
+        (g,) = gen.poll()
+        assert (g.gen_start_version, g.gen_end_version) == (base, base + 1)
+        lps = torch.tensor(g.logprobs[0])
+        uniform_lp = -math.log(259)
+        after = (lps - uniform_lp).abs() < 1e-4  # sampled under the zero output layer
+        assert after.any() and not after.all()
+        first_after = int(after.nonzero()[0])
+        assert after[first_after:].all()  # every token after the load, none before
+    finally:
+        gen.gen_cfg, gen.weight_update = long, mode
+        gen.load_weights(original, version=gen.version + 1)
 
 
 @pytest.mark.gpu

@@ -107,6 +107,11 @@ def draw_buffer(ctrl, ax, verdicts: pd.DataFrame | None = None) -> None:
                    label=LABELS[column].format(step=shown), hatch="///" if doomed else None,
                    edgecolor=STATES["evicted"] if doomed else None, lw=0)
             bottom = bottom + table[column]
+    spanning = state.buffer["spanning"] if "spanning" in state.buffer else pd.Series(dtype="int64")
+    spanning = spanning[spanning > 0]
+    if len(spanning):  # in-flight weight updates: ready groups whose tokens came from more than one version
+        ax.bar(spanning.index, spanning, bottom=0, width=0.7, fill=False, hatch="xx", edgecolor="#222222", lw=0.6,
+               label="of them generated across versions")
     ax.axvline(T, color="#333333", ls="--", lw=1.2, label=f"T = {T}")
     ax.set_xlim(x0 - 0.6, x1 + 0.6)
     ax.set_xticks(range(x0, x1 + 1))

@@ -126,13 +126,13 @@ class StepMetrics(Protocol):
 
 @runtime_checkable
 class StagesWeights(Protocol):
-    """Optional for a generation backend that generates in waves in a thread of its own (vLLM with ``background``):
-    the collective weight sync hands it the weights to swap in at its next wave boundary instead of loading them
-    now (asyncrl/backends/weight_sync.py)."""
+    """Optional for a generation backend whose engine keeps running while weights arrive (vLLM): the collective
+    weight sync hands it the weights to swap in between two engine steps instead of loading them now
+    (asyncrl/backends/weight_sync.py)."""
 
     def stage_weights(self, weights: Mapping[str, torch.Tensor], version: int, fill: Any = None) -> None:
-        """``fill()`` (if given) writes ``weights`` first; the backend swaps them in as ``version`` when no wave
-        runs. ``weights`` stay untouched by the caller until the next call."""
+        """``fill()`` (if given) writes ``weights`` first; the backend swaps them in as ``version`` between two
+        engine steps. ``weights`` stay untouched by the caller until the next call."""
         ...
 
 
@@ -156,7 +156,7 @@ class Capabilities:
     ``ray_pipelined``: methods whose result no caller waits for; through a Ray proxy they return at once and the
     proxy's next call waits for them (``asyncrl/backends/ray.py``: the policies' ``begin_train_step`` and
     ``train_microbatches``). ``ray_max_concurrency``: calls its Ray actor may serve at once (the vLLM generator: 2, a
-    weight receive runs during a wave); pipelining needs 1. ``needs_process_group``: built only once its actor
+    weight receive runs during a poll); pipelining needs 1. ``needs_process_group``: built only once its actor
     joined the rank group's process group (Megatron, ``asyncrl/backends/ranks.py``)."""
 
     ray_pipelined: frozenset[str] = frozenset()

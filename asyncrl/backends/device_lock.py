@@ -16,6 +16,12 @@ What it costs: colocated generation and training take turns on the GPU (they did
 still overlaps is everything outside the blocks (decoding, scoring, batch building, the controller).
 ``device_lock_stats()`` says how long each engine held the device and waited for it, which is how the one-GPU
 benchmark measures the gap between asynchronous and synchronous runs.
+
+Taking turns fairly: a lock released and taken again at once by the same thread (a generator stepping its engine in
+a loop) is usually taken again before a waiting thread wakes up, so the waiter can starve. An engine that loops calls
+``make_way(device)`` before each block: if another engine of the process waits for the device, it returns once that
+one has taken it (or after a timeout), so the engines alternate block by block. ``device_waiters(device)`` says
+whether anyone waits (a loop that holds the device across several steps stops at that point).
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["exclusive_device", "holds_device", "device_lock_stats", "device_lock_spans"]
+__all__ = ["exclusive_device", "holds_device", "device_lock_stats", "device_lock_spans", "device_waiters", "make_way"]
 
 _GUARD = threading.Lock()
 _LOCKS: dict[int, threading.RLock] = {}
 _STATS: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])  # name -> [held_s, waited_s, blocks]
 _DEPTH = threading.local()
+_WAITERS: dict[int, int] = defaultdict(int)  # device -> threads blocked in exclusive_device's outer acquire
+_TAKEN: dict[int, int] = defaultdict(int)  # device -> outer blocks started (make_way watches it move)
 # The latest blocks as (name, start, end) in time.perf_counter() seconds: CLOCK_MONOTONIC on Linux, one clock for
 # every process of the host, so a benchmark can lay the GPU blocks of two actors beside the driver's calls.
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20_000)
@@ -47,12 +55,22 @@ def exclusive_device(device: Any, name: str = "engine") -> Iterator[None]:
     if dev.type != "cuda":
         yield
         return
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    index = _index(dev)
     with _GUARD:
         lock = _LOCKS.setdefault(index, threading.RLock())
     outer = getattr(_DEPTH, "n", 0) == 0
     asked = time.perf_counter()
-    with lock:
+    if outer:
+        with _GUARD:
+            _WAITERS[index] += 1
+    try:
+        lock.acquire()
+    finally:
+        if outer:
+            with _GUARD:
+                _WAITERS[index] -= 1
+                _TAKEN[index] += 1
+    try:
         got = time.perf_counter()
         _DEPTH.n = getattr(_DEPTH, "n", 0) + 1
         try:
@@ -70,6 +88,41 @@ def exclusive_device(device: Any, name: str = "engine") -> Iterator[None]:
                     entry[0] += end - got
                     entry[1] += got - asked
                     entry[2] += 1
+    finally:
+        lock.release()
+
+
+def _index(dev: torch.device) -> int:
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+def device_waiters(device: Any) -> int:
+    """Threads of this process waiting to start a block on ``device`` now (0 off CUDA)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return 0
+    with _GUARD:
+        return _WAITERS[_index(dev)]
+
+
+def make_way(device: Any, timeout_s: float = 1.0) -> None:
+    """If another thread waits for ``device``, return once it has started its block (or after ``timeout_s``);
+    otherwise at once. Called by an engine that loops over blocks, before each, so that a waiter is never starved
+    (module docstring)."""
+    dev = torch.device(device)
+    if dev.type != "cuda" or getattr(_DEPTH, "n", 0):
+        return  # inside a block of its own a thread cannot let another one in
+    index = _index(dev)
+    with _GUARD:
+        if not _WAITERS[index]:
+            return
+        taken = _TAKEN[index]
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(0.0002)
+        with _GUARD:
+            if _TAKEN[index] != taken or not _WAITERS[index]:
+                return
 
 
 def holds_device(method):

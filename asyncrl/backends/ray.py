@@ -6,7 +6,7 @@ class: it has exactly that class's public methods and properties (a name the bac
 ``AttributeError``), so ``hasattr`` and ``isinstance(proxy, GenerationBackend)`` tell the truth about the backend. An actor serves one call at a time, which
 gives a generator the same "a weight load never interleaves a generation" guarantee as its in-process lock; a hosted
 class that declares ``Capabilities(ray_max_concurrency=n)`` gets n at once (the vLLM generator: a weight receive runs during a
-wave, and its own locks keep engine use serial).
+poll, and its own locks keep engine use serial).
 Pipelined calls: a hosted class may name methods whose result no caller waits for (``Capabilities.ray_pipelined``: the
 policies' ``begin_train_step`` and ``train_microbatches``). Through the proxy they return ``None`` at once, and the
 proxy's next call waits for them first and raises the first of their errors, so a step's calls reach the actor back
@@ -328,7 +328,7 @@ def remote(cls: type, args: tuple, section: Any, group: Any = None, bundle: int 
 
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
     # One call at a time, unless the hosted class says it is safe with more (``ray_max_concurrency``: the vLLM
-    # generator, so a weight receive runs during a wave; its own locks keep engine use serial).
+    # generator, so a weight receive runs during a poll; its own locks keep engine use serial).
     concurrency = capabilities(cls).ray_max_concurrency
     actor = ray.remote(_Host).options(max_concurrency=concurrency, **options).remote(cls, args, deferred)
     ready, _ = ray.wait([actor.get.remote("__class__")], timeout=PLACEMENT_TIMEOUT_S)

@@ -25,11 +25,12 @@ and ``receive`` on the generator actor, both ``.remote()`` before either ``ray.g
   receiver raises instead of waiting for tensors that will never come.
 - ``receive``: the header, then each tensor into its buffer, then the weights go to the generator:
   - a generator with ``stage_weights`` (vLLM) runs the receive *inside* ``stage_weights(buffers, version, fill)``,
-    under its staging lock, while a wave may be running (its actor serves two calls at once,
-    ``ray_max_concurrency``): the trainer never waits for a wave. The transfer runs on a CUDA stream of its own, so
-    it neither waits for nor delays the engine's kernels; the receive returns once the buffers are full (the
-    generator's ``version`` says the new one from then on) and the generator swaps them in before its next wave
-    (``asyncrl/backends/vllm.py``);
+    under its staging lock, while the engine may be generating (its actor serves two calls at once,
+    ``ray_max_concurrency``): the trainer never waits for generation. The transfer runs on a CUDA stream of its
+    own, so it neither waits for nor delays the engine's kernels; the receive returns once the buffers are full (the
+    generator's ``version`` says the new one from then on) and the generator swaps them in between two engine
+    steps (``generation.weight_update``: ``drain`` after the groups submitted before them, ``inflight`` at once;
+    ``asyncrl/backends/vllm.py``);
   - any other generator: ``load_weights(received, version)`` after the receive (its actor serves one call at a
     time, so that waits for a running ``poll``).
   Either way the version is set only after the whole receive completed, and the generator must copy out of the
