@@ -29,6 +29,7 @@ TIERS = [
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling"],
+    ["asyncrl.backends.vllm_build"],  # how the vLLM engine is built (the HF model directory it loads)
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
@@ -187,7 +188,7 @@ def test_the_private_state_check_sees_what_it_judges():
 def test_the_checks_see_the_imports_they_judge():
     # The rules above are only as good as the parsing: spot-check edges that exist, lazy ones included.
     assert "asyncrl.data" in GRAPH["asyncrl.algorithms"]
-    assert "asyncrl.backends.hf" in GRAPH["asyncrl.backends.vllm"]
+    assert "asyncrl.backends.hf" in GRAPH["asyncrl.backends.vllm_build"]
     assert "asyncrl.backends" in GRAPH["asyncrl.controller"]  # imported inside from_config
     assert "asyncrl.backends.ray" in GRAPH["asyncrl.backends.weight_sync"]
 

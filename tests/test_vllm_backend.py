@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from asyncrl.backends.base import GenerationBackend
-from asyncrl.backends.vllm import VLLMGenerator, group_seed, write_model_dir
+from asyncrl.backends.vllm import VLLMGenerator, group_seed
+from asyncrl.backends.vllm_build import write_model_dir
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest
 
@@ -478,7 +479,7 @@ def test_long_tailed_completion_limits_are_per_group_and_seeded():
 
 
 def test_kv_pool_bytes_follow_the_token_budget():
-    from asyncrl.backends.vllm import kv_cache_bytes
+    from asyncrl.backends.vllm_build import kv_cache_bytes
 
     hf = SimpleNamespace(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, num_hidden_layers=20)
     # keys and values x 20 layers x 8 KV heads x 64 dims x 2 bytes (bf16) per token

@@ -4,7 +4,7 @@ config, its one seeded initialisation, and checkpoint loading.
 Every engine starts from the same weights for a seed because they all come from ``init_hf_model``: the HF model
 class built under ``torch.manual_seed(seed)`` on the CPU, leaving the caller's RNG untouched. The torch engine
 trains that model itself, Megatron copies it through its weight map, vLLM loads it from a directory
-``write_model_dir`` (in ``vllm.py``) saved. ``transformers`` is imported inside the functions.
+``write_model_dir`` (in ``vllm_build.py``) saved. ``transformers`` is imported inside the functions.
 """
 
 from __future__ import annotations

@@ -2,9 +2,8 @@
 through one engine that keeps running, weight updates in place.
 
 ``VLLMGenerator(model_cfg, gen_cfg, seed, tokenizer)`` mirrors ``TorchGenerator``:
-- The engine needs a model directory: ``model_cfg.hf_path``, or a temporary one holding the HF config, the
-  tokenizer and the initial weights of ``ModelConfig`` (the same weights ``TorchPolicy`` / ``MegatronPolicy``
-  start from with that seed; ``write_model_dir``).
+- The engine (model directory, KV pool, CUDA graphs, build timings) is built by ``asyncrl/backends/vllm_build.py``;
+  CUDA graphs cost ~40-60 s more at build for the 236M ``gpu_gen_heavy`` model and decode 2.5-3.5x faster there.
 - **Streaming.** The generator drives ``LLM.llm_engine`` request by request (``add_request`` / ``step`` /
   ``abort_request`` / ``has_unfinished_requests``), never ``LLM.generate``: a submitted group enters the running
   engine at its next step (one request with ``SamplingParams(n=G, logprobs=0, temperature, top_p, max_tokens,
@@ -26,10 +25,9 @@ through one engine that keeps running, weight updates in place.
     reserves, submits and syncs under one lock) both equal the slot's ``weight_version``: the schedule of a
     ``weight_fifo`` / ``in_order`` run does not depend on timing.
   - ``inflight``: a load waits only for the engine step in progress; running completions go on under the new
-    weights. Every token's logprob is the one it was sampled with (computed by the weights of its step), so
-    token-level importance correction stays exact; a group records ``gen_start_version`` (the weights when it
-    entered the engine) and ``gen_end_version`` (when it finished); its tokens' keys and values computed before a
-    load stay in the KV cache. Which tokens fall on which side of a load depends on timing.
+    weights (their keys and values from before stay cached). Every token's logprob is the one it was sampled
+    with, so token-level importance correction stays exact; a group records ``gen_start_version`` (its first
+    step's weights) and ``gen_end_version`` (its last). Which tokens fall on which side of a load is timing.
   ``version`` is the version new work runs with; no group starts under older weights, so a group's oldest version
   is never older than what the controller stamped it with (``docs/samplers.md``: staleness is judged by it).
 - **Staged weights** (``stage_weights``, what the collective sync's receive uses): received into staging buffers
@@ -45,17 +43,9 @@ through one engine that keeps running, weight updates in place.
 - **Errors.** A failing engine step aborts what ran in the engine, forgets those groups (``num_inflight`` drops,
   so the controller re-dispatches them) and raises from ``poll`` (from the next ``poll`` in background mode), where
   the controller's fault containment records and retries it.
-- The KV pool: ``gen_cfg.kv_cache_tokens`` sizes it from a token budget (vLLM's ``kv_cache_memory_bytes``),
-  otherwise ``gpu_memory_utilization`` does. ``max_num_seqs`` bounds sequences decoded at once.
-- CUDA graphs: ``enforce_eager: false`` captures them at build (``build_timings``: ``compile_s``,
-  ``graph_capture_s``; ~40-60 s more for the 236M ``gpu_gen_heavy`` model, once) and decodes 2.5-3.5x faster on
-  decode-heavy presets; with one-token completions generation is prefill, which graphs do not cover.
-- Completion lengths: ``max_new_tokens``, or per group a long-tailed limit (``min_new_tokens_tail``,
-  ``length_sigma``; ``group_max_tokens``), drawn from the seed and group id.
-- Logprobs are vLLM's default ``raw_logprobs``: the model's temperature-1 distribution, before temperature and
-  top-p, which is what the policy computes (``gen_cfg.llm_kwargs`` can change ``logprobs_mode``).
-- Sampling seeds are per group (derived from ``seed`` and the group id), so what a group samples does not depend
-  on which other groups share the engine with it.
+- Completion lengths (``max_new_tokens``, or a long-tailed per-group limit) and sampling seeds derive from the
+  seed and the group id, so what a group samples does not depend on what else runs with it. Logprobs are vLLM's
+  default ``raw_logprobs`` (temperature 1, before top-p), what the policy computes.
 - vLLM logs a WARNING and INFO lines at every in-place load (``RotaryEmbedding: Failed to load weights``, ...):
   the ``vllm`` logger is held at ERROR during loads, so a notebook's progress bar stays readable; errors show.
 
@@ -73,54 +63,30 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.device_lock import device_waiters, exclusive_device, make_way
-from asyncrl.backends.hf import build_hf_config, init_hf_model
 from asyncrl.backends.sampling import group_max_tokens, group_seed
+from asyncrl.backends.vllm_build import build_llm
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest, GroupRollouts
 
-__all__ = ["VLLMGenerator", "write_model_dir", "group_seed"]
+__all__ = ["VLLMGenerator", "group_seed"]
 
 # A streaming poll with something to return goes on stepping for at least this long (or its timeout, if shorter):
 # each return gives the device up (a synchronisation that stops vLLM's CPU work from overlapping the GPU's) and costs
 # the caller a tick, which would cost more than the <= 20 ms a finished group waits (a step of gpu_gen_heavy ~1 s).
 STREAM_SLICE_S = 0.02
-
-
-def write_model_dir(model_cfg: Any, tokenizer: Any, seed: int, path: str | Path) -> Path:
-    """Write what ``vllm.LLM`` loads for a model built from ``ModelConfig``: ``config.json`` (+ generation
-    config), the tokenizer, and the initial weights (safetensors, in ``model_cfg.dtype``) — the weights
-    ``init_hf_model(build_hf_config(model_cfg, tokenizer), seed)`` gives, i.e. the policies' version 0."""
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    hf_config = build_hf_config(model_cfg, tokenizer)
-    model = init_hf_model(hf_config, seed)
-    dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else torch.float32
-    model = model.to(dtype)
-    model.config.torch_dtype = dtype
-    model.save_pretrained(str(path), safe_serialization=True)
-    tokenizer.save_pretrained(str(path))
-    return path
-
-
-def kv_cache_bytes(model_cfg: Any, hf_config: Any, tokens: int) -> int:
-    """Bytes of vLLM's KV pool for ``tokens`` tokens: keys and values, every layer, every KV head."""
-    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
-    return int(tokens) * per_token * (2 if model_cfg.dtype == "bfloat16" else 4)
+GROUP = "group-"  # a group's request id in the engine: GROUP + group id
 
 
 def _sampled_logprob(entry: Any, token_id: int) -> float:
@@ -141,31 +107,9 @@ def _quiet_vllm() -> Iterator[None]:
         logger.setLevel(level)
 
 
-class _BuildTimings(logging.Handler):
-    """Reads vLLM's own build log records (torch.compile seconds, CUDA-graph capture seconds) while the engine is
-    built; they are not kept anywhere else."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.found: dict[str, float] = {}
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = str(record.msg)
-        try:
-            if msg.startswith("Graph capturing finished in"):
-                self.found["graph_capture_s"] = float(record.args[0])
-            elif msg.startswith("init engine (profile, create kv cache, warmup model) took"):
-                self.found["engine_core_init_s"] = float(record.args[0])
-                if "compilation" in msg:
-                    self.found["compile_s"] = float(record.args[1])
-        except (TypeError, ValueError, IndexError):
-            pass
-
-
 @dataclass
 class _Group:
-    """A submitted group: its request, the version it was submitted under (``version`` then: staged weights count)
-    and, once in the engine, the version its first step ran with."""
+    """A submitted group: its request, ``version`` when submitted, and once in the engine its first step's version."""
 
     request: GenerationRequest
     submitted_version: int
@@ -200,42 +144,8 @@ class VLLMGenerator:
 
             sampling_params_cls = sampling_params_cls or vllm.SamplingParams
             self._final_only = RequestOutputKind.FINAL_ONLY
-            t0 = time.perf_counter()
-            self.model_dir = model_cfg.hf_path or self._write_model_dir()
-            self.write_seconds = time.perf_counter() - t0
-            kwargs: dict[str, Any] = dict(
-                model=self.model_dir,
-                dtype=model_cfg.dtype,
-                seed=seed,
-                gpu_memory_utilization=gen_cfg.gpu_memory_utilization,
-                enforce_eager=gen_cfg.enforce_eager,
-                enable_prefix_caching=gen_cfg.enable_prefix_caching,
-            )
-            if not model_cfg.hf_path:
-                kwargs["max_model_len"] = model_cfg.max_position_embeddings
-            if gen_cfg.kv_cache_tokens is not None:
-                from transformers import AutoConfig
-
-                kwargs["kv_cache_memory_bytes"] = kv_cache_bytes(
-                    model_cfg, AutoConfig.from_pretrained(self.model_dir), gen_cfg.kv_cache_tokens)
-            if gen_cfg.max_num_seqs is not None:
-                kwargs["max_num_seqs"] = gen_cfg.max_num_seqs
-            kwargs.update(gen_cfg.llm_kwargs)
-            timings = _BuildTimings()
-            vllm_logger = logging.getLogger("vllm")
-            vllm_logger.addHandler(timings)
-            level = vllm_logger.level
-            if vllm_logger.getEffectiveLevel() > logging.INFO:  # the records must reach the handler
-                vllm_logger.setLevel(logging.INFO)
-            t0 = time.perf_counter()
-            try:
-                llm = vllm.LLM(**kwargs)
-            finally:
-                vllm_logger.removeHandler(timings)
-                vllm_logger.setLevel(level)
-            self.init_seconds = time.perf_counter() - t0
-            self.build_timings = {"write_model_dir_s": self.write_seconds, "engine_s": self.init_seconds,
-                                  "compile_s": 0.0, "graph_capture_s": 0.0, **timings.found}
+            llm, self.model_dir, self._tmpdir, self.build_timings = build_llm(vllm, model_cfg, gen_cfg, seed, tokenizer)
+            self.write_seconds, self.init_seconds = self.build_timings["write_model_dir_s"], self.build_timings["engine_s"]
         elif sampling_params_cls is None:
             raise ValueError("an injected llm needs its sampling_params_cls")
         else:
@@ -286,12 +196,6 @@ class VLLMGenerator:
                 eos = eos[0] if eos else None
             return None if eos is None else int(eos)
         return None
-
-    def _write_model_dir(self) -> str:
-        if self.tokenizer is None:
-            raise ValueError("a model built from ModelConfig (no hf_path) needs the tokenizer")
-        self._tmpdir = tempfile.mkdtemp(prefix="asyncrl-vllm-")
-        return str(write_model_dir(self.model_cfg, self.tokenizer, self.seed, self._tmpdir))
 
     def _params(self, request: GenerationRequest) -> Any:
         g = self.gen_cfg
@@ -377,7 +281,7 @@ class VLLMGenerator:
                 self._queue = deque(g for g in self._queue if g.request.group_id not in wanted)
             running = [gid for gid in self._running if gid in wanted]
             if running:
-                self.engine.abort_request([_request_id(gid) for gid in running])
+                self.engine.abort_request([f"{GROUP}{gid}" for gid in running])
                 for gid in running:
                     del self._running[gid]
             self._changed.notify_all()
@@ -500,8 +404,7 @@ class VLLMGenerator:
 
     def _has_work(self) -> bool:
         with self._state:
-            return bool(self._queue or self._running or self._staged is not None
-                        or any(v is None for v in self._greedy.values()))
+            return bool(self._queue or self._running or self._staged or None in self._greedy.values())
 
     def _run_engine(self, stop: Callable[[bool], bool], drain: int | None = None) -> None:
         """Step the engine (the caller holds ``_engine``) until nothing is left to run, or ``stop(finished)`` says
@@ -564,7 +467,7 @@ class VLLMGenerator:
         try:
             for group in take:
                 r = group.request
-                self.engine.add_request(_request_id(r.group_id), {"type": "token", "prompt_token_ids":
+                self.engine.add_request(f"{GROUP}{r.group_id}", {"type": "token", "prompt_token_ids":
                                                                    list(r.prompt_ids)}, self._params(r))
                 group.start_version = self._version
                 added.append(group)
@@ -587,7 +490,7 @@ class VLLMGenerator:
                 self._greedy[rid] = list(out.outputs[0].token_ids)
                 continue
             with self._state:
-                group = self._running.pop(_group_id(rid), None)
+                group = self._running.pop(int(rid.removeprefix(GROUP)), None)
             if group is None:  # aborted meanwhile
                 continue
             completions = sorted(out.outputs, key=lambda c: c.index)
@@ -611,7 +514,7 @@ class VLLMGenerator:
         with self._changed:
             lost, self._running = list(self._running), {}
             self._changed.notify_all()
-        ids = [_request_id(gid) for gid in lost] + [r for r, v in self._greedy.items() if v is None]
+        ids = [f"{GROUP}{gid}" for gid in lost] + [r for r, v in self._greedy.items() if v is None]
         try:
             self.engine.abort_request(ids)
         except Exception:  # noqa: BLE001 - the engine is already broken; the step's error is what matters
@@ -671,11 +574,3 @@ class VLLMGenerator:
                     self._error = exc
                     self._changed.notify_all()
                 time.sleep(0.01)  # a broken engine: do not spin
-
-
-def _request_id(group_id: int) -> str:
-    return f"group-{group_id}"
-
-
-def _group_id(request_id: str) -> int:
-    return int(request_id.split("-", 1)[1])
