@@ -815,9 +815,8 @@ def test_real_vllm_inflight_load_between_steps_keeps_each_tokens_logprob(real):
     original = {k: v.detach().clone() for k, v in real.hf.state_dict().items()}
     uniform = {k: (torch.zeros_like(v) if k in ("lm_head.weight", "model.embed_tokens.weight") else v)
                for k, v in original.items()}
-    long, mode = gen.gen_cfg, gen.weight_update
-    gen.gen_cfg = long.model_copy(update={"max_new_tokens": 64})
-    gen.weight_update = "inflight"
+    long = gen.gen_cfg
+    gen.gen_cfg = long.model_copy(update={"max_new_tokens": 64, "weight_update": "inflight"})  # read at every load
     try:
         base = gen.version
         gen.submit([GenerationRequest(40, tok.encode("7="), 1)])
@@ -834,7 +833,7 @@ def test_real_vllm_inflight_load_between_steps_keeps_each_tokens_logprob(real):
         first_after = int(after.nonzero()[0])
         assert after[first_after:].all()  # every token after the load, none before
     finally:
-        gen.gen_cfg, gen.weight_update = long, mode
+        gen.gen_cfg = long
         gen.load_weights(original, version=gen.version + 1)
 
 

@@ -154,7 +154,6 @@ class VLLMGenerator:
         self.engine = llm.llm_engine
         self._sp = sampling_params_cls
         self.per_group_seed = gen_cfg.per_group_seed
-        self.weight_update = gen_cfg.weight_update
         self.last_sync_seconds: float | None = None
         self._sync_parts: deque[dict[str, float]] = deque(maxlen=10_000)
         self._staging = threading.Lock()  # staged buffers: written by a receive, read by the swap
@@ -292,7 +291,7 @@ class VLLMGenerator:
         submitted before this call finished), reset the prefix cache if it is on, then set ``version``. On
         failure the version stays what it was."""
         with self._engine_turn():
-            if self.weight_update == "drain":
+            if self.gen_cfg.weight_update == "drain":
                 self._run_engine(lambda finished: False, drain=self._submitted)
             self._load(weights, version, {"receive_s": 0.0, "swap_wait_s": 0.0})
 
@@ -328,7 +327,7 @@ class VLLMGenerator:
                           output_kind=self._final_only)
         with self._engine_turn():
             if self._staged is not None:
-                if self.weight_update == "drain":
+                if self.gen_cfg.weight_update == "drain":
                     self._run_engine(lambda finished: False, drain=self._submitted)
                 self._swap_staged()
             ids = []
@@ -442,7 +441,7 @@ class VLLMGenerator:
         once no group submitted under the loaded weights is left)."""
         if self._staged is None:
             return
-        if self.weight_update == "drain":
+        if self.gen_cfg.weight_update == "drain":
             with self._state:
                 if self._running or any(g.submitted_version <= self._version for g in self._queue):
                     return
@@ -455,7 +454,7 @@ class VLLMGenerator:
         with self._state:
             if not self._queue:
                 return
-            hold = self._staged is not None and self.weight_update == "drain"
+            hold = self._staged is not None and self.gen_cfg.weight_update == "drain"
             now = [g for g in self._queue if (before is None or g.seq < before)
                    and not (hold and g.submitted_version > self._version)]
             if len(now) == len(self._queue):
