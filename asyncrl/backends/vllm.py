@@ -3,7 +3,7 @@ through one engine that keeps running, weight updates in place.
 
 ``VLLMGenerator(model_cfg, gen_cfg, seed, tokenizer)`` mirrors ``TorchGenerator``:
 - The engine (model directory, KV pool, CUDA graphs, build timings) is built by ``asyncrl/backends/vllm_build.py``;
-  CUDA graphs cost ~40-60 s more at build for the 236M ``gpu_gen_heavy`` model and decode 2.5-3.5x faster there.
+  CUDA graphs add ~20-25 s at build for the 236M ``gpu_gen_heavy`` model and generate 3.1x faster there.
 - **Streaming.** The generator drives ``LLM.llm_engine`` request by request (``add_request`` / ``step`` /
   ``abort_request`` / ``has_unfinished_requests``), never ``LLM.generate``: a submitted group enters the running
   engine at its next step (one request with ``SamplingParams(n=G, logprobs=0, temperature, top_p, max_tokens,
