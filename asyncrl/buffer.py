@@ -305,7 +305,9 @@ class ReplayBuffer:
                     "ready": s.ready,
                     "rollouts": s.rollouts,
                     "end_weight_version": s.end_weight_version,
-                    "start_weight_version": s.start_weight_version,
+                    # only where it says more than weight_version (checkpoints before it stay byte for byte)
+                    **({"start_weight_version": s.start_weight_version}
+                       if s.start_weight_version not in (None, s.weight_version) else {}),
                 }
                 for s in self._slots.values()
             ],
