@@ -213,7 +213,7 @@ def test_metrics_and_trace_columns():
     assert m.eval_accuracy.notna().tolist() == [False, True, False, True]
     assert set(ctrl.trace.event) >= {"admit", "dispatch", "commit", "select", "train", "sync", "step"}
     state = ctrl.state()
-    assert state.trainer_version == 4 and list(state.buffer.columns) == ["pending", "ready", "total"]
+    assert state.trainer_version == 4 and list(state.buffer.columns) == ["pending", "ready", "total", "spanning"]
     ev = ctrl.evaluate()
     assert 0.0 <= ev["accuracy"] <= 1.0 and "reward_mean" in ev
 
