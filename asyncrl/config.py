@@ -131,17 +131,11 @@ class VLLMGenerationConfig(_LongTail):
     backend: Literal["vllm"] = "vllm"
     engine: ClassVar[str] = "asyncrl.backends.vllm:VLLMGenerator"
     gpu_memory_utilization: float = Field(0.3, gt=0, lt=1, description="vLLM's share of the GPU's memory")
-    enforce_eager: bool = Field(
-        True, description="no CUDA graphs: the engine builds ~20-25 s faster (torch.compile and capture, for the 236M "
-        "gpu_gen_heavy model on one H200) and decodes slower (that preset's generation: 2.16 s a step eager, 0.69 s "
-        "with graphs); the GPU presets turn graphs on where decoding dominates")
+    enforce_eager: bool = Field(True, description="no CUDA graphs: builds ~20-25 s faster, decodes slower (vllm.py)")
     background: bool = Field(
         False, description="step the engine in a thread of the generator's own; poll(timeout) only collects")
-    weight_update: Literal["drain", "inflight"] = Field(
-        "drain", description="how new weights reach the running engine: 'drain' lets the groups submitted before a "
-        "load finish first (every group one version; the schedule of weight_fifo / in_order runs does not depend on "
-        "timing), 'inflight' loads between two engine steps and running completions go on under the new weights "
-        "(a group spans gen_start_version..gen_end_version; each token keeps the logprob it was sampled with)")
+    weight_update: Literal["drain", "inflight"] = Field("drain", description="'drain': a load lets the groups sent "
+                                                        "before it finish; 'inflight': between two steps (vllm.py)")
     weight_load: Literal["reload_weights", "load_weights"] = Field(
         "reload_weights", description="how weights enter the engine: vLLM's reload_weights, or the model's own "
         "load_weights via apply_model")
