@@ -148,6 +148,78 @@ def two_gpus_number(name: str, what: str) -> Callable[[], str]:
     return make
 
 
+# --- gpu_gen_heavy on one H200: the new settings against the shipped ones, in one invocation ----------------------
+GEN_HEAVY, GEN_HEAVY_SHIPPED = "2026-12-01-gen-heavy-one-h200-streaming", "2026-12-01-gen-heavy-one-h200-shipped-settings"
+GEN_HEAVY_REPEATS = "2026-12-01-gen-heavy-one-h200-repeats"
+
+
+def _sync(name: str) -> pd.Series:
+    runs = run("bench_two_gpus", name)[1]
+    return runs[runs["mode"] == "sync"].median(numeric_only=True)
+
+
+def gen_heavy_table() -> str:
+    """Sync, async (drain) and async (inflight) steps/s, stage times and training TFLOP/s of the shipped settings and
+    the new ones, and their ratio: the two runs of one invocation."""
+    cols = ["steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "useful_train_tflops",
+            "train_tflops_median", "mfu_median"]
+    by = {}
+    for label, name in (("shipped settings", GEN_HEAVY_SHIPPED), ("new", GEN_HEAVY)):
+        runs = run("bench_two_gpus", name)[1]
+        by[label] = runs.groupby("mode")[cols].median()
+    old, new = by["shipped settings"], by["new"]
+    bold = lambda text, on: f"**{text}**" if on else text  # noqa: E731
+    rows = [[label, *(bold(f"{d.steps_per_s[m]:.3f}", label == "new" and m != "async_inflight")
+                      for m in ("sync", "async", "async_inflight")),
+             f"{d.gen_busy_per_step_s['sync']:.2f} s / {d.train_busy_per_step_s['sync']:.2f} s",
+             bold(f"{d.useful_train_tflops['sync']:.1f}", label == "new"),
+             f"{d.train_tflops_median['sync']:.1f} / {d.mfu_median['sync']:.3f}"] for label, d in by.items()]
+    ratio = lambda col, m="sync": new[col][m] / old[col][m]  # noqa: E731
+    rows.append(["new / shipped", *(bold(f"{ratio('steps_per_s', m):.2f}x", m != "async_inflight")
+                                    for m in ("sync", "async", "async_inflight")),
+                 f"{1 / ratio('gen_busy_per_step_s'):.1f}x / {1 / ratio('train_busy_per_step_s'):.1f}x",
+                 f"**{ratio('useful_train_tflops'):.2f}x**", f"{ratio('train_tflops_median'):.2f}x"])
+    return table(rows, ["", "sync steps/s", "async (drain)", "async (inflight)", "generation / training a sync step",
+                        "useful train TFLOP/s", "`train_tflops` / `mfu` (sync)"])
+
+
+def gen_heavy_number(what: str) -> Callable[[], str]:
+    """One figure of the one-H200 gpu_gen_heavy runs for prose."""
+    def make() -> str:
+        meta = run("bench_two_gpus", GEN_HEAVY)[0]
+        r, vs = meta["results"], meta["results"]["versus_baseline"]
+        new, old = _sync(GEN_HEAVY), _sync(GEN_HEAVY_SHIPPED)
+        ratios = [run("bench_two_gpus", n)[0]["results"]["async_over_sync"] for n in (GEN_HEAVY, GEN_HEAVY_REPEATS)]
+        values = {
+            "sync_steps_per_s": lambda: f"{new.steps_per_s:.2f}",
+            "shipped_sync_steps_per_s": lambda: f"{old.steps_per_s:.2f}",
+            "sync_over_shipped": lambda: f"{vs['sync_steps_per_s_over_baseline']:.1f}x",
+            "sync_over_shipped_2": lambda: f"{vs['sync_steps_per_s_over_baseline']:.2f}x",
+            "async_over_shipped_2": lambda: f"{vs['async_steps_per_s_over_baseline']:.2f}x",
+            "tflops": lambda: f"{new.useful_train_tflops:.0f}",
+            "shipped_tflops": lambda: f"{old.useful_train_tflops:.0f}",
+            # the sync runs' ratio, as the figures beside it (the bench's own result takes the median of the modes)
+            "tflops_over_shipped": lambda: f"{new.useful_train_tflops / old.useful_train_tflops:.1f}x",
+            "tflops_over_shipped_2": lambda: f"{new.useful_train_tflops / old.useful_train_tflops:.2f}x",
+            "generator_over_raw": lambda: f"{r['stream']['generator_over_raw']:.2f}x",
+            "async_over_sync": lambda: f"{min(ratios):.2f}-{max(ratios):.2f}x",
+        }
+        return values[what]()
+    return make
+
+
+def calibration_error(name: str, fitted: str, predicts: str, what: str, words: bool = False) -> Callable[[], str]:
+    """The simulator's relative error on ``what`` in a calibrate_gpus run: ``4%`` (or ``29% low`` with words)."""
+    def make() -> str:
+        rows = run("calibrate_gpus", name)[1]
+        hit = rows[(rows["fitted on"] == fitted) & (rows["predicts"] == predicts) & (rows["what"] == what)]
+        if len(hit) != 1:
+            raise ReportError(f"calibrate_gpus/{name}: {len(hit)} rows fitted on {fitted!r} predicting {predicts!r}")
+        error = float(hit["error"].iloc[0])
+        return f"{abs(error):.0%}" + ((" low" if error < 0 else " high") if words else "")
+    return make
+
+
 # --- bench_async, bench_ab -----------------------------------------------------------------------------------------
 def _met(met: bool) -> str:
     return "met" if met else "missed"
@@ -309,6 +381,9 @@ def padding_steps(name: str) -> Callable[[], str]:
 TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
 QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
 SIMULATOR, SIMULATOR_REAL, ASYNC_LEARNING = "2026-12-01T2017Z", "2026-12-01-loaded-box", "2026-12-01-seeds-0-2"
+CALIBRATED, ACROSS = "2026-12-01T2026Z", "2026-12-01T2058Z"  # calibrate_gpus: on the two-H200 runs; across layouts
+G6, G8 = "two_gpus_balanced_lr5e-4 (two GPUs)", "two_gpus_balanced (two GPUs)"  # its outputs, as its rows name them
+ONE_H200 = "2026-12-01-balanced-colocated-one-h200 (one GPU)"
 REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_balanced": two_gpus_table(TWO_GPUS),
     "two_gpus_balanced_lr1e-3": two_gpus_table("2026-11-30-balanced-g8-lr1e-3"),
@@ -340,6 +415,15 @@ REPORTS: dict[str, Callable[[], str]] = {
     "padding_plans": padding_plans("2026-12-01T2028Z"),
     "padding_steps": padding_steps("2026-12-01T2028Z"),
     "bench_async_learning": csv_table("bench_async_learning", ASYNC_LEARNING, digits=3),
+    "gen_heavy_one_h200": gen_heavy_table,
+    **{f"gen_heavy_{what}": gen_heavy_number(what) for what in (
+        "sync_steps_per_s", "shipped_sync_steps_per_s", "sync_over_shipped", "sync_over_shipped_2",
+        "async_over_shipped_2", "tflops", "shipped_tflops", "tflops_over_shipped", "tflops_over_shipped_2",
+        "generator_over_raw", "async_over_sync")},
+    "calibration_g6_async_over_sync": calibration_error(CALIBRATED, G6, G6, "async/sync"),
+    "calibration_g8_async_over_sync": calibration_error(CALIBRATED, G8, G8, "async/sync"),
+    "calibration_across_sync": calibration_error(ACROSS, G6, ONE_H200, "sync", True),
+    "calibration_across_async_over_sync": calibration_error(ACROSS, G6, ONE_H200, "async/sync", True),
 }
 
 
