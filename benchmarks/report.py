@@ -208,6 +208,22 @@ def gen_heavy_number(what: str) -> Callable[[], str]:
     return make
 
 
+def value(bench: str, name: str, fn: Callable[[dict, pd.DataFrame], str]) -> Callable[[], str]:
+    """A figure for prose: ``fn(results, rows)`` of one run directory."""
+    def make() -> str:
+        meta, rows = run(bench, name)
+        return fn(meta["results"], rows)
+    return make
+
+
+def _mode(rows: pd.DataFrame, mode: str, col: str = "steps_per_s") -> pd.Series:
+    return rows[rows["mode"] == mode][col]
+
+
+def _inflight_over_sync(rows: pd.DataFrame) -> str:
+    return f"{_mode(rows, 'async_inflight').median() / _mode(rows, 'sync').median():.2f}x"
+
+
 def calibration_error(name: str, fitted: str, predicts: str, what: str, words: bool = False) -> Callable[[], str]:
     """The simulator's relative error on ``what`` in a calibrate_gpus run: ``4%`` (or ``29% low`` with words)."""
     def make() -> str:
@@ -420,6 +436,38 @@ REPORTS: dict[str, Callable[[], str]] = {
         "sync_steps_per_s", "shipped_sync_steps_per_s", "sync_over_shipped", "sync_over_shipped_2",
         "async_over_shipped_2", "tflops", "shipped_tflops", "tflops_over_shipped", "tflops_over_shipped_2",
         "generator_over_raw", "async_over_sync")},
+    "gen_heavy_stream": value("bench_two_gpus", GEN_HEAVY, lambda r, _: (
+        f"raw {r['stream']['tok_s_raw']:,.0f} tok/s, generator {r['stream']['tok_s_generator']:,.0f} tok/s, "
+        f"**generator / raw {r['stream']['generator_over_raw']:.3f}** (median of the per-rep ratios "
+        + ", ".join(f"{x:.3f}" for x in r["stream"]["per_rep"]))),
+    "gen_heavy_ratio_3": value("bench_two_gpus", GEN_HEAVY, lambda r, _: f"{r['stream']['generator_over_raw']:.3f}"),
+    "gen_heavy_async_over_sync_2": value("bench_two_gpus", GEN_HEAVY, lambda r, _: f"{r['async_over_sync']:.2f}x"),
+    "gen_heavy_inflight_over_sync": value("bench_two_gpus", GEN_HEAVY, lambda _, rows: _inflight_over_sync(rows)),
+    "gen_heavy_shipped_sync": value("bench_two_gpus", GEN_HEAVY_SHIPPED, lambda _, rows: f"{_mode(rows, 'sync').median():.3f}"),
+    "gen_heavy_repeats": value("bench_two_gpus", GEN_HEAVY_REPEATS, lambda _, rows: ", ".join(
+        f"{label} {spread(_mode(rows, mode), '{:.3f}')}"
+        for label, mode in (("sync", "sync"), ("async drain", "async"), ("async inflight", "async_inflight")))),
+    "gen_heavy_repeats_async_over_sync": value("bench_two_gpus", GEN_HEAVY_REPEATS,
+                                               lambda r, _: f"{r['async_over_sync']:.2f}x"),
+    "gen_heavy_repeats_inflight_over_sync": value("bench_two_gpus", GEN_HEAVY_REPEATS,
+                                                  lambda _, rows: _inflight_over_sync(rows)),
+    "gen_heavy_first_machine": value("bench_two_gpus", "2026-12-01-gen-heavy-streaming-drain", lambda r, _: (
+        f"{r['stream']['generator_over_raw']:.3f} (raw {r['stream']['tok_s_raw']:,.0f} tok/s")),
+    "gen_heavy_first_ratio": value("bench_two_gpus", "2026-12-01-gen-heavy-streaming-drain",
+                                   lambda r, _: f"{r['stream']['generator_over_raw']:.3f}"),
+    "gen_heavy_first_runs": lambda: " and ".join(
+        f"sync {_mode(rows, 'sync').median():.2f} / async {_mode(rows, 'async').median():.2f} with {how}"
+        for how, rows in ((how, run("bench_two_gpus", f"2026-12-01-gen-heavy-streaming-{how}")[1])
+                          for how in ("drain", "inflight"))),
+    "balanced_colocated": value("bench_two_gpus", "2026-12-01-balanced-colocated-one-h200", lambda r, rows: (
+        f"sync {_mode(rows, 'sync').median():.2f}, async {_mode(rows, 'async').median():.2f} steps/s "
+        f"({r['async_over_sync']:.2f}x), generation {1e3 * r['stage_gen_s']:.1f} / training "
+        f"{1e3 * r['stage_train_s']:.1f} ms a sync step")),
+    "gpu_checks_notebook": value("gpu_checks", "2026-12-01-one-h200", lambda _, rows: (
+        "in {seconds:.0f} s (reward {reward_first5:.3f} -> {reward_last5:.3f}, held-out accuracy "
+        "{held_out_accuracy:.2f}".format(**rows.iloc[0]))),
+    "gpu_checks_colocated": value("gpu_checks", "2026-12-01-one-h200",
+                                  lambda _, rows: f"{rows.seconds.iloc[1]:.0f} s"),
     "calibration_g6_async_over_sync": calibration_error(CALIBRATED, G6, G6, "async/sync"),
     "calibration_g8_async_over_sync": calibration_error(CALIBRATED, G8, G8, "async/sync"),
     "calibration_across_sync": calibration_error(ACROSS, G6, ONE_H200, "sync", True),
