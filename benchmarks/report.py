@@ -220,6 +220,13 @@ def _mode(rows: pd.DataFrame, mode: str, col: str = "steps_per_s") -> pd.Series:
     return rows[rows["mode"] == mode][col]
 
 
+def _push_waits(mode: str) -> tuple[float, float]:
+    """The smallest and largest median push wait of a mode's runs, in the invocation and its repeat."""
+    waits = [w for n in (GEN_HEAVY, GEN_HEAVY_REPEATS) for w in _mode(run("bench_two_gpus", n)[1], mode,
+                                                                       "push_wait_s_median")]
+    return min(waits), max(waits)
+
+
 def _inflight_over_sync(rows: pd.DataFrame) -> str:
     return f"{_mode(rows, 'async_inflight').median() / _mode(rows, 'sync').median():.2f}x"
 
@@ -468,6 +475,27 @@ REPORTS: dict[str, Callable[[], str]] = {
         "{held_out_accuracy:.2f}".format(**rows.iloc[0]))),
     "gpu_checks_colocated": value("gpu_checks", "2026-12-01-one-h200",
                                   lambda _, rows: f"{rows.seconds.iloc[1]:.0f} s"),
+    "gen_heavy_generation_share": lambda: (
+        f"{_sync(GEN_HEAVY).gen_busy_per_step_s * _sync(GEN_HEAVY).steps_per_s:.0%} of a sync step "
+        f"({_sync(GEN_HEAVY).gen_busy_per_step_s:.2f} of {1 / _sync(GEN_HEAVY).steps_per_s:.2f} s)"),
+    "gen_heavy_gen_tok_s": value("bench_two_gpus", GEN_HEAVY, lambda r, rows: (
+        f"{_mode(rows, 'sync', 'gen_tokens_per_s_median').median() / 1e3:.1f}k tok/s in the sync runs, "
+        f"{r['stream']['tok_s_raw'] / 1e3:.1f}k raw")),
+    "gen_heavy_positions": lambda: (
+        f"{_sync(GEN_HEAVY).train_padded_tokens_median / 1e3:.1f}k positions for "
+        f"{_sync(GEN_HEAVY).train_tokens_median / 1e3:.1f}k real tokens, where the padded rows computed "
+        f"{_sync(GEN_HEAVY_SHIPPED).train_padded_tokens_median / 1e3:.1f}k"),
+    "gen_heavy_push_wait": lambda: "{:.2f}-{:.2f} s a step".format(*_push_waits("async")),
+    "gen_heavy_push_wait_inflight": lambda: "{:.0f}-{:.0f} ms".format(*(1e3 * w for w in _push_waits("async_inflight"))),
+    "gen_heavy_raw_two_machines": lambda: (
+        f"raw vLLM {run('bench_two_gpus', GEN_HEAVY)[0]['results']['stream']['tok_s_raw'] / 1e3:.1f}k tok/s here, "
+        f"{run('bench_two_gpus', '2026-12-01-gen-heavy-streaming-drain')[0]['results']['stream']['tok_s_raw'] / 1e3:.1f}k"
+        " an hour earlier"),
+    "gen_heavy_build": lambda: (lambda old, new: (
+        f"eager {old['engine_s']:.1f} s (engine core {old['engine_core_init_s']:.1f} s), with CUDA graphs "
+        f"{new['engine_s']:.1f} s (engine core {new['engine_core_init_s']:.1f} s: torch.compile {new['compile_s']:.1f} s"
+        f" + graph capture {new['graph_capture_s']:.1f} s"))(
+        *(run("bench_two_gpus", n)[0]["results"]["build_timings"] for n in (GEN_HEAVY_SHIPPED, GEN_HEAVY))),
     "calibration_g6_async_over_sync": calibration_error(CALIBRATED, G6, G6, "async/sync"),
     "calibration_g8_async_over_sync": calibration_error(CALIBRATED, G8, G8, "async/sync"),
     "calibration_across_sync": calibration_error(ACROSS, G6, ONE_H200, "sync", True),
