@@ -243,6 +243,65 @@ def calibration_error(name: str, fitted: str, predicts: str, what: str, words: b
     return make
 
 
+# --- calibrate_gpus: the simulator fitted on GPU runs ------------------------------------------------------------
+# calibrate_gpus's rows name an output by the directory it read (some before the move under bench_two_gpus/)
+OUTPUTS = {"two_gpus_balanced_lr5e-4": "2026-11-30-balanced-g6-lr5e-4", "two_gpus_balanced": "2026-11-30-balanced-g8-lr1e-3",
+           "2026-12-01-balanced-colocated-one-h200": "2026-12-01-balanced-colocated-one-h200"}
+
+
+def _stages(output: str) -> dict[str, float]:
+    """A sync step of an output split as calibrate_gpus fits it (ms): g + t + p + d, d the rest."""
+    med = _sync(OUTPUTS[output.split(" (")[0]])
+    step = 1e3 / med.steps_per_s
+    g, t, p = (1e3 * med[c] for c in ("gen_busy_per_step_s", "train_busy_per_step_s", "push_wait_s_median"))
+    return {"step": step, "g": g, "t": t, "p": p, "d": step - g - t - p}
+
+
+def _pm(hit: pd.DataFrame, what: str, bold_over: float = 0.15, fitted: bool = False) -> str:
+    """``predicted / measured (error)`` of one quantity; the error bold where it is over ``bold_over``."""
+    row = hit[hit["what"] == what].iloc[0]
+    err = "fitted" if fitted else (f"**{row.error:+.0%}**" if abs(row.error) > bold_over else f"{row.error:+.0%}")
+    return f"{row.predicted:.2f} / {row.measured:.2f} ({err})"
+
+
+def calibrated_table(name: str, notes: dict[str, str]) -> Callable[[], str]:
+    """Each two-H200 output predicted from its own sync runs: the step split, overlap_slowdown, async and async/sync."""
+    def make() -> str:
+        rows = run("calibrate_gpus", name)[1]
+        body = []
+        for output, note in notes.items():
+            hit = rows[(rows["fitted on"] == output) & (rows["predicts"] == output)]
+            st, async_ = _stages(output), hit[hit["what"] == "async"].iloc[0]
+            ratio = hit[hit["what"] == "async/sync"].iloc[0]
+            body.append([f"`{OUTPUTS[output.split(' (')[0]]}` ({note})",
+                         "{step:.1f} = {g:.1f} + {t:.1f} + {p:.1f} + {d:.1f}".format(**st),
+                         f"{async_.overlap_slowdown:.3f}", f"{async_.predicted:.2f} / {async_.measured:.2f}",
+                         f"{ratio.predicted:.3f} / {ratio.measured:.3f}", f"**{ratio.error:+.1%}**"])
+        return table(body, ["two-H200 output (`gpu_two_devices_balanced`)", "sync step = g + t + p + d (ms)",
+                            "`overlap_slowdown`", "async steps/s predicted / measured",
+                            "async / sync predicted / measured", "error"])
+    return make
+
+
+def across_table(name: str) -> Callable[[], str]:
+    """Fitted on one layout (its sync and async runs), predicting the other; and one layout's sync runs alone."""
+    def make() -> str:
+        rows = run("calibrate_gpus", name)[1]
+        where = {G6: "two H200s", ONE_H200: "one H200"}
+        body = []
+        for fitted, predicts in ((G6, ONE_H200), (ONE_H200, G6)):
+            hit = rows[(rows["fitted on"] == fitted) & (rows["predicts"] == predicts)]
+            st = _stages(fitted)
+            body.append([f"{where[fitted]} (sync step {st['step']:.1f} ms, driver {st['d']:.1f} ms)", where[predicts],
+                         f"{hit.kappa.iloc[0]:.2f}", _pm(hit, "sync"), _pm(hit, "async"), _pm(hit, "async/sync")])
+        own = rows[(rows["fitted on"] == ONE_H200) & (rows["predicts"] == ONE_H200)]
+        body.append([f"{where[ONE_H200]}, its sync runs only", "its own async runs", f"{own.kappa.iloc[0]:.0f}",
+                     _pm(own, "sync", fitted=True), _pm(own, "async"), _pm(own, "async/sync")])
+        return table(body, ["fitted on", "predicts", "`kappa`", "sync steps/s predicted / measured", "async steps/s",
+                            "async / sync"])
+    return make
+
+
 # --- bench_async, bench_ab -----------------------------------------------------------------------------------------
 def _met(met: bool) -> str:
     return "met" if met else "missed"
@@ -496,6 +555,9 @@ REPORTS: dict[str, Callable[[], str]] = {
         f"{new['engine_s']:.1f} s (engine core {new['engine_core_init_s']:.1f} s: torch.compile {new['compile_s']:.1f} s"
         f" + graph capture {new['graph_capture_s']:.1f} s"))(
         *(run("bench_two_gpus", n)[0]["results"]["build_timings"] for n in (GEN_HEAVY_SHIPPED, GEN_HEAVY))),
+    "calibration_two_h200": calibrated_table(CALIBRATED, {
+        G6: "6 completions, 2026-11-30 14:35, after the driver-side fixes", G8: "8 completions, 2026-11-30 11:20"}),
+    "calibration_across_layouts": across_table(ACROSS),
     "calibration_g6_async_over_sync": calibration_error(CALIBRATED, G6, G6, "async/sync"),
     "calibration_g8_async_over_sync": calibration_error(CALIBRATED, G8, G8, "async/sync"),
     "calibration_across_sync": calibration_error(ACROSS, G6, ONE_H200, "sync", True),
