@@ -302,6 +302,30 @@ def across_table(name: str) -> Callable[[], str]:
     return make
 
 
+def simulator_scaling(name: str) -> Callable[[], str]:
+    """The simulator's scaling prediction: each split of GPUs, with waves and with streaming engines side by side."""
+    def make() -> str:
+        data = frame("bench_simulator", name, "scaling.csv").set_index(["engine", "replicas", "ranks", "gpus"])
+        waves, streaming = data.loc["waves"], data.loc["streaming"]
+        rows = [[f"{r} + {k} ({g})", f"{w.steps_per_s:.3f}", f"{w.tokens_per_s_per_gpu:,.0f}",
+                 f"{w.per_gpu_vs_2_gpus:.2f}", f"{w.gen_idle:.2f} / {w.train_idle:.2f}",
+                 f"{streaming.loc[(r, k, g)].steps_per_s:.3f}", f"{streaming.loc[(r, k, g)].tokens_per_s_per_gpu:,.0f}",
+                 f"{streaming.loc[(r, k, g)].per_gpu_vs_2_gpus:.2f}"] for (r, k, g), w in waves.iterrows()]
+        return table(rows, ["replicas + ranks (GPUs)", "waves: steps/s", "tokens/s per GPU", "vs 2 GPUs",
+                            "gen / train idle", "streaming, 8 groups an engine: steps/s", "tokens/s per GPU",
+                            "vs 2 GPUs"])
+    return make
+
+
+def simulator_goal(name: str, engine: str) -> Callable[[], str]:
+    """Tokens/s per GPU against 2 GPUs at 4 and at 8 GPUs, one trainer rank (the goals' rows): ``0.56x, 0.32x``."""
+    def make() -> str:
+        data = frame("bench_simulator", name, "scaling.csv")
+        hit = data[(data.engine == engine) & (data.ranks == 1) & data.gpus.isin((4, 8))].sort_values("gpus")
+        return ", ".join(f"{v:.2f}x" for v in hit.per_gpu_vs_2_gpus)
+    return make
+
+
 # --- bench_async, bench_ab -----------------------------------------------------------------------------------------
 def _met(met: bool) -> str:
     return "met" if met else "missed"
@@ -493,6 +517,9 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_equal_stages": csv_table("bench_simulator", SIMULATOR, "equal_stages.csv", digits=3),
     "simulator_long_tail": csv_table("bench_simulator", SIMULATOR, "long_tail.csv", digits=3),
     "simulator_determinism": csv_table("bench_simulator", SIMULATOR, "determinism.csv"),
+    "simulator_scaling": simulator_scaling(SIMULATOR),
+    "simulator_goal_waves": simulator_goal(SIMULATOR, "waves"),
+    "simulator_goal_streaming": simulator_goal(SIMULATOR, "streaming"),
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "padding_plans": padding_plans("2026-12-01T2028Z"),
     "padding_steps": padding_steps("2026-12-01T2028Z"),
