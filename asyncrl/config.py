@@ -202,7 +202,7 @@ class SimulatedGeneration(_Knobs):
         "gen_start_version..gen_end_version (their staleness is judged by the oldest)")
     load_s: float | None = Field(
         None, ge=0, description="seconds a replica stops decoding to load weights once they arrived (the two-H200 "
-        "runs: load_weights 3.5 ms for 3.1M parameters, sync_load_s_median in "
+        "runs' load_weights time: sync_load_s_median in "
         "benchmarks/data/bench_two_gpus/2026-11-30-balanced-g6-lr5e-4/rows.csv); None: the replica stops for its "
         "whole transfer instead (receiving is loading: the model before link bandwidth, what the what_if numbers "
         "were made with)")
@@ -352,7 +352,7 @@ class SimulatedTraining(_Knobs):
         "is 4.72e8); each transfer takes sync_s + weight_bytes / link_gb_per_s")
     link_gb_per_s: float = Field(
         48.0, gt=0, description="link bandwidth of one transfer, GB/s. 48: the two-H200 NCCL receive of the ~0.5B "
-        "model (1.007 GB in 21 ms with the GPU otherwise idle; benchmarks/README.md, 'Two GPUs')")
+        "model with the GPU otherwise idle (a GPU check's timing, not in benchmarks/data: an input to sweep)")
     sync_fanout: Literal["sequential", "tree"] = Field(
         "sequential", description="how the weights reach K replicas: 'sequential' one transfer after another "
         "(replica i has them after (i + 1) transfers), 'tree' a binomial broadcast (every holder sends on: replica "
