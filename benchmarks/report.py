@@ -149,8 +149,10 @@ def two_gpus_number(name: str, what: str) -> Callable[[], str]:
 
 
 # --- gpu_gen_heavy on one H200: the new settings against the shipped ones, in one invocation ----------------------
-GEN_HEAVY, GEN_HEAVY_SHIPPED = "2026-12-01-gen-heavy-one-h200-streaming", "2026-12-01-gen-heavy-one-h200-shipped-settings"
+GEN_HEAVY = "2026-12-01-gen-heavy-one-h200-streaming"
+GEN_HEAVY_SHIPPED = "2026-12-01-gen-heavy-one-h200-shipped-settings"
 GEN_HEAVY_REPEATS = "2026-12-01-gen-heavy-one-h200-repeats"
+FIRST_MACHINE = "2026-12-01-gen-heavy-streaming-drain"  # the first streaming runs, on another H200 an hour earlier
 
 
 def _sync(name: str) -> pd.Series:
@@ -195,7 +197,6 @@ def gen_heavy_number(what: str) -> Callable[[], str]:
             "shipped_sync_steps_per_s": lambda: f"{old.steps_per_s:.2f}",
             "sync_over_shipped": lambda: f"{vs['sync_steps_per_s_over_baseline']:.1f}x",
             "sync_over_shipped_2": lambda: f"{vs['sync_steps_per_s_over_baseline']:.2f}x",
-            "async_over_shipped_2": lambda: f"{vs['async_steps_per_s_over_baseline']:.2f}x",
             "tflops": lambda: f"{new.useful_train_tflops:.0f}",
             "shipped_tflops": lambda: f"{old.useful_train_tflops:.0f}",
             # the sync runs' ratio, as the figures beside it (the bench's own result takes the median of the modes)
@@ -245,7 +246,8 @@ def calibration_error(name: str, fitted: str, predicts: str, what: str, words: b
 
 # --- calibrate_gpus: the simulator fitted on GPU runs ------------------------------------------------------------
 # calibrate_gpus's rows name an output by the directory it read (some before the move under bench_two_gpus/)
-OUTPUTS = {"two_gpus_balanced_lr5e-4": "2026-11-30-balanced-g6-lr5e-4", "two_gpus_balanced": "2026-11-30-balanced-g8-lr1e-3",
+OUTPUTS = {"two_gpus_balanced_lr5e-4": "2026-11-30-balanced-g6-lr5e-4",
+           "two_gpus_balanced": "2026-11-30-balanced-g8-lr1e-3",
            "2026-12-01-balanced-colocated-one-h200": "2026-12-01-balanced-colocated-one-h200"}
 
 
@@ -526,9 +528,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "bench_async_learning": csv_table("bench_async_learning", ASYNC_LEARNING, digits=3),
     "gen_heavy_one_h200": gen_heavy_table,
     **{f"gen_heavy_{what}": gen_heavy_number(what) for what in (
-        "sync_steps_per_s", "shipped_sync_steps_per_s", "sync_over_shipped", "sync_over_shipped_2",
-        "async_over_shipped_2", "tflops", "shipped_tflops", "tflops_over_shipped", "tflops_over_shipped_2",
-        "generator_over_raw", "async_over_sync")},
+        "sync_steps_per_s", "shipped_sync_steps_per_s", "sync_over_shipped", "sync_over_shipped_2", "tflops",
+        "shipped_tflops", "tflops_over_shipped", "tflops_over_shipped_2", "generator_over_raw", "async_over_sync")},
     "gen_heavy_stream": value("bench_two_gpus", GEN_HEAVY, lambda r, _: (
         f"raw {r['stream']['tok_s_raw']:,.0f} tok/s, generator {r['stream']['tok_s_generator']:,.0f} tok/s, "
         f"**generator / raw {r['stream']['generator_over_raw']:.3f}** (median of the per-rep ratios "
@@ -536,7 +537,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "gen_heavy_ratio_3": value("bench_two_gpus", GEN_HEAVY, lambda r, _: f"{r['stream']['generator_over_raw']:.3f}"),
     "gen_heavy_async_over_sync_2": value("bench_two_gpus", GEN_HEAVY, lambda r, _: f"{r['async_over_sync']:.2f}x"),
     "gen_heavy_inflight_over_sync": value("bench_two_gpus", GEN_HEAVY, lambda _, rows: _inflight_over_sync(rows)),
-    "gen_heavy_shipped_sync": value("bench_two_gpus", GEN_HEAVY_SHIPPED, lambda _, rows: f"{_mode(rows, 'sync').median():.3f}"),
+    "gen_heavy_shipped_sync": value("bench_two_gpus", GEN_HEAVY_SHIPPED,
+                                    lambda _, rows: f"{_mode(rows, 'sync').median():.3f}"),
     "gen_heavy_repeats": value("bench_two_gpus", GEN_HEAVY_REPEATS, lambda _, rows: ", ".join(
         f"{label} {spread(_mode(rows, mode), '{:.3f}')}"
         for label, mode in (("sync", "sync"), ("async drain", "async"), ("async inflight", "async_inflight")))),
@@ -544,9 +546,9 @@ REPORTS: dict[str, Callable[[], str]] = {
                                                lambda r, _: f"{r['async_over_sync']:.2f}x"),
     "gen_heavy_repeats_inflight_over_sync": value("bench_two_gpus", GEN_HEAVY_REPEATS,
                                                   lambda _, rows: _inflight_over_sync(rows)),
-    "gen_heavy_first_machine": value("bench_two_gpus", "2026-12-01-gen-heavy-streaming-drain", lambda r, _: (
+    "gen_heavy_first_machine": value("bench_two_gpus", FIRST_MACHINE, lambda r, _: (
         f"{r['stream']['generator_over_raw']:.3f} (raw {r['stream']['tok_s_raw']:,.0f} tok/s")),
-    "gen_heavy_first_ratio": value("bench_two_gpus", "2026-12-01-gen-heavy-streaming-drain",
+    "gen_heavy_first_ratio": value("bench_two_gpus", FIRST_MACHINE,
                                    lambda r, _: f"{r['stream']['generator_over_raw']:.3f}"),
     "gen_heavy_first_runs": lambda: " and ".join(
         f"sync {_mode(rows, 'sync').median():.2f} / async {_mode(rows, 'async').median():.2f} with {how}"
@@ -572,15 +574,16 @@ REPORTS: dict[str, Callable[[], str]] = {
         f"{_sync(GEN_HEAVY).train_tokens_median / 1e3:.1f}k real tokens, where the padded rows computed "
         f"{_sync(GEN_HEAVY_SHIPPED).train_padded_tokens_median / 1e3:.1f}k"),
     "gen_heavy_push_wait": lambda: "{:.2f}-{:.2f} s a step".format(*_push_waits("async")),
-    "gen_heavy_push_wait_inflight": lambda: "{:.0f}-{:.0f} ms".format(*(1e3 * w for w in _push_waits("async_inflight"))),
+    "gen_heavy_push_wait_inflight": lambda: "{:.0f}-{:.0f} ms".format(
+        *(1e3 * w for w in _push_waits("async_inflight"))),
     "gen_heavy_raw_two_machines": lambda: (
         f"raw vLLM {run('bench_two_gpus', GEN_HEAVY)[0]['results']['stream']['tok_s_raw'] / 1e3:.1f}k tok/s here, "
-        f"{run('bench_two_gpus', '2026-12-01-gen-heavy-streaming-drain')[0]['results']['stream']['tok_s_raw'] / 1e3:.1f}k"
+        f"{run('bench_two_gpus', FIRST_MACHINE)[0]['results']['stream']['tok_s_raw'] / 1e3:.1f}k"
         " an hour earlier"),
     "gen_heavy_build": lambda: (lambda old, new: (
         f"eager {old['engine_s']:.1f} s (engine core {old['engine_core_init_s']:.1f} s), with CUDA graphs "
-        f"{new['engine_s']:.1f} s (engine core {new['engine_core_init_s']:.1f} s: torch.compile {new['compile_s']:.1f} s"
-        f" + graph capture {new['graph_capture_s']:.1f} s"))(
+        f"{new['engine_s']:.1f} s (engine core {new['engine_core_init_s']:.1f} s: torch.compile "
+        f"{new['compile_s']:.1f} s + graph capture {new['graph_capture_s']:.1f} s"))(
         *(run("bench_two_gpus", n)[0]["results"]["build_timings"] for n in (GEN_HEAVY_SHIPPED, GEN_HEAVY))),
     "calibration_two_h200": calibrated_table(CALIBRATED, {
         G6: "6 completions, 2026-11-30 14:35, after the driver-side fixes", G8: "8 completions, 2026-11-30 11:20"}),
