@@ -588,6 +588,18 @@ REPORTS: dict[str, Callable[[], str]] = {
     "calibration_two_h200": calibrated_table(CALIBRATED, {
         G6: "6 completions, 2026-11-30 14:35, after the driver-side fixes", G8: "8 completions, 2026-11-30 11:20"}),
     "calibration_across_layouts": across_table(ACROSS),
+    "calibration_g6_error": value("calibrate_gpus", CALIBRATED, lambda _, rows: "{:+.1%}".format(
+        rows[(rows["fitted on"] == G6) & (rows["predicts"] == G6) & (rows["what"] == "async/sync")].error.iloc[0])),
+    "calibration_fitted_sync": value("calibrate_gpus", CALIBRATED, lambda _, rows: "{:+.2%}".format(
+        rows[(rows["fitted on"] == rows["predicts"]) & (rows["what"] == "sync")].error.abs().max())),
+    "calibration_driver_shares": lambda: "{:.0%} of the 11:20 step against {:.0%}".format(
+        *(_stages(o)["d"] / _stages(o)["step"] for o in (G8, G6))),
+    "calibration_across_load": lambda: f"{run('calibrate_gpus', ACROSS)[0]['machine']['load_1min']:.1f}",
+    "calibration_driver_ms": lambda: f"{_stages(G6)['d']:.1f} ms",
+    "calibration_generation_ms": lambda: f"{_stages(G6)['g']:.1f} vs {_stages(ONE_H200)['g']:.1f} ms",
+    "balanced_colocated_lock": value("bench_two_gpus", "2026-12-01-balanced-colocated-one-h200", lambda r, rows: (
+        f"{r['async_over_sync']:.2f}x: the engines waited "
+        f"{1e3 * _mode(rows, 'async', 'device_lock_wait_per_step_s').median():.0f} ms a step for the device lock")),
     "calibration_g6_async_over_sync": calibration_error(CALIBRATED, G6, G6, "async/sync"),
     "calibration_g8_async_over_sync": calibration_error(CALIBRATED, G8, G8, "async/sync"),
     "calibration_across_sync": calibration_error(ACROSS, G6, ONE_H200, "sync", True),
