@@ -561,6 +561,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "gpu_checks_notebook": value("gpu_checks", "2026-12-01-one-h200", lambda _, rows: (
         "in {seconds:.0f} s (reward {reward_first5:.3f} -> {reward_last5:.3f}, held-out accuracy "
         "{held_out_accuracy:.2f}".format(**rows.iloc[0]))),
+    "gpu_checks_notebook_s": value("gpu_checks", "2026-12-01-one-h200",
+                                   lambda _, rows: f"{rows.seconds.iloc[0]:.0f} s"),
     "gpu_checks_colocated": value("gpu_checks", "2026-12-01-one-h200",
                                   lambda _, rows: f"{rows.seconds.iloc[1]:.0f} s"),
     "gen_heavy_generation_share": lambda: (
