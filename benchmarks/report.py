@@ -525,6 +525,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "padding_plans": padding_plans("2026-12-01T2028Z"),
     "padding_steps": padding_steps("2026-12-01T2028Z"),
+    "padding_load": lambda: f"{run('bench_padding', '2026-12-01T2028Z')[0]['machine']['load_1min']:.1f}",
     "bench_async_learning": csv_table("bench_async_learning", ASYNC_LEARNING, digits=3),
     "gen_heavy_one_h200": gen_heavy_table,
     **{f"gen_heavy_{what}": gen_heavy_number(what) for what in (
