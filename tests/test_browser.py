@@ -241,12 +241,19 @@ def _click(page, locator) -> None:
     the kernel it swapped out at start, while the notebook runs on the new one) would swallow the click; Escape
     closes it without choosing anything, so the notebook keeps its running kernel."""
     dialog = page.locator(".jp-Dialog")
-    for _ in range(10):
-        if not (dialog.count() and dialog.first.is_visible()):
-            break
-        page.keyboard.press("Escape")
-        time.sleep(0.5)
-    locator.click()
+    deadline = time.monotonic() + 60
+    while True:
+        for _ in range(10):
+            if not (dialog.count() and dialog.first.is_visible()):
+                break
+            page.keyboard.press("Escape")
+            time.sleep(0.5)
+        try:  # a dialog raised between the check and the click intercepts it: close it and click again
+            locator.click(timeout=5_000)
+            return
+        except Exception as exc:  # playwright's TimeoutError
+            if "Timeout" not in type(exc).__name__ or time.monotonic() > deadline:
+                raise
 
 
 def _start_pause_stop(page, dash) -> None:
