@@ -70,8 +70,9 @@ def test_attach_pauses_steps_resumes_and_stops_a_live_run(tmp_path):
         remote.resume()
         resumed_at = rows(out)
         wait_for(lambda: rows(out) > resumed_at + 1, 120, "steps after resume", proc)
-        rec = Recording(out)  # a live run's directory scrubs too
-        assert rec.at(rec.steps[-1]).trainer_version == rec.steps[-1] + 1
+        rec = Recording(out)  # a live run's directory scrubs too (its steps grow while we look: read them once)
+        last = rec.steps[-1]
+        assert rec.at(last).trainer_version == last + 1
         remote.stop()
         assert proc.wait(timeout=120) == 0, proc.stderr.read()
     finally:
