@@ -7,7 +7,7 @@ One checkpoint is a directory:
 | file | holds | read with |
 | --- | --- | --- |
 | ``tensors.pt`` | policy state (weights, optimizer, reference model), generator state (weights, sampling RNG, version), the torch RNG | ``torch.load(weights_only=True)`` |
-| ``state.json`` | the buffer (every slot: stamps, prompt, rollouts), the trace, the metrics, the evaluations | ``json`` |
+| ``state.json`` | the buffer (every slot: stamps, prompt, rollouts), the trace, the metrics, the evaluations, what the next step has counted (``in_step``) | ``json`` |
 | ``config.yaml`` | the run's configuration | ``yaml.safe_load`` |
 | ``meta.json`` | format, asyncrl version, model shape, trainer version, data position, dispatch index | ``json`` |
 
@@ -30,9 +30,12 @@ Invariants:
 
 What a resume restores: weights, optimizer, the generator's weights, version and sampling RNG, the torch RNG, every
 buffered group (ready ones with their rollouts; pending ones are submitted again), the sampler's dispatch index,
-the data position, the trace and the metrics. So ``in_order`` with ``max_lookahead_versions: 0`` (nothing in flight
-between steps) resumes bit-identically. What it does not restore: work in flight at save time is generated again
-(so with lookahead or an asynchronous sampler those groups differ from an uninterrupted run), fault counters and
+the data position, the trace, the metrics and what the next step has counted. A save first commits what the
+generator already finished (``Controller.state_dict``): a step's weight sync generates the batches submitted
+before it with the old weights, and those rollouts are saved, not generated again. So a stepped run, or one
+saved after ``run`` returned, resumes bit-identically (``in_order`` or ``weight_fifo`` included, at any step:
+``tests/test_checkpoint.py``). What it does not restore: work still in flight at save time (a save inside a
+running run, an asynchronous generator) is generated again with the weights of the save, fault counters and
 retry backoffs start fresh, timings, and where the backends ran (the restoring config decides placement).
 Saving is refused in the middle of a step (``Controller.save`` says so).
 """
@@ -271,13 +274,15 @@ def save(ctrl: Any, path: str | Path) -> Path:
         **{key: state[key] for key in META_KEYS},
     }
     files = {key: state[key] for key in STATE_KEYS}
+    if not any(files["in_step"].values()):  # nothing counted: the files are those of the format before in_step
+        del files["in_step"]
     tensors = {key: state[key] for key in TENSOR_KEYS}
     return write(path, meta, ctrl.cfg.model_dump(mode="json"), files, tensors)
 
 
 # Where each key of ``Controller.state_dict()`` is stored: meta.json, state.json, tensors.pt.
 META_KEYS = ("trainer_version", "data_position", "exhausted", "dispatch_index", "sampler")
-STATE_KEYS = ("buffer", "trace", "metrics", "evaluations")
+STATE_KEYS = ("buffer", "trace", "metrics", "evaluations", "in_step")
 TENSOR_KEYS = ("policy", "generator", "torch_rng")
 
 
@@ -303,7 +308,7 @@ def state_dict(ckpt: Checkpoint) -> dict:
     from asyncrl.data import GroupRollouts
     from asyncrl.tasks import Prompt
 
-    state = {**{key: ckpt.meta[key] for key in META_KEYS}, **{key: ckpt.state[key] for key in STATE_KEYS},
+    state = {**{key: ckpt.meta[key] for key in META_KEYS}, **{key: ckpt.state.get(key) for key in STATE_KEYS},
              **{key: ckpt.tensors[key] for key in TENSOR_KEYS}}
     for row in state["buffer"]["slots"]:
         row["prompt"] = Prompt(**row["prompt"]) if row["prompt"] is not None else None

@@ -474,8 +474,7 @@ class Controller:
             return self._frame("evaluations", self._state.evaluations, [c.name for c in M.EVALUATION_COLUMNS])
 
     def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the task's held-out prompts: ``reward_mean`` and ``accuracy`` (also recorded in
-        ``evaluations``)."""
+        """Greedy completions on the held-out prompts: ``reward_mean``, ``accuracy`` (also in ``evaluations``)."""
         from asyncrl.tasks import evaluate
 
         version = self.generator.version
@@ -495,17 +494,16 @@ class Controller:
             return save(self, path)
 
     def state_dict(self) -> dict:
-        """Everything a resume needs, between two steps: ``trainer_version``, ``data_position``, ``exhausted``,
-        ``trace`` (rows as lists), ``metrics``, ``evaluations`` (the run state); ``buffer`` (``ReplayBuffer.state_dict``:
-        groups in flight are its pending slots); ``sampler`` (its config) and ``dispatch_index``; ``policy`` and
-        ``generator`` (the backends' ``state_dict``) and ``torch_rng``. ``asyncrl/checkpoint.py`` writes it to files."""
+        """Everything a resume needs, between two steps (``asyncrl/checkpoint.py`` says where each key is stored):
+        the run state, ``in_step``, ``buffer``, ``sampler``, ``dispatch_index``, ``policy``, ``generator``,
+        ``torch_rng``. First it commits what the generator finished (``RolloutPump.collect_finished``)."""
         with self._lock:
             if self._step.started:
-                raise RuntimeError(
-                    f"cannot save in the middle of step {self.trainer_version}: {self._step.groups} of "
-                    f"{self.cfg.groups_per_step} groups trained; save between steps (after a step finished)"
-                )
+                raise RuntimeError(f"cannot save in the middle of step {self.trainer_version}: {self._step.groups} "
+                                   f"of {self.cfg.groups_per_step} groups trained; save between steps")
+            self._rollout.collect_finished()
             return {**self._state.state_dict(), "buffer": self.buffer.state_dict(),
+                    "in_step": self._rollout.step_state(self._step),
                     "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
                     "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
                     "torch_rng": torch.get_rng_state()}
@@ -527,6 +525,7 @@ class Controller:
             if state["generator"] is not None:
                 self.generator.load_state_dict(state["generator"])
             torch.set_rng_state(state["torch_rng"])
+            self._rollout.load_step_state(state.get("in_step"), self._step)
             for slot in self.buffer.pending_slots():  # in flight at save time: generated again
                 self._state.inflight[slot.group_id] = slot.weight_version
                 self._state.unsent.append(GenerationRequest(slot.group_id, self.encode(slot.prompt.text),

@@ -203,6 +203,20 @@ class RolloutPump:
         if bad is not None:
             raise bad
 
+    def collect_finished(self) -> TickReport:
+        """Commit what the generator has already finished, and nothing else: no admission, no dispatch, no
+        re-submission, no lost-group check (another thread's poll may hold a group this one does not see). A save
+        calls it first: a step's weight sync generates the batches submitted before it with the old weights
+        (``sync_generator``), and a checkpoint that held them as pending would have them generated again, with
+        the new weights and the generator's random numbers after them."""
+        report = TickReport("rollout", self.state.trainer_version)
+        finished = self.generation_call("poll", self.ctrl.generator.poll, 0.0)
+        if finished is not FAILED and finished:
+            with self.state.lock:
+                self._generated[0] += sum(g.num_tokens for g in finished)
+            self._collect(finished, report)
+        return report
+
     def drain(self) -> TickReport:
         """Collect what finished after a run's pumps stopped, so nothing is left half-accounted."""
         report = TickReport("rollout", self.state.trainer_version)
@@ -337,6 +351,17 @@ class RolloutPump:
         out = self._skew.result()
         self._skew.reset()
         return out
+
+    def step_state(self, train: Accumulator) -> dict:
+        """What the pumps counted towards the next step: ``train`` (the controller's step accumulator: evictions
+        before a select that waited) and ``gen`` (the committed groups' ``GEN_METRICS``). A checkpoint keeps it, so
+        the resumed step's metrics row counts them too (not the generation rate: timings are not restored)."""
+        return {"train": dict(train.totals), "gen": dict(self._skew.totals)}
+
+    def load_step_state(self, state: dict | None, train: Accumulator) -> None:
+        state = state or {}  # a checkpoint older than ``in_step``: nothing counted
+        train.totals = dict(state.get("train", {}))
+        self._skew.totals = dict(state.get("gen", {}))
 
     def take_skipped(self) -> list[int]:
         out, self._skipped = self._skipped, []
