@@ -29,7 +29,7 @@ import csv
 import io
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from pathlib import Path
 import pandas as pd
 
@@ -94,26 +94,29 @@ class StepIndexer:
 
 # ------------------------------------------------------------------------------------------- writing a run
 class CsvLog:
-    """A CSV file that grows by rows while a run goes, flushed after every write. A row bringing a new column
-    rewrites the file with the wider header (metrics gain ``eval_*`` columns at the first evaluation); ``columns``
-    given up front are written at once, so byte offsets of rows never move (the trace)."""
+    """A CSV file that grows by rows while a run goes, flushed after every write (one write per finished step: a
+    finished step is on disk). With ``columns`` given up front (the trace, the index) the header is written at once,
+    byte offsets of rows never move, and rows are sequences in column order, written as they come and not kept.
+    Without (the metrics) rows are dicts, kept: a row bringing a new column rewrites the file with the wider header
+    (metrics gain ``eval_*`` columns at the first evaluation)."""
 
     def __init__(self, path: Path, columns: list[str] | None = None):
         self.file = open(path, "w", newline="")
-        self.columns: list[str] = []
+        self.fixed = columns is not None
+        self.columns: list[str] = list(columns or [])
         self.rows: list[dict] = []
-        if columns:
-            self.columns = list(columns)
-            csv.writer(self.file).writerow(self.columns)
+        self._writer = csv.writer(self.file)
+        if self.fixed:
+            self._writer.writerow(self.columns)
             self.file.flush()
-
-    @property
-    def count(self) -> int:
-        return len(self.rows)
 
     def write(self, rows) -> None:
         rows = list(rows)
         if not rows:
+            return
+        if self.fixed:
+            self._writer.writerows(rows)
+            self.file.flush()
             return
         self.rows.extend(rows)
         new = list(dict.fromkeys(k for row in rows for k in row if k not in self.columns))
@@ -158,15 +161,15 @@ class RunFiles:
         self._events.append(row)
         self._indexer.add(row)
         if isinstance(event, StepEvent):
-            self.trace.write(r._asdict() for r in self._events)
+            self.trace.write(self._events)  # TraceRow: the trace's columns, in order
             self._events.clear()
             self.metrics.write([dict(event.metrics)])
-            self.index.write([self._indexer.step_done(row, self.trace.tell()).__dict__])
+            self.index.write([astuple(self._indexer.step_done(row, self.trace.tell()))])
 
     def close(self) -> None:
         if self._subscription is not None:
             self._subscription.cancel()
-        self.trace.write(r._asdict() for r in self._events)  # after the last step
+        self.trace.write(self._events)  # after the last step
         self._events.clear()
         for log in (self.trace, self.metrics, self.index):
             log.close()
