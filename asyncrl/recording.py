@@ -9,7 +9,7 @@ chunk of trace rows per step, and ``trace_index.csv``, one line per step: where 
 where the rows of the oldest group still alive after it begin, with the counters the trace does not repeat on
 every row (dispatch index, prompts taken). A scrub reads only that stretch of ``trace.csv``, so it costs the same at
 step 10 or step 100,000, and opening reads one index line and one metrics row per step
-(``benchmarks/bench_recording.py``: 28k steps open in 0.5 s, a scrub takes ~4 ms).
+(``benchmarks/bench_recording.py``: 100k steps open in ~5 s, a scrub takes ~5 ms; benchmarks/README.md).
 
 Invariants:
 - A view at step ``k`` is the state right after the ``step`` row of step ``k`` (the end of the train tick that took

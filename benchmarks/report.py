@@ -485,6 +485,22 @@ def padding_steps(name: str) -> Callable[[], str]:
     return make
 
 
+def recording_table(*names: str) -> Callable[[], str]:
+    """One row per bench_recording run: its size, how long recording and opening took, the scrubs' spread."""
+    def make() -> str:
+        rows = []
+        for name in names:
+            meta = run("bench_recording", name)[0]
+            r = meta["results"]
+            rows.append([f"{r['steps']:,}", f"{r['trace_rows']:,}", f"{r['file_bytes']['trace.csv'] / 1e6:.0f} MB",
+                         "-" if r["record_s"] is None else f"{r['record_s']:.0f} s", f"{r['open_s']:.2f} s",
+                         f"{r['scrub_median_ms']:.1f} ms", f"{r['scrub_p95_ms']:.1f} ms", f"{r['scrub_max_ms']:.1f} ms",
+                         f"{meta['machine']['load_1min']:.1f}", f"`{name}`"])
+        return table(rows, ["steps", "trace rows", "trace.csv", "record", "open", "scrub median", "p95", "max",
+                            "load before", "data"])
+    return make
+
+
 # --- the registry: marker name -> the function that writes what goes between its markers -------------------------
 TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
 QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
@@ -523,6 +539,10 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_goal_waves": simulator_goal(SIMULATOR, "waves"),
     "simulator_goal_streaming": simulator_goal(SIMULATOR, "streaming"),
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
+    "recording": recording_table("28k-open", "2026-12-01-100k"),
+    "recording_100k": value("bench_recording", "2026-12-01-100k", lambda r, _: (
+        f"a recording of {r['steps']:,} steps ({r['trace_rows'] / 1e6:.1f}M trace rows) opens in {r['open_s']:.1f} s "
+        f"and a jump costs {r['scrub_median_ms']:.0f} ms (median; at most {r['scrub_max_ms']:.0f} ms)")),
     "padding_plans": padding_plans("2026-12-01T2028Z"),
     "padding_steps": padding_steps("2026-12-01T2028Z"),
     "padding_load": lambda: f"{run('bench_padding', '2026-12-01T2028Z')[0]['machine']['load_1min']:.1f}",
