@@ -413,7 +413,11 @@ def test_staged_weights_count_at_once_load_before_new_groups_and_a_newer_set_rep
         gen.submit([req(2)])
         (g,) = gen.poll(timeout=5) or gen.poll(timeout=5)
         assert g.gen_start_version == 3 and llm.scale == 4.0
-        assert [p["version"] for p in gen.sync_parts()] == [1, 3]
+        loaded = [p["version"] for p in gen.sync_parts()]
+        if background:  # the engine's own thread swaps a staged set in as soon as it is idle: 2 may have loaded
+            assert loaded in ([1, 3], [1, 2, 3])
+        else:  # nothing swapped between the two receives: 3 replaced 2 unloaded
+            assert loaded == [1, 3]
     finally:
         gen.close()
 
