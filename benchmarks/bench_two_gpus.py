@@ -53,7 +53,8 @@ this invocation (its own engines; ``<out>/baseline/``), e.g. the settings a pres
 same requests: K batches of ``groups_per_step`` groups of the preset's shape (its per-group seeds and long-tailed
 limits), all submitted at once. *Raw* is one ``LLM.generate`` call over all of them on the generator's own engine
 (vLLM refills freed slots as completions end, with no locks, no controller); *generator* is ``submit`` of the same
-groups and ``poll(timeout)`` until every one came back (the streaming engine loop, device lock, logprob extraction).
+groups and ``poll(timeout)`` until every one came back (the streaming engine loop, device lock, logprob extraction);
+with ``generation.per_group_seed`` off, *raw_seeded* is raw with per-group seeds (what they cost).
 Completion tokens per second, ``--stream-reps`` alternating pairs after one warm-up pair; target: the generator
 within 10% of raw (``stream.csv``, and ``stream`` in the results).
 Files, through ``benchmarks/record.py``, in ``--out`` (default ``$OUT``, else ``benchmarks/data/bench_two_gpus/<UTC
@@ -467,11 +468,17 @@ def stream_compare(generator, cfg, task, tok, batches: int, reps: int) -> pd.Dat
     for rep in range(reps + 1):  # rep 0 warms both up
         # fresh group ids a rep (so fresh seeds and limits), the same ids on both sides (so the same requests)
         requests = [GenerationRequest(1_000_000 * (rep + 1) + i, prompts[i], cfg.group_size) for i in range(n)]
-        for side in (("raw", "generator") if rep % 2 == 0 else ("generator", "raw")):
+        sides = ("raw", "generator") if rep % 2 == 0 else ("generator", "raw")
+        if not generator.per_group_seed:  # what per-group seeds would cost: raw vLLM with them, same requests
+            sides += ("raw_seeded",)
+        for side in sides:
             t0 = time.perf_counter()
-            if side == "raw":
-                outs = generator.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests],
-                                              [generator._params(r) for r in requests], use_tqdm=False)
+            if side.startswith("raw"):
+                unseeded, generator.per_group_seed = generator.per_group_seed, side == "raw_seeded"
+                params = [generator._params(r) for r in requests]
+                generator.per_group_seed = unseeded
+                outs = generator.llm.generate([{"prompt_token_ids": list(r.prompt_ids)} for r in requests], params,
+                                              use_tqdm=False)
                 tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
             else:
                 generator.submit(requests)
@@ -589,6 +596,7 @@ def main() -> int:
             ratio = float((per["generator"] / per["raw"]).median())
             stream_summary = {"tok_s_raw": float(per["raw"].median()), "tok_s_generator": float(per["generator"].median()),
                               "generator_over_raw": ratio, "per_rep": (per["generator"] / per["raw"]).tolist(),
+                              **({"tok_s_raw_seeded": float(per["raw_seeded"].median())} if "raw_seeded" in per else {}),
                               "same_tokens": bool(stream.groupby("rep").tokens.nunique().eq(1).all()),
                               "target_met": ratio >= 0.9}
             say(f"stream: generator / raw = {ratio:.3f} (target >= 0.9): {json.dumps(stream_summary)}")
