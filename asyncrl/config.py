@@ -139,8 +139,8 @@ class VLLMGenerationConfig(_LongTail):
     weight_load: Literal["reload_weights", "load_weights"] = Field(
         "reload_weights", description="how weights enter the engine: vLLM's reload_weights, or the model's own "
         "load_weights via apply_model")
-    per_group_seed: bool = Field(True, description="seed each group from (seed, group id): its tokens do not depend "
-                                 "on what else runs, at a vLLM kernel a sequence a decode step (off: the engine's seed)")
+    per_group_seed: bool = Field(
+        True, description="seed each group's sampling from (seed, group id), so it does not depend on what else runs")
     enable_prefix_caching: bool = Field(
         False, description="vLLM's prefix cache. Off by default: GRPO prompts are short and new weights void "
         "every cached prefix, so a cache would cost a reset (a walk over every KV block) at every weight sync")
