@@ -189,21 +189,71 @@ def gen_heavy_number(what: str) -> Callable[[], str]:
     """One figure of the one-H200 gpu_gen_heavy runs for prose."""
     def make() -> str:
         meta = run("bench_two_gpus", GEN_HEAVY)[0]
-        r, vs = meta["results"], meta["results"]["versus_baseline"]
+        vs = meta["results"]["versus_baseline"]
         new, old = _sync(GEN_HEAVY), _sync(GEN_HEAVY_SHIPPED)
         ratios = [run("bench_two_gpus", n)[0]["results"]["async_over_sync"] for n in (GEN_HEAVY, GEN_HEAVY_REPEATS)]
         values = {
-            "sync_steps_per_s": lambda: f"{new.steps_per_s:.2f}",
-            "shipped_sync_steps_per_s": lambda: f"{old.steps_per_s:.2f}",
-            "sync_over_shipped": lambda: f"{vs['sync_steps_per_s_over_baseline']:.1f}x",
             "sync_over_shipped_2": lambda: f"{vs['sync_steps_per_s_over_baseline']:.2f}x",
             "tflops": lambda: f"{new.useful_train_tflops:.0f}",
             "shipped_tflops": lambda: f"{old.useful_train_tflops:.0f}",
             # the sync runs' ratio, as the figures beside it (the bench's own result takes the median of the modes)
-            "tflops_over_shipped": lambda: f"{new.useful_train_tflops / old.useful_train_tflops:.1f}x",
             "tflops_over_shipped_2": lambda: f"{new.useful_train_tflops / old.useful_train_tflops:.2f}x",
-            "generator_over_raw": lambda: f"{r['stream']['generator_over_raw']:.2f}x",
             "async_over_sync": lambda: f"{min(ratios):.2f}-{max(ratios):.2f}x",
+        }
+        return values[what]()
+    return make
+
+
+RECHECK = "2026-12-01-gen-heavy-one-h200-recheck"  # main's gpu_gen_heavy against its shipped settings, 23:05 UTC
+GEN_HEAVY_INVOCATIONS = (  # every one-H200 invocation of gpu_gen_heavy against the shipped settings, oldest first
+    (GEN_HEAVY, "the new settings (first measurement)"),
+    ("2026-12-01-gen-heavy-one-h200-unseeded-vs-seeded", "new side without per-group seeds, baseline with them"),
+    (RECHECK, "main's preset"),
+    ("2026-12-01-gen-heavy-one-h200-unseeded", "both sides without per-group seeds"),
+    ("2026-12-01-gen-heavy-one-h200-flat-logprobs", "flat logprobs (not kept), a freshly started machine"),
+)
+
+
+def gen_heavy_invocations() -> str:
+    """One row per invocation: the sync steps/s of both sides and their ratio, the sync runs' useful training
+    TFLOP/s ratio, async/sync, generator / raw vLLM, and raw vLLM's tokens/s (with per-group seeds beside it where
+    the run had none)."""
+    rows = []
+    for name, what in GEN_HEAVY_INVOCATIONS:
+        meta, runs = run("bench_two_gpus", name)
+        r = meta["results"]
+        vs, st, new = r["versus_baseline"], r["stream"], runs[runs["mode"] == "sync"].median(numeric_only=True)
+        old = vs["baseline"]
+        raw = f"{st['tok_s_raw'] / 1e3:.1f}k" + (f" / {st['tok_s_raw_seeded'] / 1e3:.1f}k"
+                                                 if "tok_s_raw_seeded" in st else "")
+        rows.append([f"{meta['date_utc'][11:16]}", f"`{meta['commit']}`", what,
+                     f"{old['steps_per_s']['sync']:.3f} -> {new.steps_per_s:.3f}",
+                     f"**{vs['sync_steps_per_s_over_baseline']:.2f}x**",
+                     f"{new.useful_train_tflops / old['useful_train_tflops']['sync']:.2f}x",
+                     f"{r['async_over_sync']:.2f}x", f"{st['generator_over_raw']:.3f}", raw, f"`{name}`"])
+    return table(rows, ["UTC", "commit", "what differed", "sync steps/s, shipped -> new", "new / shipped",
+                        "useful train TFLOP/s, new / shipped", "async / sync", "generator / raw", "raw vLLM tok/s",
+                        "data"])
+
+
+def recheck_number(what: str) -> Callable[[], str]:
+    """One figure of the invocation on main's code (RECHECK) for prose."""
+    def make() -> str:
+        meta, runs = run("bench_two_gpus", RECHECK)
+        r, new = meta["results"], runs[runs["mode"] == "sync"].median(numeric_only=True)
+        vs = r["versus_baseline"]
+        old = run("bench_two_gpus", f"{RECHECK}/baseline")[1].query("mode == 'sync'").median(numeric_only=True)
+        ratios = [run("bench_two_gpus", n)[0]["results"]["versus_baseline"]["sync_steps_per_s_over_baseline"]
+                  for n, _ in GEN_HEAVY_INVOCATIONS if n != GEN_HEAVY_INVOCATIONS[1][0]]  # like for like only
+        values = {
+            "sync": lambda: f"{new.steps_per_s:.2f}", "shipped_sync": lambda: f"{old.steps_per_s:.2f}",
+            "sync_over_shipped": lambda: f"{vs['sync_steps_per_s_over_baseline']:.2f}x",
+            "tflops": lambda: f"{new.useful_train_tflops:.0f}", "shipped_tflops": lambda: f"{old.useful_train_tflops:.0f}",
+            "tflops_over_shipped": lambda: f"{new.useful_train_tflops / old.useful_train_tflops:.2f}x",
+            "generator_over_raw": lambda: f"{r['stream']['generator_over_raw']:.2f}x",
+            "async_over_sync": lambda: f"{r['async_over_sync']:.2f}x",
+            "sync_over_shipped_spread": lambda: (f"{min(ratios):.2f}-{max(ratios):.2f}x in {len(ratios)} invocations, "
+                                                 f"{sum(x >= 3.5 for x in ratios)} of them >= 3.5x"),
         }
         return values[what]()
     return make
@@ -548,9 +598,12 @@ REPORTS: dict[str, Callable[[], str]] = {
     "padding_load": lambda: f"{run('bench_padding', '2026-12-01T2028Z')[0]['machine']['load_1min']:.1f}",
     "bench_async_learning": csv_table("bench_async_learning", ASYNC_LEARNING, digits=3),
     "gen_heavy_one_h200": gen_heavy_table,
+    "gen_heavy_invocations": gen_heavy_invocations,
+    **{f"recheck_{what}": recheck_number(what) for what in (
+        "sync", "shipped_sync", "sync_over_shipped", "tflops", "shipped_tflops", "tflops_over_shipped",
+        "generator_over_raw", "async_over_sync", "sync_over_shipped_spread")},
     **{f"gen_heavy_{what}": gen_heavy_number(what) for what in (
-        "sync_steps_per_s", "shipped_sync_steps_per_s", "sync_over_shipped", "sync_over_shipped_2", "tflops",
-        "shipped_tflops", "tflops_over_shipped", "tflops_over_shipped_2", "generator_over_raw", "async_over_sync")},
+        "sync_over_shipped_2", "tflops", "shipped_tflops", "tflops_over_shipped_2", "async_over_sync")},
     "gen_heavy_stream": value("bench_two_gpus", GEN_HEAVY, lambda r, _: (
         f"raw {r['stream']['tok_s_raw']:,.0f} tok/s, generator {r['stream']['tok_s_generator']:,.0f} tok/s, "
         f"**generator / raw {r['stream']['generator_over_raw']:.3f}** (median of the per-rep ratios "
@@ -584,6 +637,10 @@ REPORTS: dict[str, Callable[[], str]] = {
         "{held_out_accuracy:.2f}".format(**rows.iloc[0]))),
     "gpu_checks_notebook_s": value("gpu_checks", "2026-12-01-one-h200",
                                    lambda _, rows: f"{rows.seconds.iloc[0]:.0f} s"),
+    "gpu_recheck_notebook_s": value("gpu_checks", "2026-12-01-one-h200-recheck",
+                                    lambda _, rows: f"{rows.seconds.iloc[0]:.0f} s"),
+    "gpu_recheck_tests": value("gpu_checks", "2026-12-01-one-h200-recheck", lambda _, rows: "; ".join(
+        f"{c.split(' ')[0]} {s:.0f} s" for c, s in zip(rows.check.iloc[1:], rows.seconds.iloc[1:]))),
     "gpu_checks_colocated": value("gpu_checks", "2026-12-01-one-h200",
                                   lambda _, rows: f"{rows.seconds.iloc[1]:.0f} s"),
     "gen_heavy_generation_share": lambda: (
