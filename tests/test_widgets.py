@@ -310,7 +310,8 @@ def test_dashboard_start_pause_stop_a_background_run():
 
 def test_dashboard_shows_a_failed_run():
     pytest.importorskip("ipywidgets")
-    ctrl = make()
+    # the default retries with a 1 ms backoff instead of ~7 s of it: what is shown once they are spent is the point
+    ctrl = make(faults={"backoff_s": 0.001, "max_backoff_s": 0.001})
     controls = widgets.StepControls(ctrl, steps=50, refresh_s=0.05)
 
     def broken(*args, **kwargs):
@@ -318,7 +319,9 @@ def test_dashboard_shows_a_failed_run():
 
     ctrl.generator.poll = broken
     controls.buttons["start"].click()
-    wait_for(lambda: "failed |" in controls.progress.value, "the failed run's last redraw")
+    # the watcher can redraw the progress line ("failed |") one pass before it writes the report line
+    wait_for(lambda: "failed |" in controls.progress.value and "run failed:" in controls.report.value,
+             "the failed run's last redraw")
     # retried, then given up on (asyncrl/faults.py): GenerationFailed names the backend's error
     assert "run failed: GenerationFailed" in controls.report.value and "generator went away" in controls.report.value
     assert "failed" in controls.progress.value and not controls.buttons["start"].disabled
