@@ -440,7 +440,12 @@ def test_unsupported_architectures_are_rejected(tok):
 # ---- tensor and data parallelism: two gloo processes on the CPU ---------------------------------------------------
 
 
-def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_path: str) -> None:
+LAYOUTS = [(2, 1), (1, 2)]  # (tensor_parallel, data_parallel) over a world of 2
+
+
+def _parallel_worker(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Every layout in turn in one world: Megatron's model-parallel groups are torn down and rebuilt between them,
+    as Megatron's own tests do, so the two spawned interpreters import torch and Megatron once, not once a layout."""
     import torch.distributed as dist
     from megatron.core import parallel_state, tensor_parallel
 
@@ -449,17 +454,29 @@ def _parallel_worker(rank: int, world: int, port: int, tp: int, dp: int, out_pat
     mp = pytest.MonkeyPatch()
     _cpu_workarounds(mp)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    parallel_state.initialize_model_parallel(tp, 1)
-    tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     tok = make_tokenizer()
-    trainer_cfg = MegatronTrainerConfig(device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp, optimizer="torch")
-    policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-                            trainer_cfg, GRPOLoss(), 0, tok)
-    out = _one_step(policy)
-    if rank == 0:
-        torch.save(out, out_path)
-    parallel_state.destroy_model_parallel()
+    for tp, dp in LAYOUTS:
+        parallel_state.initialize_model_parallel(tp, 1)
+        tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+        trainer_cfg = MegatronTrainerConfig(device="cpu", lr=1e-3, tensor_parallel=tp, data_parallel=dp,
+                                            optimizer="torch")
+        policy = MegatronPolicy(ModelConfig(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+                                trainer_cfg, GRPOLoss(), 0, tok)
+        out = _one_step(policy)
+        if rank == 0:
+            torch.save(out, os.path.join(out_dir, f"tp{tp}-dp{dp}.pt"))
+        parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def parallel_runs(tmp_path_factory) -> dict:
+    """Rank 0's results for each layout, from one pair of spawned processes."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path_factory.mktemp("parallel")
+    mp.start_processes(_parallel_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    return {(tp, dp): torch.load(out / f"tp{tp}-dp{dp}.pt", weights_only=False) for tp, dp in LAYOUTS}
 
 
 def _run_world_one(tok) -> dict:
@@ -485,13 +502,9 @@ def _one_step(policy) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tp,dp", [(2, 1), (1, 2)])
-def test_tensor_and_data_parallel_match_a_single_process(megatron_cpu, tok, tmp_path, tp, dp):
-    import torch.multiprocessing as mp
-
-    out = tmp_path / "rank0.pt"
-    mp.start_processes(_parallel_worker, args=(2, _free_port(), tp, dp, str(out)), nprocs=2, start_method="spawn")
-    par = torch.load(out, weights_only=False)
+@pytest.mark.parametrize("tp,dp", LAYOUTS)
+def test_tensor_and_data_parallel_match_a_single_process(megatron_cpu, tok, parallel_runs, tp, dp):
+    par = parallel_runs[(tp, dp)]
     ref = _run_world_one(tok)
     torch.testing.assert_close(par["logprobs"], ref["logprobs"], atol=2e-5, rtol=0)
     assert par["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], abs=1e-5)
