@@ -41,7 +41,12 @@ def test_quickstart_task_is_judged_on_held_out_prompts():
 @pytest.mark.parametrize("sampler", [None, {"name": "weight_fifo", "max_staleness_versions": 1}],
                          ids=["preset in_order L=1", "weight_fifo W=1"])
 def test_quickstart_learns_a_prompt_dependent_answer(sampler):
-    results = {seed: _learns(seed, sampler) for seed in SEEDS}
+    results = {}
+    for seed in SEEDS:  # stop once the verdict on "2 of 3" is decided: the usual 2 passing seeds save a third run
+        results[seed] = _learns(seed, sampler)
+        passed = sum(ok for ok, *_ in results.values())
+        if passed >= 2 or passed + len(SEEDS) - len(results) < 2:
+            break
     report = {s: f"acc {a:.2f} (bar {b:.2f}) in {t:.0f}s" for s, (_, a, b, t) in results.items()}
     print(f"{sampler}: {report}")
     assert sum(ok for ok, *_ in results.values()) >= 2, report
