@@ -156,6 +156,7 @@ def cli(*args: str) -> list[str]:
             *args]
 
 
+@pytest.mark.slow  # two CLI runs in fresh interpreters and a reference run: ~16 s on 2 cores
 def test_sigkill_then_resume_gives_the_uninterrupted_losses(tmp_path):
     steps, out = 10, tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -88,7 +88,13 @@ def test_the_docs_show_commands_and_every_fixed_one_is_here():
     assert "docs/cluster.md: asyncrl run gpu_two_devices" in wheres  # the one configuration refused before
 
 
-@pytest.mark.parametrize("where, kind, argv", COMMANDS, ids=[w[:90] for w, _, _ in COMMANDS])
+# A command placing its backends in Ray actors starts a Ray and an interpreter per actor, each importing torch: about
+# a minute for docs/cluster.md's four on 2 cores, already at one step. Marked slow (CI still runs it).
+PARAMS = [pytest.param(where, kind, argv, id=where[:90], marks=[pytest.mark.slow] if "placement=ray" in where else [])
+          for where, kind, argv in COMMANDS]
+
+
+@pytest.mark.parametrize("where, kind, argv", PARAMS)
 def test_documented_command_loads_and_runs_a_step_on_cpu(where, kind, argv, tmp_path, monkeypatch):
     if kind == "python":
         args, kwargs = _literal_call(argv[0])
