@@ -268,6 +268,12 @@ def _start_pause_stop(page, dash) -> None:
     _click(page, steps)
     steps.fill("100000")
     steps.press("Tab")  # the widget takes the new value on change (blur)
+    # ipywidgets holds a model's update back while an earlier message of that model awaits the kernel, but sends
+    # another model's (Start's click) at once: under load Start ran the old 10 steps. Let the kernel take the value.
+    idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    for _ in range(2):  # the held update goes out at the first idle, and keeps the kernel busy for a moment
+        _wait_until(lambda: idle.count() > 0, 60, "the kernel did not go idle after the steps field changed")
+        time.sleep(0.5)
     _click(page, dash.locator(".asyncrl-start"))
     report = dash.locator(".asyncrl-report")
     _wait_until(lambda: "started: 100000 steps" in report.inner_text(), 60,
