@@ -105,15 +105,6 @@ def test_bad_input_is_rejected_with_the_value_and_what_is_allowed():
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from asyncrl.backends.ray import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 def test_killed_generator_actor_is_restarted_and_its_groups_redispatched(ray_cluster):
     result = run_scenario("generator_actor_killed")
     try:

@@ -12,15 +12,6 @@ from asyncrl import Controller, load_config
 ray = pytest.importorskip("ray")
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from asyncrl.backends.ray import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 def test_backends_in_ray_actors_match_in_process_bit_for_bit(ray_cluster):
     sampler = {"name": "in_order", "max_lookahead_versions": 0}
     local = Controller.from_config(load_config("quickstart", seed=4, sampler=sampler, eval_every=None))
@@ -60,6 +51,7 @@ def test_pipelined_training_calls_return_at_once_and_their_error_comes_with_the_
         policy.close()
 
 
+@pytest.mark.slow
 def test_async_run_through_ray_actors(ray_cluster):
     ctrl = Controller.from_config(load_config(
         "quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, eval_every=3,
@@ -72,6 +64,7 @@ def test_async_run_through_ray_actors(ray_cluster):
     assert ctrl.metrics.eval_accuracy.notna().sum() == 2
 
 
+@pytest.mark.slow
 def test_the_proxy_has_exactly_the_backends_methods(ray_cluster):
     from asyncrl.backends.base import GenerationBackend, PolicyBackend
 
@@ -91,6 +84,7 @@ def test_the_proxy_has_exactly_the_backends_methods(ray_cluster):
         assert generator.version == 0 and generator.num_inflight() == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["torch", "simulated"])
 def test_save_and_restore_with_backends_in_ray_actors(ray_cluster, tmp_path, backend):
     """Policy and generator each in an actor of their own: save between steps, restore into fresh actors, and

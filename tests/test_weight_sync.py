@@ -15,15 +15,7 @@ SYNC = {"name": "in_order", "max_lookahead_versions": 0}
 ACTORS = {"trainer": {"placement": "ray"}, "generation": {"placement": "ray", "weight_sync": "collective"}}
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from asyncrl.backends.ray import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
+@pytest.mark.slow
 def test_collective_sync_matches_in_process_and_bypasses_the_driver(ray_cluster, monkeypatch):
     import asyncrl.backends.ray as placement
 
@@ -62,6 +54,7 @@ def _break_export(host):  # runs in the policy actor: the next export gains a te
     host.obj.export_weights = lambda: {**export(), "extra.weight": torch.zeros(1)}
 
 
+@pytest.mark.slow
 def test_async_run_with_collective_sync_then_a_failed_export_is_an_error_not_a_hang(ray_cluster):
     cfg = load_config("quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, eval_every=None,
                       **ACTORS)
