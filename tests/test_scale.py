@@ -23,56 +23,89 @@ RANKS = {"placement": "ray", "data_parallel": 2, **HALF}
 REPLICAS = {"placement": "ray", "replicas": 2, **HALF}
 
 
-@pytest.fixture(scope="module")
-def ray_cluster():
-    from asyncrl.backends.ray import ensure_ray
-
-    ensure_ray(num_cpus=2)
-    yield
-    ray.shutdown()
-
-
 def _steps(ctrl: Controller, steps: int) -> None:
     while ctrl.trainer_version < steps:
         ctrl.tick()
 
 
-def test_two_data_parallel_ranks_train_like_one(ray_cluster):
-    """Same rollouts (one in-process generator each), 6 synchronous steps: the 2-rank step is the 1-rank step up to
-    float reassociation (each rank sums its share's gradients; the sums are all-reduced before the one division)."""
+@pytest.fixture(scope="module")
+def data_parallel(ray_session):
+    """A one-rank and a two-rank controller after the same 6 synchronous steps (one in-process generator each).
+    Shared: the comparison reads them, then the dead-rank test kills a rank of the two-rank one (it must come
+    last), which saves starting two more rank actors."""
+    ray_session()
     one = Controller.from_config(load_config("quickstart", seed=5, sampler=SYNC, eval_every=None))
     with Controller.from_config(load_config("quickstart", seed=5, sampler=SYNC, eval_every=None,
                                             trainer=RANKS)) as two:
-        assert type(two.policy).__name__ == "RankGroupPolicy" and two.policy.world_size == 2
         for ctrl in (one, two):
             _steps(ctrl, 6)
-        a, b = one.metrics, two.metrics
-        for column in ("loss", "grad_norm", "normaliser", "sequences", "reward_mean"):
-            assert b[column].tolist() == pytest.approx(a[column].tolist(), rel=1e-4, abs=1e-7), column
-        assert (b.sequences == 64).all()  # both ranks' shares counted once
-        wa, wb = one.policy.export_weights(), two.policy.export_weights()
-        assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
-        # the ranks stay identical: rank 1 took the same optimizer steps as rank 0
-        w1 = two.policy.ranks[1].export_weights()
-        assert all(torch.equal(wb[k], w1[k]) for k in wb)
-        assert one.trace.equals(two.trace)
+        yield one, two
+
+
+@pytest.mark.slow
+def test_two_data_parallel_ranks_train_like_one(ray_cluster, data_parallel):
+    """Same rollouts (one in-process generator each), 6 synchronous steps: the 2-rank step is the 1-rank step up to
+    float reassociation (each rank sums its share's gradients; the sums are all-reduced before the one division)."""
+    one, two = data_parallel
+    assert type(two.policy).__name__ == "RankGroupPolicy" and two.policy.world_size == 2
+    a, b = one.metrics, two.metrics
+    for column in ("loss", "grad_norm", "normaliser", "sequences", "reward_mean"):
+        assert b[column].tolist() == pytest.approx(a[column].tolist(), rel=1e-4, abs=1e-7), column
+    assert (b.sequences == 64).all()  # both ranks' shares counted once
+    wa, wb = one.policy.export_weights(), two.policy.export_weights()
+    assert all(torch.allclose(wa[k], wb[k], atol=1e-5) for k in wa)
+    # the ranks stay identical: rank 1 took the same optimizer steps as rank 0
+    w1 = two.policy.ranks[1].export_weights()
+    assert all(torch.equal(wb[k], w1[k]) for k in wb)
+    assert one.trace.equals(two.trace)
+
+
+def test_a_dead_trainer_rank_stops_the_run_naming_it(ray_cluster, data_parallel):
+    """On the two-rank controller of the test above, after its 6 steps (a rank that dies after any finished step
+    is the same fault; this one is shared to save starting two rank actors): it must run after that test."""
+    from asyncrl.faults import TrainerFailed
+
+    ctrl = data_parallel[1]
+    done = ctrl.trainer_version
+    _kill(ctrl.policy.ranks[1]._actor)
+    with pytest.raises(TrainerFailed, match=r"trainer rank 1 of 2 \(data-parallel rank 1, tensor-parallel rank "
+                                             r"0\) died during \w+.*restore the last checkpoint"):
+        _steps(ctrl, done + 1)
+    faults = ctrl.trace[ctrl.trace.event == "fault"]
+    assert faults.reason.tolist() == [f"not retried: step {done} failed in the trainer"]
+    assert "trainer rank 1 of 2" in faults.detail.iloc[0]
+    assert ctrl.trainer_version == done
+    with pytest.raises(TrainerFailed, match="trainer rank 1 of 2"):  # the group stays ended: no call hangs
+        ctrl.policy.export_weights()
+    survivor = ctrl.policy.ranks[0]._actor
+    with pytest.raises(ray.exceptions.RayActorError):  # its collectives were broken: it was ended too
+        ray.get(survivor.call_times.remote(), timeout=60)
+    ctrl.policy.close()  # its placement group back now, not at the module's end: the next tests need every CPU
 
 
 MEGATRON = {"backend": "megatron", "placement": "ray", **HALF}
 MEGATRON_COLUMNS = ["loss", "grad_norm", "normaliser", "sequences", "reward_mean", "tokens", "is_weight_mean"]
 
 
-def _megatron_run(steps: int = 3, **trainer) -> tuple[pd.DataFrame, dict, pd.DataFrame]:
+def _megatron_run(steps: int = 3, save=None, **trainer) -> tuple[pd.DataFrame, dict, pd.DataFrame, list]:
+    """3 synchronous steps of seed 5 (``save``: a checkpoint there after step 1, and the tensor-parallel ranks of
+    the policy's state then)."""
     cfg = load_config("quickstart", seed=5, sampler=SYNC, eval_every=None, trainer={**MEGATRON, **trainer})
     with Controller.from_config(cfg) as ctrl:
+        tp_ranks = None
+        if save is not None:
+            _steps(ctrl, 1)
+            ctrl.save(save)
+            tp_ranks = [s["tp_rank"] for s in ctrl.policy.state_dict()["tensor_parallel_states"]]
         _steps(ctrl, steps)
-        return ctrl.metrics[MEGATRON_COLUMNS], ctrl.policy.export_weights(), ctrl.trace
+        return ctrl.metrics[MEGATRON_COLUMNS], ctrl.policy.export_weights(), ctrl.trace, tp_ranks
 
 
 @pytest.fixture(scope="module")
-def megatron(ray_cluster):
+def megatron(ray_session):
     if importlib.util.find_spec("megatron") is None:  # (not imported here: only the rank actors need it)
         pytest.skip("megatron-core is not installed (pip install 'asyncrl[megatron]')")
+    ray_session()
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +113,26 @@ def megatron_one_rank(megatron):
     return _megatron_run()  # one Megatron actor: a world of one
 
 
+@pytest.fixture(scope="module")
+def megatron_tensor_parallel(megatron, tmp_path_factory):
+    """The tensor_parallel 2 run, saved after step 1: both the like-one-rank comparison and the save/restore test
+    read it (one run of two rank actors fewer). That the save in it changes nothing is then checked too: the run
+    must still match the one-rank run."""
+    ckpt = tmp_path_factory.mktemp("tp2") / "ckpt"
+    return (*_megatron_run(save=ckpt, tensor_parallel=2), ckpt)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [{"data_parallel": 2}, {"tensor_parallel": 2}], ids=["dp2", "tp2"])
-def test_megatron_ranks_train_like_one(megatron_one_rank, layout):
+def test_megatron_ranks_train_like_one(ray_cluster, megatron_one_rank, layout, request):
     """Megatron ranks as Ray actors in one gloo group, 3 synchronous steps through the controller: each chunk's
     groups split over the 2 data-parallel ranks (gradients and step sums reduced before the one division), or one
     model split over 2 tensor-parallel ranks (weights exported once, gathered over them), train like one rank."""
-    a, wa, trace_a = megatron_one_rank
-    b, wb, trace_b = _megatron_run(**layout)
+    a, wa, trace_a, _ = megatron_one_rank
+    if "tensor_parallel" in layout:
+        b, wb, trace_b = request.getfixturevalue("megatron_tensor_parallel")[:3]
+    else:
+        b, wb, trace_b, _ = _megatron_run(**layout)
     for column in MEGATRON_COLUMNS:
         assert b[column].tolist() == pytest.approx(a[column].tolist(), rel=1e-4, abs=1e-7), column
     assert list(wb) == list(wa)
@@ -94,18 +140,13 @@ def test_megatron_ranks_train_like_one(megatron_one_rank, layout):
     assert trace_a.equals(trace_b)
 
 
-def test_megatron_tensor_parallel_save_and_restore_resumes_exactly(megatron, tmp_path):
+@pytest.mark.slow
+def test_megatron_tensor_parallel_save_and_restore_resumes_exactly(ray_cluster, megatron_tensor_parallel):
     """A checkpoint of a tensor_parallel 2 trainer holds each tensor-parallel rank's shard state; restoring it into
-    the same layout resumes exactly."""
-    cfg = load_config("quickstart", seed=2, sampler=SYNC, eval_every=None, trainer={**MEGATRON, "tensor_parallel": 2})
-    with Controller.from_config(cfg) as ctrl:
-        _steps(ctrl, 1)
-        ctrl.save(tmp_path / "ckpt")
-        state = ctrl.policy.state_dict()
-        assert [s["tp_rank"] for s in state["tensor_parallel_states"]] == [0, 1]
-        _steps(ctrl, 3)
-        expected, expected_metrics = ctrl.policy.export_weights(), ctrl.metrics[MEGATRON_COLUMNS]
-    with Controller.restore(tmp_path / "ckpt") as restored:
+    the same layout resumes exactly (the run and its checkpoint after step 1: ``megatron_tensor_parallel``)."""
+    expected_metrics, expected, _, tp_ranks, ckpt = megatron_tensor_parallel
+    assert tp_ranks == [0, 1]
+    with Controller.restore(ckpt) as restored:
         assert restored.policy.tensor_parallel == 2 and restored.trainer_version == 1
         _steps(restored, 3)
         weights = restored.policy.export_weights()
@@ -113,6 +154,7 @@ def test_megatron_tensor_parallel_save_and_restore_resumes_exactly(megatron, tmp
         pd.testing.assert_frame_equal(restored.metrics[MEGATRON_COLUMNS], expected_metrics)
 
 
+@pytest.mark.slow
 def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
     cfg = load_config("quickstart", seed=0, eval_every=None, generation=REPLICAS, trainer={"lr": 1e-3})
     with Controller.from_config(cfg) as ctrl:
@@ -131,6 +173,7 @@ def test_two_replicas_both_generate_and_the_run_learns(ray_cluster):
         assert after > max(before, bar), (before, after, bar)
 
 
+@pytest.mark.slow
 def test_aborts_reach_the_replica_that_holds_the_group(ray_cluster):
     with Controller.from_config(load_config("quickstart", eval_every=None, generation=REPLICAS)) as ctrl:
         replicas = ctrl.generator
@@ -171,6 +214,7 @@ def _events_after(trace: pd.DataFrame, row: int, event: str) -> pd.DataFrame:
     return trace.iloc[row + 1:][trace.iloc[row + 1:].event == event]
 
 
+@pytest.mark.slow
 def test_a_dead_replica_is_restarted_with_the_current_weights_and_loses_nothing(ray_cluster):
     from tests.faults import check_accounting
 
@@ -204,6 +248,7 @@ def test_a_dead_replica_is_restarted_with_the_current_weights_and_loses_nothing(
         assert ends["select"] == 5 * 8 and not ends["skip"] and not ends["abort"]
 
 
+@pytest.mark.slow
 def test_a_dead_replica_past_the_restart_budget_is_retired_and_the_others_go_on(ray_cluster):
     from tests.faults import check_accounting
 
@@ -224,6 +269,7 @@ def test_a_dead_replica_past_the_restart_budget_is_retired_and_the_others_go_on(
         check_accounting(ctrl)
 
 
+@pytest.mark.slow
 def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path):
     cfg = load_config("quickstart", seed=3, sampler=SYNC, eval_every=None, trainer=RANKS, generation=REPLICAS)
     columns = ["step", "reward_mean", "loss", "grad_norm", "tokens_replica_0", "tokens_replica_1"]
@@ -253,26 +299,6 @@ def test_save_and_restore_with_two_ranks_and_two_replicas(ray_cluster, tmp_path)
         assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
         pd.testing.assert_frame_equal(restored.metrics[columns], expected)
         pd.testing.assert_frame_equal(restored.trace, expected_trace)
-
-
-def test_a_dead_trainer_rank_stops_the_run_naming_it(ray_cluster):
-    from asyncrl.faults import TrainerFailed
-
-    with Controller.from_config(load_config("quickstart", eval_every=None, sampler=SYNC, trainer=RANKS)) as ctrl:
-        _steps(ctrl, 1)
-        _kill(ctrl.policy.ranks[1]._actor)
-        with pytest.raises(TrainerFailed, match=r"trainer rank 1 of 2 \(data-parallel rank 1, tensor-parallel rank "
-                                                 r"0\) died during \w+.*restore the last checkpoint"):
-            _steps(ctrl, 2)
-        faults = ctrl.trace[ctrl.trace.event == "fault"]
-        assert faults.reason.tolist() == ["not retried: step 1 failed in the trainer"]
-        assert "trainer rank 1 of 2" in faults.detail.iloc[0]
-        assert ctrl.trainer_version == 1
-        with pytest.raises(TrainerFailed, match="trainer rank 1 of 2"):  # the group stays ended: no call hangs
-            ctrl.policy.export_weights()
-        survivor = ctrl.policy.ranks[0]._actor
-        with pytest.raises(ray.exceptions.RayActorError):  # its collectives were broken: it was ended too
-            ray.get(survivor.call_times.remote(), timeout=60)
 
 
 def test_scale_knobs_say_what_they_need():
