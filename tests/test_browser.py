@@ -45,6 +45,7 @@ SERVER_TIMEOUT_S = 60
 FIRST_CELL_TIMEOUT_S = 90  # the imports cell
 RUN_TIMEOUT_S = float(os.environ.get("ASYNCRL_BROWSER_RUN_TIMEOUT_S", 240))  # the whole notebook on a busy 2-core
 # machine (about 30 s when idle); the environment variable lets a check of this test make it time out
+STALL_S = 90  # no cell's prompt changed for this long: the page is stuck (its slowest cell takes ~25 s on 2 cores)
 
 
 def _free_port() -> int:
@@ -208,12 +209,20 @@ def _wait_for_dashboard(page, lab) -> None:
     dashboard = page.locator(".asyncrl-dashboard .asyncrl-buffer img")
     errors = page.locator(".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.error']")
     idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']")
+    prompts = page.locator(".jp-CodeCell .jp-InputArea-prompt")
     reset_since, reruns = None, 0
+    seen, moved = None, time.monotonic()
     while time.monotonic() < deadline:
         if errors.count():
             pytest.fail(f"a notebook cell raised:\n{errors.first.inner_text()[-3000:]}")
         if dashboard.count() and dashboard.first.get_attribute("src"):
             return
+        # A page whose cells stopped moving (seen in full-suite runs: the whole RUN_TIMEOUT_S lost before the
+        # second try) fails now, so the caller's second try in a fresh page starts without waiting it out.
+        if (now := prompts.all_inner_texts()) != seen:
+            seen, moved = now, time.monotonic()
+        elif time.monotonic() - moved > STALL_S:
+            pytest.fail(f"no cell moved for {STALL_S} s (prompts {seen}); server log:\n{lab['log'].read_text()[-3000:]}")
         if _first_prompt(page) in ("[ ]:", "") and idle.count():
             reset_since = reset_since or time.monotonic()
             if time.monotonic() - reset_since > 10 and reruns < 2:
