@@ -177,8 +177,9 @@ class RunFiles:
 
 # ---------------------------------------------------------------------------------------- reading the rows
 def _row(values: list[str]) -> TraceRow:
-    seq, event, T, gid, w, target, lag, detail, reason = values
-    return TraceRow(int(seq), event, int(T), _int(gid), _int(w), _int(target), _int(lag), detail, reason)
+    seq, event, T, gid, w, target, lag, detail, reason, *numbers = values
+    return TraceRow(int(seq), event, int(T), _int(gid), _int(w), _int(target), _int(lag), detail, reason,
+                    *map(_int, numbers))
 
 
 def _int(text: str) -> int | None:

@@ -106,13 +106,14 @@ class RolloutPump:
         version = self.generation_call("version", lambda: ctrl.generator.version)
         if version is FAILED:  # the fault is recorded; under the lock the generator holds weights T
             version = T
-        s.record(ADMIT, None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate)
+        s.record(ADMIT, None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate,
+                 dispatch_index=admission.dispatch_index)
         for _ in range(self.cfg.groups_per_step):
-            report.dispatched.append(self._dispatch(version, admission.target_step, ""))
+            report.dispatched.append(self._dispatch(version, admission.target_step, "", admission.dispatch_index))
         self.flush_unsent()  # one submit per batch: the generator decodes each batch on its own
         return True
 
-    def _dispatch(self, version: int, target_step: int | None, why: str) -> int | None:
+    def _dispatch(self, version: int, target_step: int | None, why: str, batch: int | None) -> int | None:
         """The next prompt as a new group (slot reserved, in flight, queued for ``submit``); None when the stream
         has no prompt left."""
         ctrl, s = self.ctrl, self.state
@@ -123,7 +124,7 @@ class RolloutPump:
         gid = ctrl.buffer.reserve(version, target_step, prompt=prompt)
         s.inflight[gid] = version
         s.unsent.append(GenerationRequest(gid, ctrl.encode(prompt.text), self.cfg.group_size))
-        s.record(DISPATCH, gid, version, target_step, None, prompt.text, why)
+        s.record(DISPATCH, gid, version, target_step, None, prompt.text, why, dispatch_index=batch)
         return gid
 
     def flush_unsent(self) -> None:
@@ -196,7 +197,9 @@ class RolloutPump:
                 s.record(COMMIT, slot.group_id, slot.weight_version, slot.target_step, None,
                          f"reward_mean={sum(group.rewards) / len(group.rewards):.3f}",
                          f"generated with weights {group.gen_start_version}..{group.gen_end_version}"
-                         + ("" if group.replica is None else f" on replica {group.replica}"))
+                         + ("" if group.replica is None else f" on replica {group.replica}"),
+                         gen_start_version=group.gen_start_version, gen_end_version=group.gen_end_version,
+                         replica=group.replica)
             report.skipped.extend(self.take_skipped())
             if finished:
                 s.changed.notify_all()
@@ -338,7 +341,7 @@ class RolloutPump:
             new = self.ctrl.buffer.next_group_id  # the id ``_dispatch`` reserves
             s.record(SKIP, gid, slot.weight_version, slot.target_step, None, f"replaced by group {new}", reason)
             # stamped with the current weight version: the generator's too, under the lock
-            self._dispatch(s.trainer_version, slot.target_step, f"replaces group {gid}")
+            self._dispatch(s.trainer_version, slot.target_step, f"replaces group {gid}", None)
 
     def take_generation_counts(self) -> tuple[int, float]:
         """(completion tokens, poll seconds) since the previous call: the step's ``gen_tokens_per_s``. Under the

@@ -78,11 +78,12 @@ class RunState:
 
     # ------------------------------------------------------------------------------------------- recording
     def record(self, event: str, group_id=None, weight_version=None, target_step=None, lag=None, detail="",
-               reason="", metrics: dict | None = None) -> TraceRow:
-        """Append one trace row (``metrics``: the step's metrics row, for a ``step`` event)."""
+               reason="", metrics: dict | None = None, **numbers: int | None) -> TraceRow:
+        """Append one trace row (``metrics``: the step's metrics row, for a ``step`` event; ``numbers``: the typed
+        columns ``gen_start_version``, ``gen_end_version``, ``replica``, ``dispatch_index``)."""
         with self.lock:
             row = TraceRow(len(self.trace), event, self.trainer_version, group_id, weight_version, target_step, lag,
-                           detail, reason)
+                           detail, reason, **numbers)
             self.trace.append(row)
             if self._subscribers:
                 self._pending.append((row, metrics))
@@ -134,11 +135,13 @@ class RunState:
 
     # ---------------------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """``T``, the data position, the trace (rows as lists), metrics and evaluations: plain JSON values. Groups
-        in flight are not in it: the buffer holds them as pending slots, and a restore submits them again."""
+        """``T``, the data position, the trace (rows as lists, without their trailing empty typed columns, so a
+        checkpoint from before those columns is written back byte for byte), metrics and evaluations: plain JSON
+        values. Groups in flight are not in it: the buffer holds them as pending slots, and a restore submits them
+        again."""
         with self.lock:
             return {"trainer_version": self.trainer_version, "data_position": self.data_position,
-                    "exhausted": self.exhausted, "trace": [list(row) for row in self.trace],
+                    "exhausted": self.exhausted, "trace": [_trimmed(row) for row in self.trace],
                     "metrics": [dict(row) for row in self.metrics],
                     "evaluations": [dict(row) for row in self.evaluations]}
 
@@ -155,6 +158,16 @@ class RunState:
             self.unsent.clear()
             self.attempts.clear()
             self._pending.clear()
+
+
+def _trimmed(row: TraceRow) -> list:
+    values = list(row)
+    while len(values) > _CORE_COLUMNS and values[-1] is None:
+        values.pop()
+    return values
+
+
+_CORE_COLUMNS = TraceRow._fields.index("reason") + 1  # the columns every trace row has had
 
 
 def _step_rows(trace: list[TraceRow], metrics: list[dict]) -> list[dict | None]:

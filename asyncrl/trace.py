@@ -22,19 +22,25 @@ STEP = "step"  # an optimizer step finished (subscribers get a ``StepEvent`` wit
 FAULT = "fault"  # an error was caught (``reason`` starts with ``retried:`` or ``not retried:``)
 SKIP = "skip"  # a group was given up, with its reason
 
+# The numbers a replay needs are typed columns, never words inside ``detail``/``reason`` (those are for people and
+# may be reworded): ``dispatch_index`` on admit and dispatch rows, the generating versions and replica on commit rows.
 TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
+    "gen_start_version", "gen_end_version", "replica", "dispatch_index",
 ]
 TRACE_EVENTS = (ADMIT, REFUSE, DISPATCH, COMMIT, EVICT, SELECT, TRAIN, SYNC, ABORT, STEP, FAULT, SKIP)
 TRACE_DTYPES = {"seq": "int64", "trainer_version": "int64", "group_id": "Int64", "weight_version": "Int64",
-                "target_step": "Int64", "lag": "Int64"}
+                "target_step": "Int64", "lag": "Int64", "gen_start_version": "Int64", "gen_end_version": "Int64",
+                "replica": "Int64", "dispatch_index": "Int64"}
 
 
 class TraceRow(NamedTuple):
     """One trace event, as recorded: ``seq`` (its index in the trace), ``event`` (one of ``TRACE_EVENTS``),
     ``trainer_version`` (``T`` when it happened), ``group_id``, ``weight_version``, ``target_step`` and ``lag``
-    (``None`` when the event has none), ``detail`` and ``reason`` (text). ``row.event`` and ``row["event"]`` both
-    work."""
+    (``None`` when the event has none), ``detail`` and ``reason`` (text); ``gen_start_version``/``gen_end_version``
+    (the weights a committed group was generated with), ``replica`` (which generation replica made it) and
+    ``dispatch_index`` (the admitted batch an admit or dispatch row belongs to), ``None`` elsewhere. ``row.event``
+    and ``row["event"]`` both work."""
 
     seq: int
     event: str
@@ -45,6 +51,10 @@ class TraceRow(NamedTuple):
     lag: int | None
     detail: str
     reason: str
+    gen_start_version: int | None = None
+    gen_end_version: int | None = None
+    replica: int | None = None
+    dispatch_index: int | None = None
 
     def __getitem__(self, key):  # row["event"] as well as row[1]
         return getattr(self, key) if isinstance(key, str) else tuple.__getitem__(self, key)
