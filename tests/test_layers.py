@@ -24,12 +24,14 @@ TIERS = [
     ["asyncrl.algorithms", "asyncrl.micro_batches"],
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
-    ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
-    # what the engines share: HF helpers, placements, Megatron's weight map and process groups
+    # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
+    ["asyncrl.backends.base", "asyncrl.backends.submit_queue"],
+    # what the engines share: HF helpers, placements, Megatron's weight map and process groups, torch decoding
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
-     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling"],
-    ["asyncrl.backends.vllm_build"],  # how the vLLM engine is built (the HF model directory it loads)
+     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode"],
+    # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
+    ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
