@@ -14,16 +14,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import Field, field_serializer, model_validator
 
 from asyncrl.rewards.builtin import BUILTINS
 from asyncrl.rewards.functions import RewardFunctions, spec_of
+from asyncrl.strict import StrictModel
 
 
-class RewardConfig(BaseModel):
+class RewardConfig(StrictModel):
     """``reward:`` — the run's reward functions (TRL's signature; docs/tasks.md) and how they are run."""
-
-    model_config = ConfigDict(extra="forbid")
 
     funcs: list[str | Callable[..., Any]] = Field(
         default_factory=list, description="reward functions: a built-in's name (math_answer, exact_match, "
