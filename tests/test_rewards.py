@@ -81,6 +81,13 @@ def test_a_builtin_without_its_column_names_the_function_and_the_column():
     functions.check_columns(["nums", "target", "answer"])
     with pytest.raises(ValueError, match="'uses_column' needs a 'answer' column, and the data has none"):
         functions.check_columns(["nums", "target"])
+    def declared(completions, **kwargs):
+        return [0.0] * len(completions)
+
+    declared.required_columns = [("gold", "reference")]
+    with pytest.raises(ValueError, match="'declared' needs a 'gold' or 'reference' column"):
+        RewardFunctions([declared]).check_columns(["answer"])
+    RewardFunctions([declared]).check_columns(["reference"])
     with runner(["math_answer"]) as r:  # found while scoring: a bug, not retried
         assert "needs a 'solution' or 'answer' column" in score(r, batch(["1"], level=[1])).bug
 

@@ -8,8 +8,8 @@ Invariants:
   ``[{"role": "assistant", "content": ...}]``, as TRL builds it for a conversational dataset); every built-in reads
   both through ``completion_text``.
 - A built-in that needs a column the data lacks raises ``MissingColumn`` naming the function and the column (and
-  the columns there are): a bug in the setup, never retried. ``NEEDS`` says which columns each one reads, so a
-  controller can check them against its data before the run starts.
+  the columns there are): a bug in the setup, never retried. Its ``required_columns`` attribute says which
+  columns it reads, so a controller can check them against its data before the run starts.
 - Pure functions of their arguments: no state, no randomness; the same inputs give the same rewards in any
   process. ``math_answer`` imports ``math-verify`` on first use (half a second), and bounds its own parsing time
   only in a main thread (``signal.alarm``, as TRL does): a worker process calls it in its main thread.
@@ -177,10 +177,8 @@ def countdown(prompts=None, completions=(), completion_ids=None, nums=None, targ
 
 
 BUILTINS = {f.__name__: f for f in (math_answer, exact_match, format_tags, countdown)}
-# The columns each built-in reads: one of each tuple must be present (checked against the data before a run).
-NEEDS: dict[str, tuple[tuple[str, ...], ...]] = {
-    "math_answer": (("solution", "answer"),),
-    "exact_match": (("solution", "answer"),),
-    "format_tags": (),
-    "countdown": (("nums",), ("target",)),
-}
+# The columns each built-in reads (one of each tuple must be present), checked against the data before a run
+# starts. Any reward function may declare its own the same way (``f.required_columns = [("solution", "answer")]``).
+math_answer.required_columns = exact_match.required_columns = [("solution", "answer")]
+format_tags.required_columns = []
+countdown.required_columns = [("nums",), ("target",)]

@@ -33,9 +33,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.faults import describe
-from asyncrl.rewards.builtin import BUILTINS, NEEDS, MissingColumn
+from asyncrl.rewards.builtin import BUILTINS, MissingColumn
 
 RESERVED = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
+TRL_ARGUMENTS = (*RESERVED, "trainer_state", "log_extra", "log_metric")  # never columns (TRL passes them itself)
 SIGNATURE = "f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]"
 
 
@@ -138,13 +139,13 @@ def check_signature(func: Callable, label: str) -> None:
 
 
 def needed_columns(func: Callable) -> tuple[tuple[str, ...], ...]:
-    """The columns ``func`` cannot run without (for each tuple, one of them): a built-in's ``NEEDS``, else its
-    parameters without a default besides ``prompts``/``completions``/``completion_ids``."""
-    name = function_name(func)
-    if BUILTINS.get(name) is func:
-        return NEEDS[name]
+    """The columns ``func`` cannot run without (for each tuple, one of them): its ``required_columns`` attribute
+    when it has one (the built-ins do), else its parameters without a default that TRL would not pass itself."""
+    declared = getattr(func, "required_columns", None)
+    if declared is not None:
+        return tuple((c,) if isinstance(c, str) else tuple(c) for c in declared)
     params = _parameters(func) or []
-    return tuple((p.name,) for p in params if p.default is p.empty and p.name not in RESERVED
+    return tuple((p.name,) for p in params if p.default is p.empty and p.name not in TRL_ARGUMENTS
                  and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
 
 
