@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking", "asyncrl.strict"],  # strict: the strict base model and int check configs and samplers share
+     "asyncrl.tracking", "asyncrl.strict", "asyncrl.completions"],  # strict: the strict base model and int check configs and samplers share
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
