@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_any
@@ -70,12 +71,14 @@ class _Job:
 class RewardRunner:
     """Scores groups with ``functions`` (``RewardFunctions``) in ``workers`` processes (0: inline)."""
 
-    def __init__(self, functions: RewardFunctions, workers: int = 0, timeout_s: float | None = None):
+    def __init__(self, functions: RewardFunctions, workers: int = 0, timeout_s: float | None = None,
+                 on_done: Callable[[], None] | None = None):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"reward.workers {workers!r}: a number of worker processes, 0 (inline) or more")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward.timeout_s {timeout_s!r}: seconds a call may take, > 0 (or None: no limit)")
         self.functions, self.workers, self.timeout_s = functions, workers, timeout_s
+        self.on_done = on_done  # called when a group's scoring ended (outside the runner's lock)
         self._cond = threading.Condition()
         self._jobs: dict[Any, _Job] = {}
         self._done: dict[Any, Scored] = {}
@@ -196,6 +199,8 @@ class RewardRunner:
             del self._jobs[key]
             self._done[key] = self._scored(job)
             self._cond.notify_all()
+        if self.on_done is not None:
+            self.on_done()
 
     def _scored(self, job: _Job) -> Scored:
         seconds = sum(r[2] for r in job.results)

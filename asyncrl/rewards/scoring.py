@@ -1,6 +1,15 @@
-"""What the rollout pump needs to score a group: the run's functions, a group's inputs, the per-step metrics.
+"""How the rollout pump scores: ``GroupScorer`` (its collaborator: submit a finished group, collect scored ones,
+retries within ``faults.reward_retries``), the run's functions, a group's inputs and the per-step metrics.
 
 Invariants:
+- Every group submitted comes back from ``collect`` exactly once, scored (``problem`` None) or given up
+  (``problem`` says why: the pump skips it), unless ``cancel``ed (aborted). Each failed attempt is one ``fault``
+  row, worded as the pump always worded them (``retried: scoring again (k of B re-scorings)`` / ``not retried:
+  faults.reward_retries=B re-scorings spent``); a ``bug`` (wrong length, non-number, missing column) is a fault
+  ``not retried: a bug in the reward; the run stops`` and ``collect`` returns it as a ``RewardTypeError`` to raise
+  once the batch is accounted for.
+- ``collect(wait=True)`` returns only when every group submitted so far is back: a hand tick waits for its own
+  groups, so a stepped run is the same with any number of workers; a running pump does not wait.
 - The run's functions, first found wins: the objects a caller passed (``reward_funcs=``), ``reward.funcs`` of the
   config, the task's own ``reward_funcs`` (a dataset task's verifier: countdown's), else the task's own
   ``reward(prompt, text)`` (the built-in toy tasks, bit for bit).
@@ -15,11 +24,13 @@ Invariants:
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from asyncrl.completions import CompletionsLog, group_rows
+from asyncrl.faults import RewardTypeError, reward_problem
 from asyncrl.rewards.functions import RewardBatch, RewardFunctions, TaskReward, function_name
-from asyncrl.rewards.runner import Scored
+from asyncrl.rewards.runner import RewardRunner, Scored
 
 REWARD_TIME_S = "reward_time_s"
 
@@ -81,3 +92,100 @@ class RewardMetrics:
         out = self.result()
         self.reset()
         return out
+
+
+class GroupScorer:
+    """The rollout pump's scoring (see the module's invariants). ``decode`` turns completion ids into texts,
+    ``fault(gid, error, reason)`` records a fault row; ``notify`` is called (from another thread) when a score
+    comes back, so a waiting pump looks again."""
+
+    def __init__(self, functions: RewardFunctions, workers: int, timeout_s: float | None, retries: int,
+                 decode: Callable[[list[list[int]]], list[str]], fault: Callable[[int, str, str], None],
+                 log: CompletionsLog | None = None, notify: Callable[[], None] | None = None):
+        self.functions, self.retries, self.decode, self.fault = functions, retries, decode, fault
+        self.runner = RewardRunner(functions, workers, timeout_s, on_done=notify if workers else None)
+        self.metrics = RewardMetrics([] if functions.is_task else functions.names)
+        self.log = log if log is not None else CompletionsLog("all", functions.names)
+        self._open: dict[int, tuple[Any, Any, int]] = {}  # group id -> (rollouts, prompt, attempt)
+        self._parts: dict[int, dict[str, list] | None] = {}  # scored, until committed
+        self._ready: list[tuple[Any, str | None]] = []  # backend-scored groups, until collected
+
+    def submit(self, group: Any, prompt: Any) -> None:
+        """Start scoring a finished group (unless its backend scored it: then it only is checked)."""
+        gid = group.group_id
+        if group.rewards is not None:  # the backend scored it (simulated): nothing to re-score
+            problem = next(filter(None, map(reward_problem, group.rewards)), None)
+            if problem is not None:
+                self.fault(gid, problem, "not retried: the generation backend scored this group")
+            self._ready.append((group, problem))
+            return
+        group.texts = self.decode(group.completion_ids)
+        self._open[gid] = (group, prompt, 0)
+        self.runner.submit(gid, group_batch(prompt, group.texts, group.completion_ids))
+
+    def collect(self, wait: bool = False, timeout: float = 0.0) -> tuple[list[tuple[Any, str | None]], Exception | None]:
+        """The groups whose scoring ended: ``(rollouts, problem)``, rewards set when ``problem`` is None; and the
+        first bug, to raise after they are accounted for. ``wait``: until every open group is back; else waiting
+        up to ``timeout`` for one."""
+        out, bug = self._ready, None
+        self._ready = []
+        while True:
+            if wait:
+                outcomes = self.runner.wait(list(self._open))
+            else:
+                outcomes = self.runner.poll(timeout if not out else 0.0)
+            for outcome in outcomes:
+                done, error = self._ended(outcome)
+                if done is not None:
+                    out.append(done)
+                bug = bug or error
+            if not wait or not self._open:
+                return out, bug
+
+    def _ended(self, outcome: Scored) -> tuple[tuple[Any, str | None] | None, Exception | None]:
+        gid = outcome.key
+        if gid not in self._open:
+            return None, None  # cancelled
+        group, prompt, attempt = self._open[gid]
+        self.metrics.scored(outcome)
+        if outcome.bug is not None:
+            del self._open[gid]
+            self.fault(gid, outcome.bug, "not retried: a bug in the reward; the run stops")
+            return (group, f"the reward is broken: {outcome.bug}"), RewardTypeError(outcome.bug)
+        if outcome.problem is None:
+            del self._open[gid]
+            group.rewards = outcome.rewards
+            self._parts[gid] = None if self.functions.is_task else outcome.parts
+            return (group, None), None
+        budget = self.retries
+        if attempt < budget:
+            self.fault(gid, outcome.problem, f"retried: scoring again ({attempt + 1} of {budget} re-scorings)")
+            self._open[gid] = (group, prompt, attempt + 1)
+            self.runner.submit(gid, group_batch(prompt, group.texts, group.completion_ids))
+            return None, None
+        del self._open[gid]
+        self.fault(gid, outcome.problem, f"not retried: faults.reward_retries={budget} re-scorings spent")
+        return (group, f"the reward failed {budget + 1} time(s), last: {outcome.problem}"), None
+
+    def committed(self, group_id: int, prompt: Any, weight_version: int, group: Any) -> None:
+        """A scored group is in the buffer: its metrics count, its completions are logged."""
+        parts = self._parts.pop(group_id, None)
+        self.metrics.committed(parts)
+        if group.texts is not None and self.log.wants(weight_version):
+            self.log.add(group_rows(group_id, prompt, weight_version, group, parts))
+
+    def scoring(self, group_id: int) -> bool:
+        return group_id in self._open
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._open)
+
+    def cancel(self, group_id: int) -> None:
+        if self._open.pop(group_id, None) is not None:
+            self.runner.cancel(group_id)
+        self._parts.pop(group_id, None)
+
+    def close(self) -> None:
+        self.runner.close()
+        self.log.close()
