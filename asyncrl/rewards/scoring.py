@@ -104,7 +104,7 @@ class GroupScorer:
                  log: CompletionsLog | None = None, notify: Callable[[], None] | None = None):
         self.functions, self.retries, self.decode, self.fault = functions, retries, decode, fault
         self.runner = RewardRunner(functions, workers, timeout_s, on_done=notify if workers else None)
-        self.metrics = RewardMetrics([] if functions.is_task else functions.names)
+        self.metrics = RewardMetrics(functions.names)  # a task's own reward: reward/<task name>
         self.log = log if log is not None else CompletionsLog("all", functions.names)
         self._open: dict[int, tuple[Any, Any, int]] = {}  # group id -> (rollouts, prompt, attempt)
         self._parts: dict[int, dict[str, list] | None] = {}  # scored, until committed
@@ -155,7 +155,7 @@ class GroupScorer:
         if outcome.problem is None:
             del self._open[gid]
             group.rewards = outcome.rewards
-            self._parts[gid] = None if self.functions.is_task else outcome.parts
+            self._parts[gid] = outcome.parts
             return (group, None), None
         budget = self.retries
         if attempt < budget:
