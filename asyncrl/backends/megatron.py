@@ -159,7 +159,7 @@ class MegatronPolicy:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=s.qkv_bias,
+            add_qkv_bias=s.qkv_bias, qk_layernorm=s.qk_norm,  # Qwen3's per-head q/k RMSNorm
             hidden_dropout=0.0,
             attention_dropout=0.0,
             init_method_std=s.initializer_range,
@@ -186,12 +186,12 @@ class MegatronPolicy:
         self.transformer_config = self._transformer_config()
         model = GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm),
             vocab_size=self.padded_vocab,
             max_sequence_length=self.spec.max_position_embeddings,
             share_embeddings_and_output_weights=self.spec.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=self.spec.rope_theta,
+            rotary_base=self.spec.rope_theta, **self.spec.rope_kwargs,  # Llama 3's rope scaling
         )
         # Torch's norm fallback keeps fp32 parameters: cast the whole model (FACTS: megatron-core on GPU).
         model = model.to(device=self.device, dtype=self.dtype)
