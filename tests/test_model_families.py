@@ -220,3 +220,73 @@ def test_the_torch_engines_take_the_directory(tmp_path, family):
     ids = torch.tensor([[1, 50, 51] + group.completion_ids[0]])
     full = TrainBatch(ids, torch.ones_like(ids), torch.ones(ids.shape), torch.zeros(ids.shape), torch.zeros(1), [1])
     torch.testing.assert_close(policy.logprobs(full)[0, 3:], torch.tensor(group.logprobs[0]), atol=1e-4, rtol=0)
+
+
+# ---- a bad model is one line naming it, before anything is written -----------------------------------------------
+
+
+def _run_cli(out, *argv) -> int:
+    from asyncrl import cli
+
+    return cli.main(["run", "quickstart", "--steps", "1", "--out", str(out), "--quiet", "--no-plot", *argv])
+
+
+def _broken_dir(root, case: str):
+    path = root / case
+    if case == "not_a_directory":
+        return path
+    if case == "vocabulary_too_small":  # the byte tokenizer's 259 ids against a 258-row embedding
+        from transformers import Qwen3ForCausalLM
+
+        cfg = family_config("qwen3")
+        cfg.vocab_size = 258
+        Qwen3ForCausalLM(cfg).save_pretrained(str(path))
+        build_tokenizer().save_pretrained(str(path))
+        return path
+    write_model_dir(path, "qwen3")
+    if case == "no_tokenizer":
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (path / name).unlink()
+    elif case == "no_weights":
+        (path / "model.safetensors").unlink()
+    elif case == "no_config":
+        (path / "config.json").unlink()
+    elif case == "unknown_model_type":
+        (path / "config.json").write_text('{"model_type": "not_a_model", "vocab_size": 259}')
+    return path
+
+
+@pytest.mark.parametrize("case", ["not_a_directory", "no_config", "no_weights", "no_tokenizer",
+                                  "vocabulary_too_small", "unknown_model_type"])
+def test_a_bad_model_directory_is_one_line_naming_it_and_nothing_is_written(tmp_path, capsys, case):
+    path = _broken_dir(tmp_path, case)
+    capsys.readouterr()  # what writing the directory printed
+    out = tmp_path / "run"
+    assert _run_cli(out, "--set", f"model.hf_path={path}") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"model.hf_path {str(path)!r}" in err, err
+    assert {"no_config": "config.json", "no_weights": "weights", "no_tokenizer": "no tokenizer",
+            "vocabulary_too_small": "vocab_size is 258", "not_a_directory": "not a directory",
+            "unknown_model_type": "config.json"}[case] in err
+    assert not out.exists()
+
+
+def test_an_architecture_transformers_refuses_is_one_line_naming_the_knob(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert _run_cli(out, "--set", "model.hidden_size=130") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "model.hidden_size=130" in err and "attention heads" in err, err
+    assert not out.exists()
+
+
+def test_config_yaml_of_an_hf_path_run_records_the_architecture_trained(tmp_path):
+    import yaml
+
+    path = tmp_path / "model"
+    write_model_dir(path, "qwen3")
+    assert _run_cli(tmp_path / "run", "--set", f"model.hf_path={path}") == 0
+    model = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]
+    assert {k: model[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                                  "max_position_embeddings")} == {
+        "hidden_size": 48, "intermediate_size": 80, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 128}

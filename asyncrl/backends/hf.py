@@ -34,10 +34,12 @@ ARCHITECTURE_KNOBS = ("hidden_size", "intermediate_size", "num_hidden_layers", "
 
 
 def _one_line(exc: BaseException) -> str:
-    """The innermost cause of ``exc`` as one line (transformers wraps its validators' errors)."""
+    """The innermost cause of ``exc`` (transformers wraps its validators' errors), one line, its first sentence
+    (transformers goes on with advice about upgrading)."""
     while exc.__cause__ is not None:
         exc = exc.__cause__
-    return re.sub(r"\s+", " ", str(exc)).strip() or type(exc).__name__
+    text = re.sub(r"\s+", " ", str(exc)).strip() or type(exc).__name__
+    return re.split(r"(?<=[.!?]) ", text, maxsplit=1)[0]
 
 
 def check_model_dir(path: str) -> None:
@@ -65,6 +67,7 @@ def load_tokenizer(model_cfg: Any):
     from transformers import AutoTokenizer
 
     check_model_dir(model_cfg.hf_path)
+    build_hf_config(model_cfg)  # a config.json transformers cannot read is named before the tokenizer trips on it
     try:
         return AutoTokenizer.from_pretrained(model_cfg.hf_path)
     except Exception as exc:  # noqa: BLE001 - whatever the tokenizer files hold, the user needs the path

@@ -22,7 +22,9 @@ from asyncrl.strict import StrictModel
 
 
 class ModelConfig(BaseModel):
-    """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``."""
+    """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``: then the
+    architecture fields are that directory's (read from its config.json, replacing a preset's), so a run's
+    config.yaml records the architecture trained."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +39,27 @@ class ModelConfig(BaseModel):
     hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16"] = "float32"
 
+    @model_validator(mode="after")
+    def _architecture_of_hf_path(self) -> "ModelConfig":
+        if self.hf_path is None:
+            return self
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(self.hf_path)
+        except Exception:  # noqa: BLE001 - a bad directory is refused in one line when the backends are built
+            return self
+        rope = getattr(hf, "rope_parameters", None) or {}
+        found = {"rope_theta": getattr(hf, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict)
+                                                                   else None),
+                 "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads}
+        for name in ARCHITECTURE_FIELDS:
+            value = found.get(name, getattr(hf, name, None))
+            if value is None:
+                continue
+            setattr(self, name, type(getattr(self, name))(value))
+        return self
+
     def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
         """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
         so the torch, Megatron and vLLM engines start from the same architecture and the same init."""
@@ -49,6 +72,10 @@ class ModelConfig(BaseModel):
             rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings, attention_dropout=0.0,
             pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         )
+
+
+ARCHITECTURE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "max_position_embeddings", "rope_theta", "tie_word_embeddings")
 
 
 # --- backends: one typed section per engine, chosen by ``backend`` ----------------------------------------------
