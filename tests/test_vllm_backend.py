@@ -850,3 +850,31 @@ def test_real_vllm_abort_and_greedy(real):
     prompts = [tok.encode("7="), tok.encode("xyz")]
     a, b = gen.generate_greedy(prompts, 6), gen.generate_greedy(prompts, 6)
     assert a == b and all(1 <= len(c) <= 6 for c in a)
+
+
+@pytest.mark.gpu
+def test_real_vllm_loads_an_exported_policy_and_samples_its_logprobs(tmp_path):
+    """``save_pretrained``'s directory as ``model.hf_path``: vLLM loads it and samples the exported weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    from asyncrl.algorithms import GRPOLoss
+    from asyncrl.backends.hf import export_pretrained
+    from asyncrl.backends.torch import TorchPolicy
+    from asyncrl.config import TorchTrainerConfig
+
+    tok = make_tokenizer()
+    model_cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=128)
+    policy = TorchPolicy(model_cfg, TorchTrainerConfig(), GRPOLoss(), 5, tok)
+    with torch.no_grad():  # weights no seed gives: the directory, not a fresh init, is what vLLM must serve
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    path = export_pretrained(policy, model_cfg, tok, tmp_path / "hf")
+    gen = VLLMGenerator(ModelConfig(hf_path=str(path)), VLLMGenerationConfig(max_new_tokens=8,
+                                                                             gpu_memory_utilization=0.2), 0, tok)
+    try:
+        gen.submit([GenerationRequest(0, tok.encode("7="), 4)])
+        got, ref = _hf_sampled_logprobs(policy.model.cuda(), gen.poll())
+        assert (got - ref).abs().mean() < 1e-2
+    finally:
+        gen.close()

@@ -193,3 +193,64 @@ def build_model(
     config.use_cache = False
     config._attn_implementation = "sdpa"
     return init_hf_model(config, seed).to(device=device, dtype=dtype)
+
+
+# --- the trained model out: a Hugging Face directory ----------------------------------------------------------------
+
+
+def save_pretrained(path: str | Path, weights: dict[str, torch.Tensor], hf_config: Any, tokenizer: Any,
+                    chat_template: str | None = None) -> Path:
+    """Write a Hugging Face model directory at ``path`` that ``AutoModelForCausalLM.from_pretrained`` and vLLM
+    load: ``config.json`` (with the weights' dtype and the model class), ``generation_config.json``, the weights as
+    safetensors (sharded past 5 GB, with an index), the tokenizer and its chat template (``chat_template``
+    replaces the tokenizer's). The weights are written exactly as given; a tied ``lm_head.weight`` is left out,
+    as transformers does. Atomic: written into a hidden directory beside ``path``, then renamed; ``path`` must not
+    exist or be empty (a ``ValueError`` naming it, nothing written)."""
+    import copy
+    import shutil
+    import tempfile
+
+    from huggingface_hub import save_torch_state_dict
+    from transformers import GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    path = Path(path)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{str(path)!r} exists and is not an empty directory: a Hugging Face export writes a new one")
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
+    if getattr(hf_config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    config = copy.deepcopy(hf_config)
+    config.dtype = tensors["model.embed_tokens.weight"].dtype
+    config.use_cache = True  # what a reader of the directory wants for generation
+    config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type, "LlamaForCausalLM")]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        config.save_pretrained(str(tmp))
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        save_torch_state_dict(tensors, tmp, metadata={"format": "pt"})
+        if chat_template is not None:
+            tokenizer = copy.deepcopy(tokenizer)
+            tokenizer.chat_template = chat_template
+        tokenizer.save_pretrained(str(tmp))
+        if path.exists():
+            path.rmdir()  # empty (checked above)
+        tmp.rename(path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def export_pretrained(policy: Any, model_cfg: Any, tokenizer: Any, path: str | Path) -> Path | None:
+    """``save_pretrained`` of ``policy.export_weights()`` (tensor-parallel shards gathered into full HF tensors)
+    with the model's HF config. ``export_weights`` is collective on a multi-rank trainer, so every rank of a
+    ``torch.distributed`` world calls this; only global rank 0 writes (the others return ``None``)."""
+    import torch.distributed as dist
+
+    hf_config = build_hf_config(model_cfg, tokenizer)
+    weights = policy.export_weights()
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    return save_pretrained(path, weights, hf_config, tokenizer, getattr(model_cfg, "chat_template", None))
