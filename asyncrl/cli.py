@@ -82,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
         cfg = load_config(args.config, **overrides)
+        if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps is None:
+            cfg.trainer.lr_decay_steps = args.steps  # a decaying lr_schedule's horizon: the run's --steps in all
         _check_writable(out)
         ctrl = Controller.restore(resume, config=cfg) if resume else Controller.from_config(cfg)
         if resume is not None:  # the one line a resumed run says where it continues from

@@ -54,13 +54,13 @@ from asyncrl.algorithms import Loss, token_entropy, token_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
+from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
 from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
-
 __all__ = ["MEGATRON_CORE", "MegatronPolicy", "check_megatron_core"]
 
 # The megatron-core releases this backend is run against: 0.16.1 in CI (Python 3.11, CPU), 0.19.2 on the H200s
@@ -444,7 +444,7 @@ class MegatronPolicy:
             self.data_parallel.reduce_step(self._step)
         normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps)  # trainer.lr_schedule at this step
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             self.ddp.scale_gradients(scale)
