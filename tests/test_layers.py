@@ -25,9 +25,10 @@ TIERS = [
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],
     ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
-    # what the engines share: HF helpers, placements, Megatron's weight map and process groups
+    # what the engines share: HF helpers, placements, Megatron's weight map, process groups and forward
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
-     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
+     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.megatron_forward",
+     "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling"],
     ["asyncrl.backends.vllm_build"],  # how the vLLM engine is built (the HF model directory it loads)
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
