@@ -95,6 +95,8 @@ def _fsync_dir(path: Path) -> None:
 
 # --- writing ---------------------------------------------------------------------------------------------------
 def _jsonable(obj: Any) -> Any:
+    if callable(getattr(obj, "to_json", None)):  # a Prompt: its columns, only the fields it has set
+        return obj.to_json()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     if isinstance(obj, (np.generic, torch.Tensor)):  # numpy / torch scalars

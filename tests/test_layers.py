@@ -16,12 +16,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking"],
+     "asyncrl.tracking", "asyncrl.prompts"],
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
     # GRPO maths and the Loss; how engines cut a chunk into micro-batches: data and metrics only, never the backends
     ["asyncrl.algorithms", "asyncrl.micro_batches"],
+    ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
+    ["asyncrl.countdown"],  # a generated dataset task
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],
     ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
