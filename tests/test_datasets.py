@@ -346,3 +346,20 @@ def test_countdown_is_a_conversational_task_with_nums_and_target_columns():
     assert countdown_task(train_size=50, eval_size=10, seed=1).fingerprint == task.fingerprint
     with pytest.raises(ValueError, match=r"bad options .* for task 'countdown': max_numbers must be an integer in"):
         build_task({"name": "countdown", "options": {"max_numbers": 9}})
+
+
+def test_token_counts_are_the_lengths_of_the_prompt_ids_with_or_without_the_rust_tokenizer():
+    from asyncrl.chat import token_counts
+
+    tok = build_tokenizer()
+    prompts = render_task(_task(ROWS * 700, system_prompt=None), tok).train_prompts  # over two chunks
+    for special in (True, False):
+        texts = [p.text for p in prompts if (p.messages is None) == special]
+        expected = [len(prompt_ids(tok, p)) for p in prompts if (p.messages is None) == special]
+        assert token_counts(tok, texts, special) == expected
+
+        class Wrapped:  # a tokenizer without a Rust backend: the Python call
+            def __call__(self, *args, **kwargs):
+                return tok(*args, **kwargs)
+
+        assert token_counts(Wrapped(), texts, special) == expected
