@@ -20,6 +20,8 @@ import json
 import numpy as np
 
 from asyncrl.datasets import DatasetTask, Table, table_prompts
+from asyncrl.prompts import Prompt
+from asyncrl.rewards.builtin import completion_text, countdown_score
 
 SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process in the mind and then "
                  "provide the user with the answer.")
@@ -76,7 +78,14 @@ def countdown_rows(n: int, seed: int = 0, min_numbers: int = 3, max_numbers: int
 
 
 class CountdownTask(DatasetTask):
-    """Countdown's rows as a dataset task, scored by its verifier unless the run names reward functions."""
+    """Countdown's rows as a dataset task, scored by its verifier (``asyncrl.rewards.countdown``'s) unless the
+    run names reward functions of its own."""
+
+    def reward(self, prompt: Prompt, completion: str | list) -> float:
+        return countdown_score(completion_text(completion), prompt.columns["nums"], prompt.columns["target"])
+
+    def is_correct(self, prompt: Prompt, completion: str | list) -> bool:
+        return self.reward(prompt, completion) == 1.0
 
     @property
     def constant_answer_accuracy(self) -> float:
@@ -105,4 +114,4 @@ def countdown_task(train_size: int = 2000, eval_size: int = 200, seed: int = 0, 
     train = table_prompts(table, "train", system_prompt=system_prompt, rows=range(train_size))
     held = table_prompts(table, "eval", system_prompt=system_prompt, rows=range(train_size, len(rows)))
     return CountdownTask(train, held, {"train": name, "eval": name}, {"train": table.fingerprint, "eval": table.fingerprint},
-                       {"eval": list(range(train_size, len(rows)))}, reward_funcs=["countdown"], name="countdown")
+                       {"eval": list(range(train_size, len(rows)))}, name="countdown")

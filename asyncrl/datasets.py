@@ -267,19 +267,18 @@ def table_prompts(table: Table, split: str, prompt_key: str = "prompt", system_p
 class DatasetTask:
     """Prompts from a table: ``train_prompts``, ``eval_prompts`` (from ``eval``, a seeded ``eval_fraction`` of the
     training rows, or none), ``fingerprint`` and ``sources`` per split, ``where(prompt_id)`` naming a prompt's row.
-    A dataset has no reward of its own: the run's reward functions score it (``reward_funcs``)."""
+    A dataset has no reward of its own: the run's reward functions score it (``reward.funcs``)."""
 
     name = "dataset"
 
     def __init__(self, train_prompts: list[Prompt], eval_prompts: list[Prompt], sources: dict[str, str],
                  fingerprint: dict[str, str], origin: dict[str, list[int] | None] | None = None,
-                 reward_funcs: list[Any] | None = None, name: str = "dataset", prompt_key: str = "prompt"):
+                 name: str = "dataset", prompt_key: str = "prompt"):
         self.name, self.prompt_key = name, prompt_key
         self.train_prompts, self.eval_prompts = train_prompts, eval_prompts
         self.sources, self.fingerprint = sources, fingerprint
         self._origin = origin or {}  # split -> the source row of each split row (an eval_fraction split)
         self.held_out = bool(eval_prompts)  # no evaluation prompt is a training row
-        self.reward_funcs = list(reward_funcs or [])  # the task's own reward functions (countdown's verifier)
 
     @property
     def conversational(self) -> bool:

@@ -15,6 +15,7 @@ from asyncrl.chat import check_prompt_lengths, prompt_ids, render, render_task
 from asyncrl.countdown import USER_PROMPT, countdown_rows, countdown_task
 from asyncrl.datasets import DataError, check_reward_columns, data_changed, dataset_task, read_table, required_columns
 from asyncrl.prompts import Prompt, PromptStream
+from asyncrl.rewards.builtin import countdown_score
 from asyncrl.tasks import build_task
 from asyncrl.tokenizer import BOS_ID, build_tokenizer
 
@@ -329,6 +330,7 @@ def test_countdown_rows_are_solvable_distinct_and_seeded():
         assert 3 <= len(row["nums"]) <= 4 and all(1 <= n <= 99 for n in row["nums"]) and 1 <= row["target"] <= 100
         used = sorted(int(n) for n in re.findall(r"\d+", row["solution"]))
         assert used == sorted(row["nums"]) and eval(row["solution"]) == pytest.approx(row["target"])
+        assert countdown_score(f"<answer>{row['solution']}</answer>", row["nums"], row["target"]) == 1.0
     assert len({(tuple(sorted(r["nums"])), r["target"]) for r in rows}) == len(rows)
 
 
@@ -342,7 +344,14 @@ def test_countdown_is_a_conversational_task_with_nums_and_target_columns():
     assert "<think> </think>" in prompt.messages[1]["content"] and "<answer>" in prompt.messages[1]["content"]
     train = {(tuple(sorted(p.columns["nums"])), p.columns["target"]) for p in task.train_prompts}
     assert not train & {(tuple(sorted(p.columns["nums"])), p.columns["target"]) for p in task.eval_prompts}
-    assert task.constant_answer_accuracy == pytest.approx(0.1) and task.reward_funcs == ["countdown"]
+    assert task.constant_answer_accuracy == pytest.approx(0.1)
+    nums, target = prompt.columns["nums"], prompt.columns["target"]
+    solution = next(r["solution"] for r in countdown_rows(60, seed=1) if r["nums"] == nums)
+    assert eval(solution) == pytest.approx(target)
+    for completion in (f"<think>...</think> <answer>{solution}</answer>",
+                       [{"role": "assistant", "content": f"<answer>{solution}</answer>"}]):
+        assert task.reward(prompt, completion) == 1.0 and task.is_correct(prompt, completion)
+    assert task.reward(prompt, f"<answer>{nums[0]}</answer>") == 0.0 and task.reward(prompt, solution) == 0.0
     assert countdown_task(train_size=50, eval_size=10, seed=1).fingerprint == task.fingerprint
     with pytest.raises(ValueError, match=r"bad options .* for task 'countdown': max_numbers must be an integer in"):
         build_task({"name": "countdown", "options": {"max_numbers": 9}})
