@@ -101,7 +101,7 @@ def _read_path(path: Path, role: str) -> Table:
     if fmt == "json":
         return _read_json(data, name, fingerprint)
     if fmt == "parquet":
-        import pyarrow.parquet as pq
+        pq = _need("pyarrow.parquet", name)
 
         try:
             rows = pq.read_table(path).to_pylist()
@@ -164,13 +164,21 @@ def _read_saved(path: Path, name: str, role: str) -> Table:
     if not (path / "state.json").is_file():
         raise DataError(f"dataset directory {name} (task.options.{role}) was not written by "
                          f"datasets.Dataset.save_to_disk (no state.json); allowed: {ALLOWED}")
-    from datasets import load_from_disk
-
+    load_from_disk = _need("datasets", name).load_from_disk
     digest = hashlib.sha256()
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
     rows = load_from_disk(str(path)).to_list()
     return Table(name, [_plain_row(row, name, i) for i, row in enumerate(rows)], "sha256:" + digest.hexdigest())
+
+
+def _need(module: str, name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise DataError(f"dataset {name} needs the {module.split('.')[0]} package: pip install 'asyncrl[data]'") from None
 
 
 def _from_rows(name: str, rows: list[dict]) -> Table:
