@@ -84,6 +84,9 @@ class Config(BaseModel):
     max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
     max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
     eval_every: int | None = Field(None, ge=1)
+    filter_uniform_groups: bool = Field(
+        False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
+        "dynamic sampling) and admit another in its place")
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
     torch_threads: int | None = Field(None, ge=1)
