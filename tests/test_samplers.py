@@ -975,3 +975,31 @@ def test_the_notebooks_custom_sampler_is_short_and_complete(my_sampler):
     assert ids(sampler.select(2, 1, 2)) == [3, 4]
     with pytest.raises(ValueError, match=r"unknown knob\(s\) \['lag'\] for sampler 'NewestFirstKnobs'"):
         build_sampler({"name": "custom", "target": "my_sampler:NewestFirst", "lag": 1}, buf)
+
+
+@pytest.mark.parametrize("sampler", [
+    {"name": "in_order", "max_lookahead_versions": 1},
+    {"name": "windowed", "max_staleness_versions": 1},
+    {"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 1},
+], ids=["in_order", "windowed", "custom"])
+def test_a_run_builds_its_sampler_once_in_the_controller(sampler, monkeypatch):
+    """Loading and checking the configuration builds none (with importance_correction 'none' too); the controller
+    builds the one it follows."""
+    from asyncrl import Controller, load_config
+
+    built = []
+    original = samplers.SamplerBase.__init__
+
+    def counting(self, buffer, **knobs):
+        built.append(buffer)
+        original(self, buffer, **knobs)
+
+    monkeypatch.setattr(samplers.SamplerBase, "__init__", counting)
+    loss = {"importance_correction": "none", "truncation": "none"} if sampler["name"] == "in_order" else {}
+    cfg = load_config("quickstart", sampler={**sampler, **({"max_lookahead_versions": 0} if loss else {})},
+                      loss=loss, generation={"backend": "simulated"}, trainer={"backend": "simulated"})
+    assert built == []
+    with Controller.from_config(cfg) as ctrl:
+        assert built == [ctrl.buffer] and ctrl.sampler.buffer is ctrl.buffer
+        ctrl.tick()
+    assert len(built) == 1
