@@ -16,12 +16,17 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking", "asyncrl.strict"],  # strict: the strict base model and int check configs and samplers share
+     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts"],  # strict: the strict base model and int check
+    # configs and samplers share; prompts: the Prompt and the stream that serves prompts by data position
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
     # GRPO maths and the Loss; how engines cut a chunk into micro-batches: data and metrics only, never the backends
     ["asyncrl.algorithms", "asyncrl.micro_batches"],
+    ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
+    # reward functions (TRL's signature), the built-ins and the runner that scores off the pump: no task, no torch
+    ["asyncrl.rewards"],  # and its submodules (one family)
+    ["asyncrl.countdown"],  # a generated dataset task, scored by the countdown verifier
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
@@ -47,7 +52,7 @@ TIERS = [
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
 # Packages whose submodules are one family: they share the package's layer and may import one another.
-FAMILIES = ("asyncrl.samplers", "asyncrl.config")
+FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards")
 ENGINE = LAYERS["asyncrl.backends.torch"]
 # They connect or multiply engines' actors (K replicas / R ranks as one backend); they import none.
 NOT_ENGINES = {"asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"}

@@ -52,6 +52,7 @@ from asyncrl.config.sampling import (
 from asyncrl.config.tasks import TaskConfig
 from asyncrl.faults import FaultsConfig
 from asyncrl.presets import PRESETS, presets
+from asyncrl.rewards import RewardConfig
 from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
 from asyncrl.strict import StrictModel
 from asyncrl.tasks import build_task
@@ -59,7 +60,7 @@ from asyncrl.tracking import TrackingConfig
 
 __all__ = [
     "Config", "load_config", "merge_overrides", "presets", "PRESETS",
-    "ModelConfig", "RayConfig", "TaskConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
+    "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
@@ -83,6 +84,9 @@ class Config(BaseModel):
     max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
     max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
     eval_every: int | None = Field(None, ge=1)
+    filter_uniform_groups: bool = Field(
+        False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
+        "dynamic sampling) and admit another in its place")
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
     torch_threads: int | None = Field(None, ge=1)
@@ -101,6 +105,7 @@ class Config(BaseModel):
     trainer: TrainerConfig = Field(default_factory=TorchTrainerConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)  # reward functions, weights, workers (asyncrl/rewards)
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
     ray: RayConfig = Field(default_factory=RayConfig)
 

@@ -36,6 +36,14 @@ class ModelConfig(BaseModel):
     tie_word_embeddings: bool = True
     hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template: str | None = Field(
+        None, description="the chat template conversational prompts are rendered with (a Jinja template, or the "
+        "path of a file holding one); None: the tokenizer's own (asyncrl/chat.py)")
+
+    def shape_dump(self) -> dict:
+        """The fields that make the weights (what a checkpoint keeps as its model and a restore must match): all
+        but ``chat_template``, which changes how prompts are rendered, not the model."""
+        return self.model_dump(mode="json", exclude={"chat_template"})
 
     def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
         """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
