@@ -479,6 +479,14 @@ class Controller:
         with self._lock:  # nothing moves while the files are written
             return save(self, path)
 
+    def save_pretrained(self, path: str | Path) -> Path | None:
+        """Write the trained policy as a Hugging Face model directory that transformers and vLLM load (config,
+        safetensors, tokenizer, chat template): ``asyncrl.backends.hf.export_pretrained``."""
+        from asyncrl.backends.hf import export_pretrained
+
+        with self._lock:
+            return export_pretrained(self.policy, self.cfg.model, self.tokenizer, path)
+
     def state_dict(self) -> dict:
         """Everything a resume needs, between two steps (``asyncrl/checkpoint.py`` says where each key is stored):
         the run state, ``in_step``, ``buffer``, ``sampler``, ``dispatch_index``, ``policy``, ``generator``,
