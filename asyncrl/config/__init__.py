@@ -44,10 +44,10 @@ from asyncrl.config.backends import (
     check_placement,
 )
 from asyncrl.config.sampling import (
-    check_importance_correction,
     check_sampler_config,
     check_sampler_fits,
     check_stale_sampler_correction,
+    required_buffer_capacity,
 )
 from asyncrl.config.tasks import TaskConfig
 from asyncrl.faults import FaultsConfig
@@ -64,7 +64,7 @@ __all__ = [
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
-    "check_sampler_fits", "check_importance_correction",
+    "check_sampler_fits", "required_buffer_capacity",
     # importable from asyncrl.config since before the split into a package; their homes are asyncrl.samplers
     # and asyncrl.tasks
     "CustomConfig", "InOrderConfig", "build_custom", "build_sampler", "build_task",
@@ -84,6 +84,9 @@ class Config(BaseModel):
     max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
     max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
     eval_every: int | None = Field(None, ge=1)
+    filter_uniform_groups: bool = Field(
+        False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
+        "dynamic sampling) and admit another in its place")
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
     torch_threads: int | None = Field(None, ge=1)
