@@ -1,8 +1,8 @@
 """The controller's run state, with one owner: ``RunState`` holds ``T``, the data position, whether the stream is
 exhausted, the trace, the metrics rows and the evaluations. The controller holds one and hands it to its pumps;
 nothing else writes it. (The groups in flight are the buffer's pending slots; what only the rollout pump needs of
-them, the requests waiting for ``submit`` and the dispatch attempts, is the rollout pump's.) Observers subscribe to its typed events
-(``Controller.subscribe``); ``state_dict`` / ``load_state_dict`` are what a checkpoint stores of it.
+them, the requests waiting for ``submit`` and the dispatch attempts, is the rollout pump's.) Observers subscribe to
+its typed events (``Controller.subscribe``); ``state_dict`` / ``load_state_dict`` are what a checkpoint stores of it.
 
 Invariants:
 - Every change happens under ``lock``; ``changed`` (a condition on that lock) is notified when a pump made
