@@ -7,6 +7,7 @@ state, and no package file grows past 600 lines. Source is read with ``ast``, so
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -217,7 +218,7 @@ PARTS = [m for m in MODULES if (_layer(m) or 0) < LAYERS["asyncrl.controller"]]
 
 def _holds_controller(arg: ast.arg) -> bool:
     annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
-    return arg.arg in HOLDERS or "Controller" in annotation
+    return arg.arg in HOLDERS or re.search(r"\bController\b", annotation) is not None
 
 
 def _held(node: ast.AST) -> bool:
@@ -267,7 +268,8 @@ def test_the_back_reference_check_sees_what_it_judges():
                   "    ctrl.load_state_dict(state_dict(path))\n")
     assert _back_references(checkpoint, "probe.py") == ["probe.py:1: takes the controller as 'ctrl'",
                                                         "probe.py:4: keeps the controller as ctrl"]
-    typed = "def periodic(owner: 'Controller', directory):\n    return owner.save(directory)\n"
+    typed = ("def periodic(owner: 'Controller', directory):\n    return owner.save(directory)\n"
+             "def encode(state: ControllerState):\n    return state.buffer\n")  # a snapshot type is no controller
     assert _back_references(typed, "probe.py") == ["probe.py:1: takes the controller as 'owner'"]
     parts = ("class TrainPump:\n    def __init__(self, cfg, buffer, sampler, rollout):\n"
              "        self.buffer, self.rollout = buffer, rollout\n"
