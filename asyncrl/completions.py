@@ -14,7 +14,8 @@ Invariants:
 - ``log_completions``: ``all`` (default), ``none``, or ``N``: the groups generated with weights ``0, N, 2N, ...``
   (a fact of the group, not of timing: two runs of one seed log the same rows).
 - A resumed run keeps the rows its checkpoint had logged (``rows``, saved with the checkpoint) and appends from
-  there: rows logged after the save are cut, as those groups are generated again.
+  there: rows logged after the save are cut, as those groups are generated again. (A fresh run's file starts
+  empty.)
 - Without a file the rows stay in memory (a notebook's run); with one, in the file only (a long run's log does
   not grow the process), read back on demand.
 """
@@ -82,6 +83,7 @@ class CompletionsLog:
         self.names = list(names)  # the reward functions, for the columns' order
         self.rows = 0  # rows logged in this run's history (a checkpoint saves it)
         self._memory: list[dict[str, Any]] = []
+        self.counts: dict[int, int] = {}  # group id -> rows logged (explain()'s ``completions`` column)
         self._fd: int | None = None
         self.path: Path | None = None
 
@@ -98,32 +100,36 @@ class CompletionsLog:
         else:  # one write of whole lines; O_APPEND: nothing interleaves, nothing is left in a Python buffer
             os.write(self._fd, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
         self.rows += len(rows)
+        for row in rows:
+            self.counts[row["group_id"]] = self.counts.get(row["group_id"], 0) + 1
 
-    def open(self, path: str | Path, keep: int | None = None) -> CompletionsLog:
-        """Write to ``path`` from now on (appending; the rows held in memory go first). ``keep``: a resumed
-        run's row count (``rows`` at the save): the file is cut to that many rows."""
+    def open(self, path: str | Path) -> CompletionsLog:
+        """Write to ``path`` from now on, appending. The file is first cut to the rows of this run's history it
+        should hold (a resumed run's: those logged before its checkpoint; a fresh run's: none), then the rows held
+        in memory are written."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        keep, end, self.counts = self.rows - len(self._memory), 0, {}
         if path.exists():
             with open(path, "r+b") as f:
-                end = _whole_lines(path)
-                if keep is not None:
-                    f.seek(0)
-                    end, seen = 0, 0
-                    for line in f:
-                        if seen == keep or not line.endswith(b"\n"):
-                            break
-                        end, seen = end + len(line), seen + 1
+                for seen, line in enumerate(f):
+                    if seen == keep or not line.endswith(b"\n"):
+                        break
+                    end += len(line)
+                    gid = _group_id(line)
+                    self.counts[gid] = self.counts.get(gid, 0) + 1
                 f.truncate(end)
         self.close()
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         self.path = path
         memory, self._memory = self._memory, []
-        if keep is not None:
-            self.rows = keep
         self.rows -= len(memory)
-        self.add(memory)
+        self.add(memory)  # counted again, as the file's rows were
         return self
+
+    def count(self, group_id: int) -> int:
+        """Rows logged for group ``group_id`` (0: none, or not yet: it is in flight)."""
+        return self.counts.get(int(group_id), 0)
 
     def close(self) -> None:
         if self._fd is not None:
@@ -141,6 +147,14 @@ class CompletionsLog:
 
     def load_state_dict(self, state: dict | None) -> None:
         self.rows = int((state or {}).get("rows", 0))
+
+
+def _group_id(line: bytes) -> int:
+    """The ``group_id`` of a row (written first, so it is read without parsing the line)."""
+    head = line[:40]
+    if head.startswith(b'{"group_id": '):
+        return int(head[13:head.index(b",")])
+    return int(json.loads(line)["group_id"])
 
 
 def read_rows(path: str | Path, start: int = 0, stop: int | None = None) -> list[dict[str, Any]]:
@@ -179,8 +193,13 @@ class CompletionsFile:
                     break
                 start = self._offset
                 self._offset += len(line)
-                gid = json.loads(line)["group_id"]
+                gid = _group_id(line)
                 self._groups.setdefault(gid, []).append((start, self._offset))
+
+    def count(self, group_id: int) -> int:
+        """Rows logged for group ``group_id``."""
+        self._scan()
+        return len(self._groups.get(int(group_id), ()))
 
     def group(self, group_id: int, names: Sequence[str] = ()):
         """The rows of group ``group_id`` (a DataFrame; empty when it logged none)."""

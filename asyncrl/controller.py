@@ -72,9 +72,14 @@ def _tick(method):
 
 
 class Controller:
-    def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
+    def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
+                 reward_funcs=None):
+        from asyncrl.rewards.scoring import run_functions
         from asyncrl.tasks import PromptStream
 
+        rewards = run_functions(cfg.reward, task, reward_funcs)  # reward_funcs: objects (TRL's reward_funcs)
+        if reward_funcs:  # named in the config a run writes (config.yaml, checkpoints)
+            cfg = cfg.model_copy(update={"reward": cfg.reward.with_funcs(reward_funcs)})
         self.cfg = cfg
         self.task = task
         self.policy = policy
@@ -102,7 +107,7 @@ class Controller:
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
         self._rollout = RolloutPump(cfg, self._state, self.buffer, self.sampler, self.stream, generator, task,
-                                    tokenizer, self.encode, self.sync_weights, self.faults)
+                                    tokenizer, self.encode, self.sync_weights, self.faults, rewards)
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
                                 self._rollout, self.faults, self.clock.now, self._save_periodic)
         self.sync_weights(0)
@@ -132,9 +137,10 @@ class Controller:
         return ids
 
     @classmethod
-    def from_config(cls, cfg: Config, loss: Loss | None = None) -> Controller:
+    def from_config(cls, cfg: Config, loss: Loss | None = None, reward_funcs=None) -> Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
-        a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``)."""
+        a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``reward_funcs``: reward
+        functions as objects (TRL's signature; ``asyncrl/rewards``), instead of ``reward.funcs`` names."""
         from asyncrl.backends import build_backends
         from asyncrl.tasks import build_task
 
@@ -143,7 +149,7 @@ class Controller:
         torch.manual_seed(cfg.seed)
         task = build_task(cfg.task)
         policy, generator, tokenizer = build_backends(cfg, loss)
-        return cls(cfg, task, policy, generator, tokenizer)
+        return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
 
     # ------------------------------------------------------------------------------------------ rollout pump
     @_tick
@@ -294,6 +300,19 @@ class Controller:
             return self._frame("metrics", self._state.metrics)
 
     @property
+    def completions(self) -> pd.DataFrame:
+        """What the model wrote: a row per completion of each committed group, its rewards (asyncrl/completions.py)."""
+        return self._rollout.scorer.log.frame()
+
+    def completions_count(self, group_id: int) -> int:
+        return self._rollout.scorer.log.count(group_id)
+
+    def log_completions_to(self, path: str | Path) -> None:
+        """Write the completions log to ``path`` (``completions.jsonl``; ``asyncrl run`` does) from now on."""
+        with self._lock:
+            self._rollout.scorer.log.open(path)
+
+    @property
     def last_run(self) -> RunHandle | None:
         """The handle of the latest ``start``/``run`` (its ``status``, ``error``, ``breakpoint``), or None."""
         return self._run
@@ -312,7 +331,7 @@ class Controller:
             raise TimeoutError(f"explain: a pump held the controller's lock for over {timeout:g} s")
         try:
             return read_view.verdicts(self.cfg, self.sampler, self.buffer, self.trainer_version,
-                                      self._train.step.groups)
+                                      self._train.step.groups, self._rollout.scorer.log.count)
         finally:
             self._lock.release()
 
@@ -434,11 +453,12 @@ class Controller:
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
-                on_sampler_change: str = "rejudge", trust_code: bool = False) -> Controller:
+                on_sampler_change: str = "rejudge", trust_code: bool = False, reward_funcs=None) -> Controller:
         """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
         them: the newest intact one), built from ``config`` (default: the checkpoint's own), whose model must
         have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
-        ``trust_code``: what a restore without a config may import, and where it connects (asyncrl/checkpoint.py).
+        ``trust_code``: what a restore without a config may import, and where it connects (asyncrl/checkpoint.py);
+        ``reward_funcs``: the reward functions (objects) in place of those the checkpoint's config names.
         When the sampler differs from the checkpoint's, the capacity is the new sampler's and the restored
         groups are, with ``on_sampler_change="rejudge"``, judged by the new sampler's rules: groups it can never
         train (no ``target_step`` under a stamping sampler such as ``in_order``) and groups beyond its capacity
@@ -449,8 +469,8 @@ class Controller:
 
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
-        cfg, state = checkpoint.load(path, config, sampler, trust_code)
-        ctrl = cls.from_config(cfg)
+        cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(reward_funcs))
+        ctrl = cls.from_config(cfg, reward_funcs=reward_funcs)
         try:
             checkpoint.check_shapes(checkpoint.shapes(state["policy"]), checkpoint.shapes(ctrl.policy.state_dict()),
                                     repr(str(path)))
@@ -464,6 +484,7 @@ class Controller:
         """Release the backends (and their Ray actors). The controller's history stays readable."""
         for backend in (self.generator, self.policy):
             backend.close()
+        self._rollout.close()
         self.tracker.close()
 
     def __enter__(self) -> Controller:

@@ -63,14 +63,18 @@ def test_a_file_appends_cuts_a_torn_line_and_resumes_at_the_saved_row_count(tmp_
     assert len(read_rows(path)) == 9
     resumed = CompletionsLog("all", ["exact_match"])
     resumed.load_state_dict(saved)
-    resumed.open(path, keep=saved["rows"])  # group 2 is generated again after the resume: its old rows go
+    resumed.open(path)  # group 2 is generated again after the resume: its old rows go
+    assert resumed.counts == {0: 3, 1: 3} and resumed.count(2) == 0
     resumed.add(rows_of(2))
     resumed.close()
     assert [r["group_id"] for r in read_rows(path)] == [0] * 3 + [1] * 3 + [2] * 3 and resumed.rows == 9
+    assert resumed.count(2) == 3
     assert path.read_bytes().endswith(b"\n") and resumed.frame().shape == (9, len(COLUMNS) + 1)
     by_group = CompletionsFile(path)
     assert by_group.group(1).completion.tolist() == ["text 1.0", "text 1.1", "text 1.2"]
-    assert by_group.group(99).empty
+    assert by_group.group(99).empty and by_group.count(2) == 3
+    assert CompletionsLog().open(path).rows == 0 and read_rows(path) == []  # a fresh run in the same directory
+
 
 
 def test_kill_9_leaves_every_finished_row_whole(tmp_path):

@@ -108,7 +108,8 @@ class GroupScorer:
         self.log = log if log is not None else CompletionsLog("all", functions.names)
         self._open: dict[int, tuple[Any, Any, int]] = {}  # group id -> (rollouts, prompt, attempt)
         self._parts: dict[int, dict[str, list] | None] = {}  # scored, until committed
-        self._ready: list[tuple[Any, str | None]] = []  # backend-scored groups, until collected
+        self._ready: list[tuple[Any, str | None]] = []  # scoring ended, until collected
+        self._bug: Exception | None = None  # the first bug since the last collect
 
     def submit(self, group: Any, prompt: Any) -> None:
         """Start scoring a finished group (unless its backend scored it: then it only is checked)."""
@@ -122,25 +123,32 @@ class GroupScorer:
         group.texts = self.decode(group.completion_ids)
         self._open[gid] = (group, prompt, 0)
         self.runner.submit(gid, group_batch(prompt, group.texts, group.completion_ids))
+        while self.runner.workers == 0 and gid in self._open:  # inline: scored, and re-scored, right here
+            self._take(self.runner.wait([gid]))
 
     def collect(self, wait: bool = False, timeout: float = 0.0) -> tuple[list[tuple[Any, str | None]], Exception | None]:
         """The groups whose scoring ended: ``(rollouts, problem)``, rewards set when ``problem`` is None; and the
         first bug, to raise after they are accounted for. ``wait``: until every open group is back; else waiting
-        up to ``timeout`` for one."""
-        out, bug = self._ready, None
-        self._ready = []
-        while True:
+        up to ``timeout`` for one (none when one is back already)."""
+        while self._open:
             if wait:
-                outcomes = self.runner.wait(list(self._open))
-            else:
-                outcomes = self.runner.poll(timeout if not out else 0.0)
-            for outcome in outcomes:
-                done, error = self._ended(outcome)
-                if done is not None:
-                    out.append(done)
-                bug = bug or error
-            if not wait or not self._open:
-                return out, bug
+                self._take(self.runner.wait(list(self._open)))
+                continue
+            outcomes = self.runner.poll(0.0 if self._ready else timeout)
+            if not outcomes:
+                break
+            self._take(outcomes)
+            timeout = 0.0
+        out, self._ready = self._ready, []
+        bug, self._bug = self._bug, None
+        return out, bug
+
+    def _take(self, outcomes: list[Scored]) -> None:
+        for outcome in outcomes:
+            done, error = self._ended(outcome)
+            if done is not None:
+                self._ready.append(done)
+            self._bug = self._bug or error
 
     def _ended(self, outcome: Scored) -> tuple[tuple[Any, str | None] | None, Exception | None]:
         gid = outcome.key
@@ -175,16 +183,34 @@ class GroupScorer:
             self.log.add(group_rows(group_id, prompt, weight_version, group, parts))
 
     def scoring(self, group_id: int) -> bool:
-        return group_id in self._open
+        """Submitted and not yet collected: in flight, but not in the generator."""
+        return group_id in self._open or any(g.group_id == group_id for g, _ in self._ready)
 
     @property
-    def busy(self) -> bool:
-        return bool(self._open)
+    def open(self) -> int:
+        return len(self._open) + len(self._ready)
 
-    def cancel(self, group_id: int) -> None:
+    def cancel(self, group_id: int) -> bool:
+        """Forget a group (aborted, or gone while it was scored); True when it was being scored."""
+        self._parts.pop(group_id, None)
+        ready = len(self._ready)
+        self._ready = [(g, p) for g, p in self._ready if g.group_id != group_id]
         if self._open.pop(group_id, None) is not None:
             self.runner.cancel(group_id)
-        self._parts.pop(group_id, None)
+            return True
+        return len(self._ready) != ready
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps: the reward metrics counted towards the next step (not their time) and the
+        completions logged so far."""
+        metrics = {k: v for k, v in self.metrics.totals.items() if k != REWARD_TIME_S}
+        rows = self.log.state_dict()
+        return {**({"metrics": metrics} if metrics else {}), **({"completions": rows} if rows["rows"] else {})}
+
+    def load_state_dict(self, state: dict | None) -> None:
+        state = state or {}
+        self.metrics.totals = dict(state.get("metrics", {}))
+        self.log.load_state_dict(state.get("completions"))
 
     def close(self) -> None:
         self.runner.close()
