@@ -10,6 +10,7 @@ import sys
 import textwrap
 import time
 
+import pandas as pd
 import pytest
 
 from asyncrl.completions import COLUMNS, CompletionsFile, CompletionsLog, check_every, group_rows, read_rows
@@ -98,3 +99,153 @@ def test_kill_9_leaves_every_finished_row_whole(tmp_path):
     groups = [r["group_id"] for r in rows]
     assert len(rows) >= 8 and all(len(r["completion"]) == 5000 for r in rows)
     assert groups == [g for g in range(groups[-1] + 1) for _ in range(8)]  # a group's rows are one write
+
+
+# ------------------------------------------------------------------------------------------------ in a run
+def stepped(steps=2, **overrides):
+    from asyncrl import Controller
+    from tests.faults import small_config
+
+    ctrl = Controller.from_config(small_config(**overrides))
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+    return ctrl
+
+
+def test_every_committed_group_is_logged_with_what_the_buffer_holds():
+    ctrl = stepped(reward={"funcs": ["exact_match"]})
+    try:
+        rows, trace = ctrl.completions, ctrl.trace
+        committed = trace[trace.event == "commit"]
+        G = ctrl.cfg.group_size
+        assert list(rows.columns) == [*COLUMNS, "reward/exact_match"]
+        assert rows.group_id.tolist() == [g for g in committed.group_id for _ in range(G)]
+        assert rows.completion_index.tolist() == list(range(G)) * len(committed)
+        assert rows.weight_version.tolist() == [w for w in committed.weight_version for _ in range(G)]
+        dispatched = trace[trace.event == "dispatch"].set_index("group_id").detail
+        assert (rows.prompt == dispatched[rows.group_id].to_numpy()).all()  # the rendered text the model was given
+        assert rows.prompt_id.str.startswith("train/").all() and (rows.prompt_tokens > 0).all()
+        for slot in ctrl.buffer:  # still buffered: the log says what the buffer holds
+            if slot.ready:
+                mine = rows[rows.group_id == slot.group_id]
+                assert mine.reward.tolist() == slot.rollouts.rewards
+                assert mine.completion.tolist() == slot.rollouts.texts
+                assert mine.tokens.tolist() == [len(c) for c in slot.rollouts.completion_ids]
+                assert mine.finish_reason.tolist() == slot.rollouts.finish_reasons
+        verdicts = ctrl.explain()
+        ready = verdicts.state == "ready"
+        assert (verdicts.completions[ready] == G).all() and (verdicts.completions[~ready] == 0).all()
+    finally:
+        ctrl.close()
+
+
+def test_log_completions_none_or_every_n_weight_versions():
+    ctrl = stepped(steps=3, log_completions="none")
+    assert ctrl.completions.empty and list(ctrl.completions.columns)[:len(COLUMNS)] == list(COLUMNS)
+    ctrl.close()
+    ctrl = stepped(steps=3, log_completions=2)
+    versions = set(ctrl.completions.weight_version)
+    assert versions and all(v % 2 == 0 for v in versions)
+    ctrl.close()
+    with pytest.raises(ValueError, match="log_completions 'some'"):
+        stepped(log_completions="some")
+
+
+def test_a_run_directory_and_its_recording_hold_the_completions(tmp_path):
+    from asyncrl import Recording
+    from asyncrl.run_files import RunFiles
+
+    ctrl = stepped(steps=0)
+    files = RunFiles(tmp_path).attach(ctrl)
+    while ctrl.trainer_version < 2:
+        ctrl.tick()
+    (tmp_path / "config.yaml").write_text(__import__("yaml").safe_dump(ctrl.cfg.model_dump(mode="json")))
+    files.close()
+    try:
+        live = ctrl.completions
+        assert live.equals(CompletionsFile(tmp_path / "completions.jsonl").frame(["copy_first"]))
+        rec = Recording(tmp_path)
+        view = rec.at(rec.steps[-1])
+        gid = int(view.explain().query("state == 'ready'").group_id.iloc[0])
+        pd.testing.assert_frame_equal(view.completions(gid), live[live.group_id == gid].reset_index(drop=True))
+        assert view.explain().completions.equals(ctrl.explain().completions)
+        assert Recording(ctrl).at(1).completions(gid).equals(view.completions(gid))
+    finally:
+        ctrl.close()
+
+
+CLI = ["run", "quickstart", "--quiet", "--no-plot", "--set", "eval_every=null", "--set", "torch_threads=1",
+       "--set", "groups_per_step=2", "--set", "group_size=2"]
+
+
+def consistent(out) -> pd.DataFrame:
+    """The run directory's completions are one row per completion of each group its trace committed, once."""
+    rows = pd.DataFrame(read_rows(out / "completions.jsonl"))
+    trace = pd.read_csv(out / "trace.csv")
+    committed = trace[trace.event == "commit"].group_id.tolist()
+    assert not rows.duplicated(["group_id", "completion_index"]).any()
+    assert sorted(set(rows.group_id)) == sorted(committed) and (rows.groupby("group_id").size() == 2).all()
+    return rows
+
+
+def test_a_resumed_run_logs_each_group_once(tmp_path):
+    from asyncrl import checkpoint, cli
+
+    out = tmp_path / "run"
+    assert cli.main([*CLI, "--steps", "5", "--out", str(out), "--checkpoint-every", "2"]) == 0
+    first = consistent(out)
+    (out / "checkpoints" / "step-000004").rename(tmp_path / "step-000004")  # so the resume is from step 2
+    assert checkpoint.latest(out / "checkpoints").name == "step-000002"
+    assert cli.main([*CLI, "--steps", "6", "--resume", str(out)]) == 0
+    again = consistent(out)  # the rows logged after step 2's checkpoint were cut, then logged again
+    assert len(again) > len(first) and again.group_id.max() > first.group_id.max()
+    rows_at_2 = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
+    kept = rows_at_2["in_step"]["gen"]["rewards"]["completions"]["rows"]
+    assert again.iloc[:kept].equals(first.iloc[:kept])
+
+
+@pytest.mark.slow  # a CLI run in a fresh interpreter, killed, and its resume: ~7-15 s on 2 cores
+def test_kill_9_of_a_run_then_resume_leaves_every_row_whole_and_each_group_once(tmp_path):
+    import os
+
+    from asyncrl import checkpoint, cli
+
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    killed = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *CLI, "--steps", "100000", "--out", str(out),
+                               "--checkpoint-every", "3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while checkpoint.latest(out / "checkpoints") is None or len(read_rows(out / "completions.jsonl")) < 40:
+        assert killed.poll() is None, killed.stderr.read().decode()
+        assert time.monotonic() < deadline, "no checkpoint within 5 minutes"
+        time.sleep(0.02)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    lines = (out / "completions.jsonl").read_bytes().split(b"\n")
+    assert all(json.loads(line) for line in lines[:-1])  # every finished row whole (a last one may be cut short)
+    steps = json.loads((checkpoint.latest(out / "checkpoints") / "meta.json").read_text())["trainer_version"] + 2
+    assert cli.main([*CLI, "--steps", str(steps), "--resume", str(out)]) == 0
+    consistent(out)
+
+
+def test_the_dashboard_shows_a_chosen_groups_completions():
+    pytest.importorskip("ipywidgets")
+    import html
+
+    import widgets
+
+    ctrl = stepped(steps=0, reward={"funcs": ["exact_match"]})
+    try:
+        dash = widgets.Dashboard(ctrl, steps=1)
+        assert "no buffered group with completions" in dash.completions.table.value
+        dash.controls.buttons["rollout"].click()
+        view = dash.completions
+        ready = ctrl.explain().query("state == 'ready'").group_id.tolist()
+        assert list(view.group.options) == ready and view.group.value == ready[-1]
+        view.group.value = ready[0]
+        rows = ctrl.completions[ctrl.completions.group_id == ready[0]]
+        for text in rows.completion:
+            assert html.escape(text, quote=False) in view.table.value
+        assert "reward/exact_match" in view.table.value and f"group {ready[0]}" in view.table.value
+    finally:
+        ctrl.close()
