@@ -80,7 +80,7 @@ class RolloutPump:
         self.scorer = GroupScorer(
             rewards, cfg.reward.workers, cfg.reward.timeout_s, cfg.faults.reward_retries,
             lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True), self.fault,
-            CompletionsLog(cfg.log_completions, rewards.names), self._scored)
+            CompletionsLog(cfg.log_completions, rewards.names), self._scored, state.lock)
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self, wait_s: float = 0.0) -> TickReport:
@@ -247,6 +247,7 @@ class RolloutPump:
             report.skipped.extend(self.take_skipped())
             if scored:
                 s.changed.notify_all()
+        self.scorer.flush()  # the completions log's file written outside the lock
         if bad is not None:
             raise bad
 
@@ -421,7 +422,7 @@ class RolloutPump:
     def take_skew(self) -> dict[str, float]:
         """``GEN_METRICS`` of the groups committed since the last call (the step that finishes now counts them),
         then ``reward/<name>`` and ``reward_time_s`` (``asyncrl/rewards/scoring.py``)."""
-        out = {**self._skew.result(), **self.scorer.metrics.take()}
+        out = {**self._skew.result(), **self.scorer.take_metrics()}
         self._skew.reset()
         return out
 

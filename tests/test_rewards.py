@@ -426,3 +426,18 @@ def test_function_objects_are_named_in_the_config_and_a_restore_imports_only_wha
         restored.close()
     with pytest.raises(ValueError, match="reward functions given twice"):
         Controller.from_config(small(funcs=["exact_match"]), reward_funcs=[rf.first_char])
+
+
+def test_stepped_runs_with_retries_are_the_same_with_any_number_of_workers(tmp_path, monkeypatch):
+    runs = []
+    for workers in (0, 2):
+        monkeypatch.setenv("ASYNCRL_REWARD_MARKERS", str(tmp_path / str(workers)))
+        (tmp_path / str(workers)).mkdir()
+        ctrl = stepped(small(funcs=[F + "fails_once"], workers=workers, timeout_s=30), steps=2)
+        try:
+            runs.append((ctrl.trace.drop(columns="seq"), ctrl.completions))
+        finally:
+            ctrl.close()
+    assert (runs[0][0].event == "fault").sum() > 0
+    for a, b in zip(*runs):
+        pd.testing.assert_frame_equal(a, b)

@@ -128,18 +128,35 @@ class RewardRunner:
     def poll(self, timeout: float = 0.0) -> list[Scored]:
         """The groups whose scoring ended since the last call (waiting up to ``timeout`` for one, if any is
         being scored), in the order they ended."""
-        with self._cond:
-            if not self._done and self._jobs and timeout > 0:
-                self._cond.wait(timeout)
-            out = list(self._done.values())
-            self._done.clear()
-        return out
+        self.ready(timeout)
+        return self.take()
 
     def wait(self, keys: list) -> list[Scored]:
         """Block until the groups ``keys`` are scored and return their ``Scored`` in that order (keys not being
         scored are left out). Bounded: every call ends by its result, ``timeout_s`` or its worker's death."""
+        self.wait_for(keys)
+        return self.take(keys)
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether a group's scoring has ended and waits to be taken, waiting up to ``timeout`` for one."""
+        with self._cond:
+            if not self._done and self._jobs and timeout > 0:
+                self._cond.wait(timeout)
+            return bool(self._done)
+
+    def wait_for(self, keys: list) -> None:
+        """Block until none of ``keys`` is being scored (their outcomes wait to be taken, or were taken)."""
         with self._cond:
             self._cond.wait_for(lambda: not any(k in self._jobs for k in keys))
+
+    def take(self, keys: list | None = None) -> list[Scored]:
+        """The outcomes that wait to be taken (of ``keys``, in that order; None: all, in the order they ended),
+        each given out once."""
+        with self._cond:
+            if keys is None:
+                out = list(self._done.values())
+                self._done.clear()
+                return out
             return [self._done.pop(k) for k in keys if k in self._done]
 
     def cancel(self, key: Any) -> None:
