@@ -358,6 +358,11 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     timeline = Timeline() if timeline_out is not None else None
     if timeline is not None:
         timeline.instrument(ctrl, stamped)
+    cuda = _local_cuda(policy)
+    if cuda:  # the peak over the run, warm-up included (the first step is where an OOM would happen)
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     if warmup:
         ctrl.run(warmup, progress=False)
     g0, tr0, w0 = gen.busy(), train.busy(), gen.waited() + train.waited()
@@ -393,6 +398,12 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     }
     for part in ("receive_s", "swap_wait_s", "load_s", "reset_s"):
         row[f"sync_{part}_median"] = float(parts[part].median()) if len(parts) else float("nan")
+    if cuda:
+        import torch
+
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        row["memory_plan"] = json.dumps(getattr(policy, "memory_plan", {}) or {})
     curve = pd.DataFrame({"run": row["run"], "mode": mode, "repeat": repeat,
                           "step": ctrl.metrics.step.to_numpy(), "wall_s": stamped.stamps[:len(ctrl.metrics)],
                           "reward": ctrl.metrics.reward_mean.to_numpy()})
@@ -400,6 +411,12 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         if col in ctrl.metrics:
             curve[col] = ctrl.metrics[col].to_numpy()
     return row, curve, policy
+
+
+def _local_cuda(policy) -> bool:
+    """Whether the policy trains on a CUDA device of this process (its peak memory is this process's)."""
+    device = None if isinstance(policy, RemoteBackend) else getattr(policy, "device", None)
+    return device is not None and str(device).startswith("cuda")
 
 
 def _parameters(policy) -> int:

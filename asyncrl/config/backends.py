@@ -39,11 +39,17 @@ class ModelConfig(BaseModel):
     chat_template: str | None = Field(
         None, description="the chat template conversational prompts are rendered with (a Jinja template, or the "
         "path of a file holding one); None: the tokenizer's own (asyncrl/chat.py)")
+    vocab_size: int | None = Field(
+        None, ge=259, description="the embedded byte tokenizer padded with unused tokens to this vocabulary (a real "
+        "model's output layer, e.g. 151936: asyncrl/tokenizer.py); None: 259. With hf_path, like the other "
+        "architecture fields, unused: the directory's tokenizer and config decide")
 
     def shape_dump(self) -> dict:
         """The fields that make the weights (what a checkpoint keeps as its model and a restore must match): all
-        but ``chat_template``, which changes how prompts are rendered, not the model."""
-        return self.model_dump(mode="json", exclude={"chat_template"})
+        but ``chat_template``, which changes how prompts are rendered, not the model (and ``vocab_size`` when
+        unset, so checkpoints from before it stay as they were)."""
+        return self.model_dump(mode="json", exclude={"chat_template"} | ({"vocab_size"} if self.vocab_size is None
+                                                                         else set()))
 
     def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
         """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
