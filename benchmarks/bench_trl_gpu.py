@@ -211,7 +211,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=None, help="timed steps a side (default 3; dry run 2)")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--completion", type=int, default=None, help="tokens every completion (default 512; dry 8)")
-    parser.add_argument("--model-dir", default=None, help="use this model directory instead of writing one")
+    parser.add_argument("--model-dir", default=None, help="the model directory: used if it holds one, else written "
+                        "there (default: a temporary one)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--name", default=None)
     parser.add_argument("--cpu-dry-run", action="store_true")
@@ -228,7 +229,9 @@ def main() -> int:
         args.name or time.strftime("%Y-%m-%dT%H%MZ", time.gmtime()))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    model_dir = Path(args.model_dir) if args.model_dir else build_model_dir(Path(tempfile.mkdtemp(prefix="qwen-")), dry)
+    model_dir = Path(args.model_dir or tempfile.mkdtemp(prefix="qwen-"))
+    if not (model_dir / "config.json").exists():
+        build_model_dir(model_dir, dry)
     say(f"model directory {model_dir} in {time.perf_counter() - t0:.1f} s")
     rows = []
     for side in ("trl", "asyncrl"):
