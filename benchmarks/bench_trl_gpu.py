@@ -155,7 +155,8 @@ def run_trl(model_dir: str, steps: int, warmup: int, completion: int, dry: bool)
 
 # ---- asyncrl -----------------------------------------------------------------------------------------------------
 
-def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: bool) -> list[dict]:
+def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: bool,
+                modes: tuple[str, ...] = ("sync", "async")) -> list[dict]:
     import bench_two_gpus as b2
 
     from asyncrl import load_config
@@ -179,7 +180,7 @@ def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: b
                          cfg.generation)
     rows = []
     try:
-        for i, mode in enumerate(("sync", "async")):
+        for i, mode in enumerate(modes):
             row, _, policy = b2.one_run(cfgs[mode], mode, 0, generator, policy, task, tok, warmup, steps, i > 0)
             rows.append({"side": "asyncrl", "mode": mode, "steps": row["steps"], "steps_per_s": row["steps_per_s"],
                          "step_s": 1 / row["steps_per_s"], "gen_s": row["gen_busy_per_step_s"],
@@ -200,8 +201,11 @@ def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: b
 # ---- the invocation ----------------------------------------------------------------------------------------------
 
 def child(args) -> int:
-    fn = run_trl if args.side == "trl" else run_asyncrl
-    out = fn(args.model_dir, args.steps, args.warmup, args.completion, args.cpu_dry_run)
+    if args.side == "trl":
+        out = run_trl(args.model_dir, args.steps, args.warmup, args.completion, args.cpu_dry_run)
+    else:
+        out = run_asyncrl(args.model_dir, args.steps, args.warmup, args.completion, args.cpu_dry_run,
+                          tuple(args.modes.split(",")))
     Path(args.result).write_text(json.dumps(out))
     return 0
 
@@ -215,6 +219,7 @@ def main() -> int:
                         "there (default: a temporary one)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--name", default=None)
+    parser.add_argument("--modes", default="sync,async", help="asyncrl's modes, comma-separated (sync, async)")
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--side", choices=("trl", "asyncrl"), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
@@ -238,7 +243,7 @@ def main() -> int:
         result = out / f"{side}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--result", str(result),
                "--model-dir", str(model_dir), "--steps", str(args.steps), "--warmup", str(args.warmup),
-               "--completion", str(args.completion)] + (["--cpu-dry-run"] if dry else [])
+               "--completion", str(args.completion), "--modes", args.modes] + (["--cpu-dry-run"] if dry else [])
         t0 = time.perf_counter()
         done = subprocess.run(cmd)
         say(f"{side}: exit {done.returncode} in {time.perf_counter() - t0:.0f} s")
@@ -263,7 +268,7 @@ def main() -> int:
                     ours.useful_train_tflops.iloc[0] / trl.useful_train_tflops.iloc[0])
         say(f"against TRL: {json.dumps(results)} (targets: whole step >= 1.5x, useful training TFLOP/s >= 1.3x)")
     save("bench_trl_gpu", frame.drop(columns=[c for c in ("per_step_s", "per_step_gen_s") if c in frame]),
-         {"steps": args.steps, "warmup": args.warmup, "completion": args.completion, "groups": GROUPS,
+         {"steps": args.steps, "warmup": args.warmup, "modes": args.modes, "completion": args.completion, "groups": GROUPS,
           "group_size": GROUP_SIZE, "model": TINY if dry else QWEN, "ratios": results, "dry_run": dry,
           "trl_per_step": {k: rows[0].get(k) for k in ("per_step_s", "per_step_gen_s")} if len(trl) else {}},
          before=before, out=out)
