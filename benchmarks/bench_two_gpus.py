@@ -213,11 +213,16 @@ def timeline_report(timeline: Timeline, generator, policy, t0: float, t1: float,
     """Per step: milliseconds in each (lane, call), and the share of the window each lane was inside a tick or a
     GPU block; the spans of the window go to ``timeline_<mode>.csv`` and a picture of 6 steps to
     ``timeline_<mode>.png``."""
-    import ray
+    from asyncrl.backends.device_lock import device_lock_spans
 
-    for lane, backend in (("gen GPU", generator), ("train GPU", policy)):
+    local = device_lock_spans()  # colocated: both engines' blocks are this process's, named by engine class
+    for lane, backend, names in (("gen GPU", generator, GEN_ENGINE), ("train GPU", policy, TRAIN_ENGINE)):
         if isinstance(backend, RemoteBackend):
+            import ray  # only with actors: a colocated run needs no Ray
+
             timeline.add_gpu(lane, ray.get(backend.apply_remote(_gpu_spans)))
+        else:
+            timeline.add_gpu(lane, [span for span in local if span[0] in names])
     f = timeline.frame(t0, t1)
     f.assign(start=f.start - t0, end=f.end - t0).to_csv(out / f"timeline_{mode}.csv", index=False)
     table = f.groupby(["lane", "name"]).ms.agg(["count", "sum", "median", "max"])
