@@ -157,6 +157,11 @@ def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(tok):
                 assert (c1, r1) == (c0, r0)
     assert cut_any
     assert [c for g in after for c in g.completion_ids][rows.index(long)] == long[:j + 1]
+    prompts = [tok.encode(p) for p in ("abc=", "q=", "hello", "xyz>")]  # evaluation stops where sampling does
+    for g0, g1 in zip(free.generate_greedy(prompts, 24), gen.generate_greedy(prompts, 24)):
+        assert g0[:len(g1)] == g1
+        assert g1 == g0 if stop not in tok.decode(g0, skip_special_tokens=True) else (
+            stop in tok.decode(g1, skip_special_tokens=True) and stop not in tok.decode(g1[:-1], skip_special_tokens=True))
 
 
 def test_sampling_is_deterministic_for_a_seed_and_differs_across_seeds(tok):

@@ -264,6 +264,13 @@ def test_top_k_and_stop_strings_reach_vllm_and_a_stop_ends_the_completion_at_its
             assert after == before and stop not in tok.decode(after, skip_special_tokens=True)
     i = free.completion_ids.index(long)
     assert cut.completion_ids[i] == long[:j + 1] and cut.finish_reasons[i] == "stop"
+    from asyncrl.backends.vllm_requests import greedy_params
+
+    # evaluation's requests carry the stop strings too (and detokenize: vLLM refuses them otherwise)
+    greedy = greedy_params(FakeSamplingParams, 40, EOS, "final_only", [stop])
+    assert (greedy.stop, greedy.detokenize, greedy.temperature) == ([stop], True, 0.0)
+    (ids,) = gen.generate_greedy([[257, 49, 50]], 40)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
 
 
 def test_samples_are_returned_in_index_order_and_depend_only_on_the_group():

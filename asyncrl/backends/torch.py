@@ -375,7 +375,7 @@ class TorchGenerator:
         """Greedy completions under the generator's current weights; draws no randomness."""
         with self._model_lock:
             return greedy_completions(self.model, prompts, max_new_tokens or self.gen_cfg.max_new_tokens,
-                                      self.eos_id, self.pad_id)
+                                      self.eos_id, self.pad_id, self._stop)  # evaluation stops as sampling does
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` (HF names, as ``TorchPolicy.export_weights`` gives) into this generator's own model,

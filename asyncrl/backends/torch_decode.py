@@ -177,14 +177,16 @@ def stop_strings(stops: Sequence[str], tokenizer: Any) -> Callable[[list[int]], 
 
 
 def greedy_completions(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int = EOS_ID,
-                       pad_id: int = PAD_ID) -> list[list[int]]:
-    """Greedy (argmax) completions of ``prompts`` under ``model``; no randomness is drawn."""
+                       pad_id: int = PAD_ID, stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """Greedy (argmax) completions of ``prompts`` under ``model`` (ended by ``stop`` as in ``decode``); no
+    randomness is drawn."""
     if not prompts:
         return []
     was_training = model.training
     model.eval()
     try:
-        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id)
+        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id,
+                                   stop=stop)
     finally:
         model.train(was_training)
     return completions

@@ -52,10 +52,10 @@ def sampling_params(sp_cls: Any, gen_cfg: Any, seed: int, request: GenerationReq
     )
 
 
-def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind: Any) -> Any:
-    """The ``SamplingParams`` of one greedy (evaluation) request."""
-    return sp_cls(n=1, temperature=0.0, max_tokens=max_tokens,
-                  stop_token_ids=[eos_id] if eos_id is not None else None, detokenize=False, output_kind=output_kind)
+def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind: Any, stop: list[str]) -> Any:
+    """The ``SamplingParams`` of one greedy (evaluation) request; it stops at the run's stop strings too."""
+    return sp_cls(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos_id] if eos_id is not None else None,
+                  **({"stop": list(stop)} if stop else {}), detokenize=bool(stop), output_kind=output_kind)
 
 
 def sampled_logprob(entry: Any, token_id: int) -> float:
