@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.backends.base import ActorBackend, is_dead_actor
+from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import FaultContainment, RewardTypeError, StepShortfall, describe, reward_problem
@@ -291,7 +291,7 @@ class RolloutPump:
             return
         version = s.trainer_version if version is None else version
         lost = self.inflight_ids()
-        restartable = isinstance(generator, ActorBackend) and self.cfg.generation.weight_sync == "driver"
+        restartable = capabilities(generator).actor and self.cfg.generation.weight_sync == "driver"
         verdict = self.faults.generator_died(what, exc, restartable, version, len(lost))
         self.fault(None, describe(exc), verdict.reason)
         if verdict.error is not None:

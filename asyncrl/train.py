@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl import metrics as M
 from asyncrl.algorithms import make_train_batch
-from asyncrl.backends.base import ActorBackend, PrevLogprobsFromForward, StepMetrics, is_dead_actor
+from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
 from asyncrl.metrics import StepAccumulator
@@ -91,7 +91,7 @@ class TrainPump:
             # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
             # reload the trainer's weights as T under the lock (a restart in the rollout pump): never mid-update or
             # ahead of T.
-            restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
+            restartable = self.cfg.faults.restart_generator and capabilities(self.generator).actor
             update = self._optimizer_step() if finished and not restartable else None
             with state.changed:
                 if finished:
@@ -116,7 +116,7 @@ class TrainPump:
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        if not isinstance(self.policy, PrevLogprobsFromForward):  # such a policy takes them from its forward
+        if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:
             self.policy.begin_train_step()
@@ -172,7 +172,7 @@ class TrainPump:
         row.update(M.throughput(out, self.step.total(M.TRAIN_TIME_S.name)))  # train_tflops, mfu
         gen_tokens, gen_s = rollout.take_generation_counts()
         row[M.GEN_TOKENS_PER_S.name] = gen_tokens / gen_s if gen_s > 0 else math.nan
-        if isinstance(self.generator, StepMetrics):  # e.g. a replica set's tokens and busy time per replica
+        if capabilities(self.generator).step_metrics:  # e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()

@@ -82,7 +82,6 @@ from asyncrl import Controller, cli, load_config  # noqa: E402
 from asyncrl.algorithms import GRPOLoss  # noqa: E402
 from asyncrl.config import merge_overrides  # noqa: E402
 from asyncrl.backends import GENERATORS, POLICIES, _load  # noqa: E402
-from asyncrl.backends.base import PrevLogprobsFromForward  # noqa: E402
 from asyncrl.backends.device_lock import device_lock_stats  # noqa: E402
 from asyncrl.backends.hf import load_tokenizer  # noqa: E402
 from asyncrl.backends.ray import RemoteBackend, ensure_ray, remote  # noqa: E402
@@ -143,9 +142,7 @@ class StampedPolicy:
     """Forwards to the policy; records the wall-clock time at which each optimizer step finished."""
 
     def __init__(self, policy, t0: float) -> None:
-        self._policy, self.t0, self.stamps = policy, t0, []
-        if isinstance(policy, PrevLogprobsFromForward):  # an instance attribute: Python 3.12's isinstance on a
-            self.prev_logprobs_from_forward = True  # Protocol reads members statically, not through __getattr__
+        self._policy, self.t0, self.stamps = policy, t0, []  # its capabilities are the policy's (__getattr__)
 
     def finish_train_step(self, *args, **kwargs):
         out = self._policy.finish_train_step(*args, **kwargs)

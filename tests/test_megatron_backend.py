@@ -586,13 +586,13 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
     """Megatron takes ``prev_logprobs`` from its training forward when a chunk has none (the controller then skips
     the separate pass, also through a Ray proxy): over steps of two chunks in micro-batches of 3, with generator
     logprobs off the policy's, weights and step metrics equal those of a policy given ``logprobs()``' values."""
-    from asyncrl.backends.base import PrevLogprobsFromForward
+    from asyncrl.backends.base import capabilities
     from asyncrl.backends.ray import proxy_class
 
     loss = LossConfig(entropy_coef=0.03)
     given, forward = (make_policy(tok, lr=1e-2, micro_batch_size=3, loss=loss) for _ in range(2))
-    assert isinstance(forward, PrevLogprobsFromForward)
-    assert proxy_class(MegatronPolicy).prev_logprobs_from_forward is True  # a proxy is one too, without a call
+    assert capabilities(forward).prev_logprobs_from_forward
+    assert capabilities(proxy_class(MegatronPolicy)).prev_logprobs_from_forward  # a proxy too, without a call
     for step in range(3):
         chunks = [make_batch(B=7, seed=10 * step + c) for c in range(2)]
         given.begin_train_step(), forward.begin_train_step()
