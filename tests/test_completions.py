@@ -198,10 +198,9 @@ def test_a_resumed_run_logs_each_group_once(tmp_path):
     assert checkpoint.latest(out / "checkpoints").name == "step-000002"
     assert cli.main([*CLI, "--steps", "6", "--resume", str(out)]) == 0
     again = consistent(out)  # the rows logged after step 2's checkpoint were cut, then logged again
-    assert len(again) > len(first) and again.group_id.max() > first.group_id.max()
     rows_at_2 = json.loads((out / "checkpoints" / "step-000002" / "state.json").read_text())
     kept = rows_at_2["in_step"]["gen"]["rewards"]["completions"]["rows"]
-    assert again.iloc[:kept].equals(first.iloc[:kept])
+    assert 0 < kept < len(first) and again.iloc[:kept].equals(first.iloc[:kept])
 
 
 @pytest.mark.slow  # a CLI run in a fresh interpreter, killed, and its resume: ~7-15 s on 2 cores
