@@ -6,8 +6,8 @@ first character is the prompt's first):
 - ``waits_10ms``: sleeps 10 ms per group before answering, as a remote verifier (an HTTP judge, a sandbox) does;
 - ``computes_10ms``: spins the CPU for 10 ms per group (a local verifier; on 2 cores it competes with training).
 Each runs with ``reward.workers`` 0 (inline, on the rollout pump's thread), 1, 2 and 4. Every controller is built
-and warmed up first; then the timed stretches (``--steps`` steps each) go round all of them ``--reps`` times, so
-load on the machine hits every cell alike. The figure is the median steps/s over the reps and its ratio to
+and warmed up first; then the timed stretches (``--steps`` steps each) go round all of them ``--reps`` times, each
+round starting one cell further on, so load on the machine hits every cell alike. The figure is the median steps/s over the reps and its ratio to
 ``instant`` inline, measured in the same run. The target (issue 31): with 4 workers, a reward that waits 10 ms
 per group runs within 10% of the one that takes no time.
 
@@ -75,8 +75,10 @@ def main() -> None:
     cells = {(name, w): build(fn, w) for name, fn in REWARDS.items() for w in args.workers}
     raw = []
     try:
+        keys = list(cells)
         for rep in range(args.reps):
-            for (name, workers), ctrl in cells.items():
+            for name, workers in keys[rep % len(keys):] + keys[:rep % len(keys)]:  # each rep starts elsewhere
+                ctrl = cells[(name, workers)]
                 raw.append({"reward": name, "workers": workers, "rep": rep, "steps": args.steps,
                             "steps_per_s": timed(ctrl, args.steps),
                             "reward_time_s": float(ctrl.metrics.reward_time_s.tail(args.steps).sum())})
