@@ -6,7 +6,7 @@ Both controllers write a run directory as ``asyncrl run`` does (``RunFiles``: tr
 then timed stretches of ``--steps`` steps alternate between them ``--reps`` times, so load on the machine hits
 both alike. The figure is the median steps/s and the ratio none/all. The target (issue 31): within 5%.
 
-    python benchmarks/bench_completions.py [--steps 30] [--reps 5]
+    python benchmarks/bench_completions.py [--steps 90] [--reps 7]
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ def build(log_completions, out: Path) -> tuple[Controller, RunFiles]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=90)
+    parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_completions/<UTC time>)")
     parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_completions")
     args = parser.parse_args()

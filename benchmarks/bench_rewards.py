@@ -11,7 +11,7 @@ round starting one cell further on, so load on the machine hits every cell alike
 ``instant`` inline, measured in the same run. The target (issue 31): with 4 workers, a reward that waits 10 ms
 per group runs within 10% of the one that takes no time.
 
-    python benchmarks/bench_rewards.py [--steps 20] [--reps 3] [--workers 0 1 2 4]
+    python benchmarks/bench_rewards.py [--steps 60] [--reps 5] [--workers 0 1 2 4]
 """
 
 from __future__ import annotations
@@ -65,8 +65,8 @@ def timed(ctrl: Controller, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4])
     parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_rewards/<UTC time>)")
     parser.add_argument("--name", default=None, help="name of the run directory under benchmarks/data/bench_rewards")
