@@ -216,8 +216,15 @@ class RewardRunner:
             del self._jobs[key]
             self._done[key] = self._scored(job)
             self._cond.notify_all()
-        if self.on_done is not None:
+        if self.on_done is not None and not self._defer(key):
             self.on_done()
+
+    def _defer(self, key: Any) -> bool:
+        """Whether the dispatcher thread is the caller: it calls ``on_done`` once it handed out the next calls."""
+        if self._pool is None or threading.current_thread() is not self._pool.thread:
+            return False
+        self._pool.notify = True
+        return True
 
     def _scored(self, job: _Job) -> Scored:
         seconds = sum(r[2] for r in job.results)
@@ -280,6 +287,7 @@ class _ProcessPool:
         self.error: str | None = None
         self.lock = threading.Lock()  # ``error`` and ``queue`` change together: no call queues after a break
         self.closing = False
+        self.notify = False  # a group ended on this thread: call the runner's on_done after the next assignment
         self.start_failures = 0
         self.wake_r, self.wake_w = os.pipe()
         self.thread = threading.Thread(target=self._run, name="asyncrl-reward-dispatch", daemon=True)
@@ -310,6 +318,9 @@ class _ProcessPool:
             self.workers = [_Worker(self.payload) for _ in range(self.n)]
             while not self.closing:
                 self._assign()
+                if self.notify and self.runner.on_done is not None:  # after the next calls went out, not before
+                    self.notify = False
+                    self.runner.on_done()
                 by_conn = {w.conn: w for w in self.workers}
                 for ready in wait_any([*by_conn, self.wake_r], self._wait_s()):
                     if ready == self.wake_r:
