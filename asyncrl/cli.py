@@ -110,10 +110,10 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     """The run itself, its files and its summary (``run`` checked everything and listens for ``attach``)."""
     import yaml
 
-    from asyncrl.recording import RunFiles
+    from asyncrl.run_files import RunFiles
 
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/recording.py); history=True: a
+    # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/run_files.py); history=True: a
     # resumed run's files start from its checkpoint's history, not the old files
     files = RunFiles(out).attach(ctrl)
 
@@ -168,8 +168,9 @@ def _check_writable(out: Path) -> None:
 
 def _plot(ctrl, path: Path) -> None:
     try:
-        from widgets.render import draw_reward  # the notebook's reward panel: one drawing of it
         from matplotlib.figure import Figure
+
+        from asyncrl.plots.metrics import draw_reward  # the notebook's reward panel: one drawing of it
     except ImportError:
         print("matplotlib is not installed: no reward.png (pip install 'asyncrl[notebook]')", file=sys.stderr)
         return
@@ -274,7 +275,7 @@ def simulate(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         table.to_csv(out / "sweep.csv", index=False)
         if not args.no_plot:
-            from asyncrl.simulate_plots import plot_grid
+            from asyncrl.plots.simulation import plot_grid
 
             plot_grid(table, [c for c in table.columns if "." in c]).savefig(out / "sweep.png", dpi=110)
         shown = [c for c in table.columns if "." in c] + ["gpus", "sim_steps_per_hour", "tokens_per_s",

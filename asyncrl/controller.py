@@ -430,39 +430,25 @@ class Controller:
         """The sampler's verdict for every buffered group as the next train tick would see it (with this step's
         chunk bounds), as a table; with generation replicas, also which replica generated each group. Changes
         nothing. ``timeout``: give up (``TimeoutError``) when a pump holds the lock longer than that."""
+        from asyncrl import read_view
+
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             raise TimeoutError(f"explain: a pump held the controller's lock for over {timeout:g} s")
         try:
-            remaining = self.cfg.groups_per_step - self._step.groups
-            lo, hi = self.cfg.chunk_bounds
-            frame = explain_frame(self.sampler.explain(self.trainer_version, min(lo, remaining), min(hi, remaining)))
-            if self.cfg.generation.replicas > 1:  # which replica generated each group (empty while it is pending)
-                rollouts = [self.buffer[gid].rollouts for gid in frame.group_id]
-                frame["replica"] = pd.array([None if r is None else r.replica for r in rollouts], dtype="Int64")
-            return frame
+            return read_view.verdicts(self.cfg, self.sampler, self.buffer, self.trainer_version, self._step.groups)
         finally:
             self._lock.release()
 
     def state(self) -> ControllerState:
         """A consistent snapshot for widgets (versions, the buffer by version, the window, the last report).
         The verdicts are not in it: they cost a pass over the buffer, so ``explain()`` computes them when asked."""
+        from asyncrl import read_view
+
         with self._lock:
-            T = self.trainer_version
-            windowed = isinstance(self.sampler, StalenessWindow)
-            return ControllerState(
-                trainer_version=T,
-                generation_version=self.generator.version,
-                sampler=self.sampler.name,
-                sampler_repr=repr(self.sampler),
-                window=self.sampler.window if windowed else None,
-                lower_bound=self.sampler.lower_bound(T) if windowed else None,
-                buffer=self.buffer.summary(),
-                capacity=self.capacity,
-                inflight=len(self.inflight),
-                step_groups_trained=self._step.groups,
-                groups_per_step=self.cfg.groups_per_step,
-                data_position=self.data_position,
-                exhausted=self.exhausted,
+            return read_view.snapshot(
+                cfg=self.cfg, sampler=self.sampler, buffer=self.buffer, trainer_version=self.trainer_version,
+                generation_version=self.generator.version, capacity=self.capacity, inflight=len(self.inflight),
+                step_groups_trained=self._step.groups, data_position=self.data_position, exhausted=self.exhausted,
                 last_report=self.last_report,
             )
 

@@ -31,9 +31,10 @@ TIERS = [
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
     ["asyncrl.backends.base", "asyncrl.backends.submit_queue"],
-    # what the engines share: HF helpers, placements, Megatron's weight map and process groups, torch decoding
+    # what the engines share: HF helpers, placements, Megatron's weight map, process groups and forward, torch decoding
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
-     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
+     "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.megatron_forward",
+     "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode"],
     # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
     ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
@@ -42,17 +43,22 @@ TIERS = [
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
+    ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the rollout pump, the background run and the checkpoint format the controller uses
     ["asyncrl.rollout", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
+    ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
+    ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets
     ["asyncrl.simulate_plots"],
     ["asyncrl.simulate"],  # drives a controller on the simulated backends
     ["asyncrl.cli"],
+    ["widgets"],  # the notebook package (and its modules): on top, nothing in asyncrl imports it
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
 # Packages whose submodules are one family: they share the package's layer and may import one another.
-FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards")
+FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards", "asyncrl.plots", "widgets")
+PACKAGES = ("asyncrl", "widgets")  # scanned: the package and the notebook views
 ENGINE = LAYERS["asyncrl.backends.torch"]
 # They connect or multiply engines' actors (K replicas / R ranks as one backend); they import none.
 NOT_ENGINES = {"asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"}
@@ -60,7 +66,7 @@ NOT_ENGINES = {"asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asy
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted((ROOT / "asyncrl").rglob("*.py")):
+    for path in sorted(p for package in PACKAGES for p in (ROOT / package).rglob("*.py")):
         parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return out
@@ -94,7 +100,7 @@ def _imports(module: str, typing: bool = False) -> set[str]:
         else:
             continue
         for name in names:
-            target = _owner(name) if name.startswith("asyncrl") else None
+            target = _owner(name) if name.split(".")[0] in PACKAGES else None
             if target is None or target == module:
                 continue
             out.add(target)
@@ -206,3 +212,97 @@ def test_no_package_file_over_600_lines(package):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
             if (n := len(p.read_text().splitlines())) > 600}
     assert not long, long
+
+
+# ------------------------------------------------------------------------ the notebook package stays on top
+def _widgets_imports(source: str, where: str) -> list[str]:
+    """Every import of the ``widgets`` package in ``source`` (lazy ones inside functions, ``import_module``)."""
+    hits = []
+    for n in ast.walk(ast.parse(source)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom) and n.level == 0 and n.module:
+            names = [n.module]
+        elif isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", None)) == "import_module":
+            names = [a.value for a in n.args[:1] if isinstance(a, ast.Constant) and isinstance(a.value, str)]
+        else:
+            continue
+        hits += [f"{where}:{n.lineno}: {ast.unparse(n)}" for name in names if name.split(".")[0] == "widgets"]
+    return hits
+
+
+def test_no_asyncrl_module_imports_widgets():
+    """``asyncrl`` imports without Jupyter packages, and its CLI draws with ``asyncrl.plots``: nothing in it may
+    reach the notebook package, not even lazily."""
+    probe = "def _plot(ctrl):\n    from widgets.render import draw_reward\n    import widgets\n"
+    assert _widgets_imports(probe, "probe.py") == ["probe.py:2: from widgets.render import draw_reward",
+                                                   "probe.py:3: import widgets"]
+    found = [hit for path in sorted((ROOT / "asyncrl").rglob("*.py"))
+             for hit in _widgets_imports(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, "asyncrl imports the notebook package:\n" + "\n".join(found)
+
+
+def test_the_widgets_are_scanned_like_the_package():
+    assert {"widgets", "widgets.render", "widgets.views"} <= set(MODULES)
+    assert "asyncrl.plots" in GRAPH["widgets.views"] and "asyncrl.trace" in GRAPH["widgets.views"]
+    assert _layer("widgets.views") == LAYERS["widgets"] > LAYERS["asyncrl.cli"]
+
+
+# ------------------------------------------------------------- the trace's words are for people, not parsers
+WORDS = {"reason", "detail"}  # the trace's text columns: they may be reworded; the numbers are typed columns
+REGEX_CALLS = {"search", "match", "fullmatch", "findall", "finditer", "sub", "subn", "split"}
+SPLITS = {"split", "rsplit", "partition", "rpartition"}
+PANDAS_STR = {"extract", "extractall", "match", "fullmatch", "contains", "findall", "replace", "split", "rsplit"}
+
+
+def _is_words(node: ast.expr) -> bool:
+    """``row.reason``, ``trace.detail``, ``row["reason"]``."""
+    if isinstance(node, ast.Attribute):
+        return node.attr in WORDS
+    return (isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Constant)
+            and node.slice.value in WORDS)
+
+
+def _parsed_words(source: str, where: str) -> list[str]:
+    """Where ``source`` parses a trace reason or detail: a regex applied to one (``re.search(p, row.reason)``,
+    ``PATTERN.search(row.reason)``), one split into pieces (``row.detail.rsplit(" ", 1)``), a pandas string
+    method on one (``trace.reason.str.extract(...)``), or any ``re.compile`` in a module that reads trace rows (it
+    imports ``asyncrl.trace``)."""
+    tree = ast.parse(source)
+    reads_trace = any(isinstance(n, ast.ImportFrom) and n.module == "asyncrl.trace"
+                      or isinstance(n, ast.Import) and any(a.name == "asyncrl.trace" for a in n.names)
+                      for n in ast.walk(tree))
+    hits = []
+    for n in ast.walk(tree):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)):
+            continue
+        f = n.func
+        if ((f.attr in REGEX_CALLS and any(_is_words(a) for a in n.args))
+                or (f.attr in SPLITS and _is_words(f.value))
+                or (f.attr in PANDAS_STR and isinstance(f.value, ast.Attribute) and f.value.attr == "str"
+                    and _is_words(f.value.value))
+                or (reads_trace and f.attr == "compile" and isinstance(f.value, ast.Name) and f.value.id == "re")):
+            hits.append((n.lineno, f"{where}:{n.lineno}: {ast.unparse(n)}"))
+    return [hit for _, hit in sorted(hits)]
+
+
+def test_no_trace_reason_or_detail_is_parsed():
+    """Replay reads ``gen_start_version``, ``gen_end_version``, ``replica`` and ``dispatch_index``, never the words
+    of a reason: rewording a reason must not break anything."""
+    probe = (  # how asyncrl/recording.py read a commit's versions and replica, and an admit's batch, before
+        "import re\n"
+        "from asyncrl.trace import COMMIT\n"
+        "_REPLICA = re.compile(r' on replica (\\d+)$')\n"
+        "_GENERATED = re.compile(r'generated with weights (\\d+)\\.\\.(\\d+)')\n"
+        "def slot(row, trace):\n"
+        "    generated = _GENERATED.search(row.reason)\n"
+        "    replica = re.search(r'replica (\\d+)', row['reason'])\n"
+        "    batch = int(row.detail.rsplit(' ', 1)[-1])\n"
+        "    ends = trace.reason.str.extract(r'weights \\d+\\.\\.(\\d+)')\n"
+        "    return row.gen_end_version, row.replica, row.reason[:90], row.reason.startswith('retried:')\n"
+    )
+    assert [hit.split(":")[1] for hit in _parsed_words(probe, "probe.py")] == ["3", "4", "6", "7", "8", "9"]
+    assert _parsed_words(probe.replace("from asyncrl.trace import COMMIT\n", ""), "p.py")[0].startswith("p.py:5:")
+    found = [hit for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
+             for hit in _parsed_words(path.read_text(), str(path.relative_to(ROOT)))]
+    assert not found, "trace words parsed (read the typed columns instead):\n" + "\n".join(found)

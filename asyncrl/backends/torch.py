@@ -37,7 +37,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl import micro_batches
-from asyncrl.algorithms import Loss, token_logprobs
+from asyncrl.algorithms import Loss, chunked_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.backends.sampling import group_max_tokens
@@ -62,14 +62,48 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool):
-    """``token_logprobs`` and ``token_entropy`` from one log-softmax; the entropy is detached unless
-    ``entropy_grad``."""
+    """``token_logprobs`` and ``token_entropy`` from one full log-softmax (for a model whose output layer is not a
+    plain bias-free linear map, see ``policy_logprobs``); the entropy is detached unless ``entropy_grad``."""
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     src = logp_all if entropy_grad else logp_all.detach()
     entropy = -(src.exp() * src).sum(-1)
     pad = torch.nn.functional.pad
     return pad(picked, (1, 0)), pad(entropy, (1, 0))
+
+
+def _chunkable(model) -> bool:
+    """Whether the logits are ``last hidden state @ output weight.T`` and nothing more (Llama, Qwen, Mistral)."""
+    head = model.get_output_embeddings()
+    cfg = model.config
+    return (isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(cfg, "final_logit_softcapping", None)
+            and getattr(cfg, "logit_scale", None) in (None, 1.0))
+
+
+def policy_logprobs(model, seqs: TrainBatch, mb, chunk_tokens: int, entropy: str | None):
+    """``(logprobs, entropy or None)`` [n, width] of a micro-batch's sequences (values under the loss mask, 0
+    elsewhere): from the last hidden states through ``algorithms.chunked_logprobs``, ``chunk_tokens`` positions at
+    a time, never the whole pass's full-vocabulary logits. ``entropy``: None, ``"detached"`` or ``"grad"``. A model
+    whose logits are more than that product (a bias, a soft cap, a scale) takes the full-logits path."""
+    if not _chunkable(model):
+        logits = sequence_logits(model, seqs.input_ids, seqs.attention_mask)
+        lp, ent = _logprobs_and_entropy(logits, seqs.input_ids, entropy == "grad")
+        return lp * seqs.loss_mask, None if entropy is None else ent * seqs.loss_mask
+    kwargs: dict[str, Any] = {"use_cache": False}
+    mask = seqs.attention_mask
+    if mask is not None and not bool(mask[:, 0].all()):  # left padding (sequence_logits' rule)
+        kwargs["attention_mask"] = mask
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = model.base_model(input_ids=seqs.input_ids, **kwargs).last_hidden_state
+    n, width, _ = hidden.shape
+    src, dst, targets = micro_batches.predicting_positions(mb, seqs, n, width)
+    lp, ent = chunked_logprobs(hidden.reshape(n * width, -1)[src], model.get_output_embeddings().weight, targets,
+                               chunk_tokens, entropy is not None)
+    if ent is not None and entropy != "grad":
+        ent = ent.detach()
+    shape = (n, width)
+    return (micro_batches.scatter_positions(lp, dst, shape),
+            None if ent is None else micro_batches.scatter_positions(ent, dst, shape))
 
 
 # --- policy --------------------------------------------------------------------------------------------------------
@@ -149,15 +183,12 @@ class TorchPolicy:
     def _logprobs_with(self, model, batch: TrainBatch) -> torch.Tensor:
         plans = self._plan(batch)  # the training forward's micro-batches: the same numbers (class docstring)
         batch = self._to_device(batch)
-        if len(plans) == 1 and isinstance(plans[0].rows, slice) and plans[0].positions == batch.input_ids.numel():
-            logits = sequence_logits(model, batch.input_ids, batch.attention_mask)
-            return (token_logprobs(logits, batch.input_ids) * batch.loss_mask).cpu()
         out = torch.zeros(batch.input_ids.shape, device=self.device)
         for mb in plans:
             mb = mb.to(self.device)
             seqs = micro_batches.take(batch, mb)
-            logits = sequence_logits(model, seqs.input_ids, seqs.attention_mask)
-            out[mb.rows, :mb.width] = token_logprobs(logits, seqs.input_ids) * seqs.loss_mask
+            lp, _ = policy_logprobs(model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens, None)
+            out[mb.rows, :mb.width] = lp * seqs.loss_mask
         return out.cpu()
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -188,8 +219,8 @@ class TorchPolicy:
         for mb in plans:
             mb = mb.to(self.device)
             seqs = micro_batches.take(batch, mb)
-            logits = sequence_logits(self.model, seqs.input_ids, seqs.attention_mask)
-            logp, entropy = _logprobs_and_entropy(logits, seqs.input_ids, self.loss.entropy_grad)
+            logp, entropy = policy_logprobs(self.model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens,
+                                            "grad" if self.loss.entropy_grad else "detached")
             if seqs.prev_logprobs is None:  # the weights before this step's update are these (class docstring)
                 seqs = replace(seqs, prev_logprobs=logp.detach() * seqs.loss_mask)
             loss_sum, normaliser, contributions = self.loss(logp, seqs, entropy)

@@ -237,7 +237,11 @@ class _MicroBatched(_Trainer):
 
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="micro_batching 'sorted' / 'packed': positions (rows x padded width) per "
-        "forward/backward; None: 16384")
+        "forward/backward; None: 16384 (Megatron on CUDA: as many as fit the memory free at the first step)")
+    logprob_chunk_tokens: int = Field(
+        2048, ge=1, description="positions per chunk of the output layer: token logprobs and entropy are computed "
+        "from the last hidden states this many positions at a time, forward and backward, never as a whole "
+        "pass's [positions, vocabulary] logits (asyncrl.algorithms.chunked_logprobs)")
 
     @model_validator(mode="before")
     @classmethod
@@ -298,6 +302,10 @@ class MegatronTrainerConfig(_MicroBatched):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     compute_entropy: bool = Field(
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
+    attention: Literal["auto", "flex", "unfused"] = Field(
+        "auto", description="'flex': FlexAttention, a fused kernel under a document-masked causal block mask "
+        "(packed sequences); 'unfused': Megatron's local matmul-softmax-matmul over a [rows, heads, W, W] score "
+        "matrix; 'auto': flex on CUDA, unfused elsewhere (asyncrl/backends/megatron_forward.py)")
 
     @model_validator(mode="after")
     def _megatron_optimizer_needs_cuda(self) -> "MegatronTrainerConfig":  # it takes only torch.cuda parameters
