@@ -1,6 +1,7 @@
 """``asyncrl run CONFIG_OR_PRESET --steps N --out DIR``: a headless run that writes its metrics, trace and config.
 ``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds);
 ``--sweep KEY=V1,V2`` (repeatable) and ``--gpus G`` simulate a grid instead: ``sweep.csv``, ``sweep.png``.
+``asyncrl export RUN_OR_CHECKPOINT DIR``: the trained policy of a checkpoint as a Hugging Face model directory.
 
 Overrides use dotted keys: ``--set seed=1 --set sampler.name=weight_fifo --set sampler.max_staleness_versions=2``.
 Checkpoints: ``--checkpoint-every K`` writes ``DIR/checkpoints/step-XXXXXX`` every K steps; ``--resume DIR``
@@ -81,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
         cfg = load_config(args.config, **overrides)
+        if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps is None:
+            cfg.trainer.lr_decay_steps = args.steps  # a decaying lr_schedule's horizon: the run's --steps in all
         _check_writable(out)
         ctrl = Controller.restore(resume, config=cfg) if resume else Controller.from_config(cfg)
         if resume is not None:  # the one line a resumed run says where it continues from
@@ -295,6 +298,28 @@ def simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    """``asyncrl export RUN_OR_CHECKPOINT DIR``: restore the checkpoint (a run directory: its newest) and write its
+    policy with ``Controller.save_pretrained``. A bad checkpoint or DIR is one line, exit 2, nothing written."""
+    from asyncrl.controller import Controller
+
+    out = Path(args.dir)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{args.dir!r} exists and is not an empty directory: export writes a new one")
+        ctrl = Controller.restore(args.run)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        print(_error_message(exc).replace("asyncrl run:", "asyncrl export:"), file=sys.stderr)
+        return 2
+    try:
+        ctrl.save_pretrained(out)
+    finally:
+        ctrl.close()
+    print(f"asyncrl export: the policy after step {ctrl.trainer_version} of {args.run} written to {out}",
+          file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -336,9 +361,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the sweep's points that use G GPUs; without a sweep over generation.replicas or "
                         "trainer.data_parallel, every split of G between them: how many for generation?")
     p.add_argument("--no-plot", action="store_true", help="do not write simulation.png (sweep.png)")
+    p = sub.add_parser("export", help="write a checkpoint's trained policy as a Hugging Face model directory "
+                       "(config, safetensors, tokenizer) that transformers and vLLM load")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
+    p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
+    if args.command == "export":
+        return export(args)
     args.set += [f"tracking.{key}={value}" for key, value in
                  (("tensorboard_dir", args.tensorboard), ("wandb_project", args.wandb)) if value is not None]
     return run(args)

@@ -24,7 +24,7 @@ import pandas as pd
 
 from asyncrl import metrics as M
 from asyncrl.reports import ControllerState
-from asyncrl.samplers import StalenessWindow, explain_frame
+from asyncrl.samplers import explain_frame
 
 VERSION_COLUMNS = ("group_id", "weight_version", "target_step")  # nullable integers in a verdict frame
 
@@ -76,14 +76,14 @@ def snapshot(*, cfg, sampler, buffer, trainer_version: int, generation_version: 
     """``state()``: one consistent snapshot for widgets. ``sampler`` None with ``untrusted`` (a custom sampler's
     config, never imported): the snapshot names it without asking it anything."""
     T = trainer_version
-    windowed = isinstance(sampler, StalenessWindow)
+    window = None if sampler is None else sampler.window  # None: the policy has no window (SamplerBase.window_knob)
     return ControllerState(
         trainer_version=T,
         generation_version=generation_version,
         sampler=sampler.name if sampler is not None else "custom",
         sampler_repr=repr(sampler) if sampler is not None else f"custom {untrusted} (not imported: trust_code=False)",
-        window=sampler.window if windowed else None,
-        lower_bound=sampler.lower_bound(T) if windowed else None,
+        window=window,
+        lower_bound=None if window is None else sampler.lower_bound(T),
         buffer=buffer.summary(),
         capacity=capacity,
         inflight=inflight,

@@ -175,7 +175,7 @@ def gil_probe(preset: str, work: dict, reps: int = 20) -> pd.DataFrame:
 
     def train():  # the train tick's compute: (old logprobs,) forward/backward, optimizer step (weights change)
         chunk = batch
-        if not isinstance(policy, PrevLogprobsFromForward):  # as Controller._train_chunk decides
+        if not isinstance(policy, PrevLogprobsFromForward):  # as TrainPump._train_chunk decides
             chunk = replace(batch, prev_logprobs=policy.logprobs(batch))
         policy.begin_train_step()
         policy.train_microbatches(chunk)

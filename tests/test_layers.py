@@ -1,11 +1,13 @@
 """The package's layers point one way: every import (lazy ones inside functions included) goes to a lower layer,
 no module takes part in an import cycle (``if TYPE_CHECKING:`` imports count: the tie they make is real), no engine
 imports another engine, no module outside ``asyncrl/controller.py`` reads or writes the controller's private state,
-and no package file grows past 600 lines. Source is read with ``ast``, so nothing is imported to check it."""
+no part of the controller (a pump, the checkpoint format, anything below it) holds the controller to reach its
+state, and no package file grows past 600 lines. Source is read with ``ast``, so nothing is imported to check it."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -35,7 +37,8 @@ TIERS = [
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.megatron_forward",
      "asyncrl.backends.device_lock",
-     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode"],
+     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode",
+     "asyncrl.backends.lr_schedule"],
     # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
     ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
@@ -44,8 +47,9 @@ TIERS = [
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
-    # the rollout pump, the background run and the checkpoint format the controller uses
-    ["asyncrl.rollout", "asyncrl.run_loop", "asyncrl.checkpoint"],
+    # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
+    # rollout pump only as the part it is handed: a type, imported ``if TYPE_CHECKING:``)
+    ["asyncrl.rollout", "asyncrl.train", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
@@ -194,9 +198,87 @@ def test_nothing_outside_the_controller_touches_its_private_state():
 
 def test_the_private_state_check_sees_what_it_judges():
     privates = _controller_privates()
-    assert {"_state", "_lock", "_step", "_run"} <= privates
+    assert {"_state", "_lock", "_train", "_run"} <= privates
     source = "def f(ctrl):\n    ctrl._state.trace.append(1)\n    return self._step, ctrl.trace\n"
     assert _private_reads(source, "probe.py", privates) == ["probe.py:2: ctrl._state"]
+
+
+# A part of the controller is built from the parts it uses, named in its signature; it never holds the controller
+# (``RolloutPump(ctrl)`` reading ``ctrl.buffer``, ``ctrl.capacity``, ... ) nor is handed it to call back into
+# (``checkpoint.save(ctrl)`` calling ``ctrl.state_dict()``, ``restore(cls)`` calling ``cls.from_config``). The names
+# that hold a controller: a parameter, variable or attribute called ``ctrl``/``controller``, and a parameter
+# annotated ``Controller``. The run loop is the one exception: it drives a controller as a notebook
+# does, so it may hold one, and use only what every driver may (the hand ticks and the public read API).
+HOLDERS = {"ctrl", "controller", "_ctrl", "_controller"}
+DRIVER = "asyncrl.run_loop"
+DRIVER_API = {"rollout_tick", "train_tick", "changed", "num_events", "trainer_version", "exhausted", "inflight",
+              "buffer", "capacity", "metrics", "explain", "drain", "clock", "subscribe", "lockstep", "cfg"}
+PARTS = [m for m in MODULES if (_layer(m) or 0) < LAYERS["asyncrl.controller"]]
+
+
+def _holds_controller(arg: ast.arg) -> bool:
+    annotation = ast.unparse(arg.annotation) if arg.annotation is not None else ""
+    return arg.arg in HOLDERS or re.search(r"\bController\b", annotation) is not None
+
+
+def _held(node: ast.AST) -> bool:
+    """``ctrl`` or ``self.ctrl``: an expression that holds the controller."""
+    return (isinstance(node, ast.Name) and node.id in HOLDERS) or (
+        isinstance(node, ast.Attribute) and node.attr in HOLDERS and isinstance(node.value, ast.Name)
+        and node.value.id == "self")
+
+
+def _back_references(source: str, where: str, driver: bool = False) -> list[str]:
+    """Where a module below the controller holds it: every parameter or ``self`` attribute that does (a part), or
+    (``driver``) every use of one beyond ``DRIVER_API``."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if driver:
+            if isinstance(node, ast.Attribute) and _held(node.value) and node.attr not in DRIVER_API:
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)} (not a driver's: {sorted(DRIVER_API)})")
+            continue
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            for arg in node.args.posonlyargs + node.args.args + node.args.kwonlyargs:
+                if _holds_controller(arg):
+                    found.append(f"{where}:{node.lineno}: takes the controller as {arg.arg!r}")
+        elif isinstance(node, (ast.Attribute, ast.Name)) and isinstance(node.ctx, ast.Store) and _held(node):
+            found.append(f"{where}:{node.lineno}: keeps the controller as {ast.unparse(node)}")
+    return found
+
+
+def test_no_part_of_the_controller_holds_the_controller():
+    found = [hit for m in PARTS for hit in _back_references(MODULES[m].read_text(), str(MODULES[m].relative_to(ROOT)),
+                                                            driver=m == DRIVER)]
+    assert not found, "parts below the controller reaching it through a back-reference:\n" + "\n".join(found)
+
+
+def test_the_back_reference_check_sees_what_it_judges():
+    assert {"asyncrl.rollout", "asyncrl.train", "asyncrl.checkpoint", "asyncrl.buffer", "asyncrl.state"} <= set(PARTS)
+    pump = ("class RolloutPump:\n"  # the rollout pump before issue 30: handed the controller, reading its parts
+            "    def __init__(self, ctrl: Any, state, faults):\n"
+            "        self.ctrl, self.state, self.faults = ctrl, state, faults\n"
+            "    def _no_room(self):\n"
+            "        return len(self.ctrl.buffer) + 1 > self.ctrl.capacity\n")
+    assert _back_references(pump, "probe.py") == ["probe.py:2: takes the controller as 'ctrl'",
+                                                  "probe.py:3: keeps the controller as self.ctrl"]
+    checkpoint = ("def save(ctrl: Any, path):\n"  # checkpoint.py before: calling back into what it was handed
+                  "    return write(path, ctrl.state_dict())\n"
+                  "def restore(cls: type, path):\n"
+                  "    ctrl = cls.from_config(read(path))\n"
+                  "    ctrl.load_state_dict(state_dict(path))\n")
+    assert _back_references(checkpoint, "probe.py") == ["probe.py:1: takes the controller as 'ctrl'",
+                                                        "probe.py:4: keeps the controller as ctrl"]
+    typed = ("def periodic(owner: 'Controller', directory):\n    return owner.save(directory)\n"
+             "def encode(state: ControllerState):\n    return state.buffer\n")  # a snapshot type is no controller
+    assert _back_references(typed, "probe.py") == ["probe.py:1: takes the controller as 'owner'"]
+    parts = ("class TrainPump:\n    def __init__(self, cfg, buffer, sampler, rollout):\n"
+             "        self.buffer, self.rollout = buffer, rollout\n"
+             "def save(path, config: dict, state: dict):\n    return write(path, config, state)\n")
+    assert _back_references(parts, "probe.py") == []  # handed its parts, not their owner
+    driver = ("class RunHandle:\n    def __init__(self, ctrl):\n        self.ctrl = ctrl\n"
+              "    def go(self):\n        self.ctrl.rollout_tick()\n        return self.ctrl.sampler.admit(0)\n")
+    assert [hit.split(" (")[0] for hit in _back_references(driver, "probe.py", driver=True)] == [
+        "probe.py:6: self.ctrl.sampler"]
 
 
 def test_the_checks_see_the_imports_they_judge():

@@ -57,6 +57,7 @@ from asyncrl.backends.base import Capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
+from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.megatron_forward import (attention_kind, final_hidden, layer_spec, output_weight, pass_mask,
                                                resolve_budget)
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
@@ -64,7 +65,6 @@ from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron
 from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
-
 __all__ = ["MEGATRON_CORE", "MegatronPolicy", "check_megatron_core"]
 
 # The megatron-core releases this backend is run against: 0.16.1 in CI (Python 3.11, CPU), 0.19.2 on the H200s
@@ -166,7 +166,7 @@ class MegatronPolicy:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=s.qkv_bias,
+            add_qkv_bias=s.qkv_bias, qk_layernorm=s.qk_norm,  # Qwen3's per-head q/k RMSNorm
             hidden_dropout=0.0,
             attention_dropout=0.0,
             init_method_std=s.initializer_range,
@@ -193,12 +193,12 @@ class MegatronPolicy:
         self.transformer_config = self._transformer_config()
         model = GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), self.attention),
+            transformer_layer_spec=layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm), self.attention),
             vocab_size=self.padded_vocab,
             max_sequence_length=self.spec.max_position_embeddings,
             share_embeddings_and_output_weights=self.spec.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=self.spec.rope_theta,
+            rotary_base=self.spec.rope_theta, **self.spec.rope_kwargs,  # Llama 3's rope scaling
         )
         # Torch's norm fallback keeps fp32 parameters: cast the whole model (FACTS: megatron-core on GPU).
         model = model.to(device=self.device, dtype=self.dtype)
@@ -444,7 +444,7 @@ class MegatronPolicy:
             self.data_parallel.reduce_step(self._step)
         normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps)  # trainer.lr_schedule at this step
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             self.ddp.scale_gradients(scale)

@@ -273,7 +273,7 @@ class VLLMGenerator:
         if not prompts:
             return []
         params = greedy_params(self._sp, max_new_tokens or self.gen_cfg.max_new_tokens, self.eos_id,
-                               self._final_only)
+                               self._final_only, self.gen_cfg.stop)
         with self._engine_turn():
             if self._staged is not None:
                 if self.gen_cfg.weight_update == "drain":

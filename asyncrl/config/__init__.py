@@ -44,10 +44,10 @@ from asyncrl.config.backends import (
     check_placement,
 )
 from asyncrl.config.sampling import (
-    check_importance_correction,
     check_sampler_config,
     check_sampler_fits,
     check_stale_sampler_correction,
+    required_buffer_capacity,
 )
 from asyncrl.config.tasks import TaskConfig
 from asyncrl.faults import FaultsConfig
@@ -64,7 +64,7 @@ __all__ = [
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
-    "check_sampler_fits", "check_importance_correction",
+    "check_sampler_fits", "required_buffer_capacity",
     # importable from asyncrl.config since before the split into a package; their homes are asyncrl.samplers
     # and asyncrl.tasks
     "CustomConfig", "InOrderConfig", "build_custom", "build_sampler", "build_task",

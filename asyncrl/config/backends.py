@@ -22,7 +22,9 @@ from asyncrl.strict import StrictModel
 
 
 class ModelConfig(BaseModel):
-    """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``."""
+    """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``: then the
+    architecture fields are that directory's (read from its config.json, replacing a preset's), so a run's
+    config.yaml records the architecture trained."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -45,6 +47,27 @@ class ModelConfig(BaseModel):
         but ``chat_template``, which changes how prompts are rendered, not the model."""
         return self.model_dump(mode="json", exclude={"chat_template"})
 
+    @model_validator(mode="after")
+    def _architecture_of_hf_path(self) -> "ModelConfig":
+        if self.hf_path is None:
+            return self
+        try:
+            from transformers import AutoConfig
+
+            hf = AutoConfig.from_pretrained(self.hf_path)
+        except Exception:  # noqa: BLE001 - a bad directory is refused in one line when the backends are built
+            return self
+        rope = getattr(hf, "rope_parameters", None) or {}
+        found = {"rope_theta": getattr(hf, "rope_theta", None) or (rope.get("rope_theta") if isinstance(rope, dict)
+                                                                   else None),
+                 "num_key_value_heads": getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads}
+        for name in ARCHITECTURE_FIELDS:
+            value = found.get(name, getattr(hf, name, None))
+            if value is None:
+                continue
+            setattr(self, name, type(getattr(self, name))(value))
+        return self
+
     def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
         """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
         so the torch, Megatron and vLLM engines start from the same architecture and the same init."""
@@ -57,6 +80,10 @@ class ModelConfig(BaseModel):
             rope_theta=self.rope_theta, tie_word_embeddings=self.tie_word_embeddings, attention_dropout=0.0,
             pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         )
+
+
+ARCHITECTURE_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                       "num_key_value_heads", "max_position_embeddings", "rope_theta", "tie_word_embeddings")
 
 
 # --- backends: one typed section per engine, chosen by ``backend`` ----------------------------------------------
@@ -79,6 +106,17 @@ class _Generation(_Placement):
     max_new_tokens: int = Field(4, ge=1, description="completion length limit (tokens, eos included)")
     temperature: float = Field(1.0, gt=0, description="sampling temperature")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling mass (1: off)")
+    top_k: int = Field(0, ge=0, description="sample among the k most likely tokens, before top_p (0: off)")
+    stop: list[str] = Field(
+        default_factory=list, description="stop strings: a completion ends with the token that completes one "
+        "of them in its decoded text (finish_reason 'stop'; the string stays in the completion)")
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, stop: list[str]) -> list[str]:
+        if any(s == "" for s in stop):
+            raise ValueError(f"generation.stop {stop!r}: an empty stop string would end every completion at once")
+        return stop
     replicas: int = Field(
         1, ge=1, description="generation engines, each in a Ray actor of its own (> 1 needs placement 'ray'); the "
         "controller sees one backend: asyncrl/backends/replicas.py")
@@ -221,9 +259,23 @@ class _Trainer(_Placement):
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam betas")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
     grad_clip: float | None = Field(1.0, gt=0, description="gradient norm clip (None: no clipping)")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="the learning rate per optimizer step, as transformers' schedulers of these names "
+        "(asyncrl/backends/lr_schedule.py): after warmup_steps, constant, or decaying to 0 at lr_decay_steps")
+    warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warmup from 0 to lr")
+    lr_decay_steps: int | None = Field(
+        None, ge=1, description="optimizer steps, warmup included, over which 'linear' / 'cosine' decay the lr to "
+        "0; None: `asyncrl run` sets it to --steps (required otherwise with those schedules)")
     micro_batch_size: int | None = Field(
         None, ge=1, description="micro_batching 'rows': sequences per forward/backward, in the chunk's order; "
         "None: a whole chunk")
+
+    @model_validator(mode="after")
+    def _warmup_within_decay(self) -> "_Trainer":
+        if self.lr_decay_steps is not None and self.warmup_steps > self.lr_decay_steps:
+            raise ValueError(f"trainer.warmup_steps {self.warmup_steps} > trainer.lr_decay_steps "
+                             f"{self.lr_decay_steps}: the warmup is part of the decay's steps")
+        return self
 
     @property
     def ranks(self) -> int:

@@ -116,35 +116,10 @@ class ReasonedDecisions(Protocol):
         """Why an in-flight group that ``should_abort_inflight`` let go is cancelled."""
 
 
-def reasoned(sampler: PromptGroupSampler) -> ReasonedDecisions:
-    """``sampler`` itself when it words its decisions; else an adapter that takes the words from its ``explain``."""
-    return sampler if isinstance(sampler, ReasonedDecisions) else _ExplainedDecisions(sampler)
-
-
-class _ExplainedDecisions:
-    """A sampler without ``ReasonedDecisions``: its verdicts are asked for just before it decides (a pass over the
-    buffer per decision, which a sampler that words its own decisions avoids)."""
-
-    def __init__(self, sampler: PromptGroupSampler) -> None:
-        self.sampler = sampler
-
-    def _words(self, T: int, min_groups: int = 1, max_groups: int | None = None) -> dict[int, str]:
-        return {v.group_id: v.reason for v in self.sampler.explain(T, min_groups, max_groups)}
-
-    def select_reasoned(self, trainer_version, min_groups, max_groups):
-        words = self._words(trainer_version, min_groups, max_groups)
-        chunk = self.sampler.select(trainer_version, min_groups, max_groups)
-        return None if chunk is None else [(s, words.get(s.group_id, f"{self.sampler.name} selected it"))
-                                           for s in chunk]
-
-    def evict_reasoned(self, trainer_version):
-        words = self._words(trainer_version)
-        return [(s, words.get(s.group_id, f"{self.sampler.name} dropped it"))
-                for s in self.sampler.evict(trainer_version)]
-
-    def abort_reason(self, slot, trainer_version):
-        return (f"{self.sampler.name}: should_abort_inflight({slot.weight_version}, {trainer_version}) let it go "
-                "while in flight")
+def reasoned(sampler: SamplerBase) -> SamplerBase:
+    """``sampler`` itself: every sampler (a ``SamplerBase``) words its decisions. For call sites not yet reading
+    ``select_reasoned``/``evict_reasoned``/``abort_reason`` off the sampler directly."""
+    return sampler
 
 
 @runtime_checkable
@@ -196,20 +171,33 @@ class KnobModel(StrictModel):
 
 
 class SamplerBase:
-    """The mechanics every built-in policy shares; subclass it to write your own (docs/samplers.md).
+    """The mechanics every sampler shares; a sampler of your own subclasses it (docs/samplers.md).
 
     A subclass sets ``name`` and ``Knobs`` (a ``KnobModel`` whose fields are its keyword arguments), names the knob
     that is its window in ``window_knob``, and implements ``_candidates`` (the slots ``select`` may take, in order)
     and, when it drops differently from the default, ``_evictable``. ``select``, ``evict`` and ``explain`` are
     derived from those generators, so they cannot disagree; ``_select_reason``, ``_evict_reason``, ``_keep`` and
-    ``_wait_hint`` word the verdicts. ``gated`` and ``stamps_target`` choose the admission rule.
+    ``_wait_hint`` word the verdicts.
+
+    What the controller, restores and views read off a sampler is declared here, each with its default, and read
+    off the class where it is a fact of the knobs (``trains_on_policy``, ``capacity_needed``: the configuration asks
+    them before any sampler or buffer exists):
+    - ``gated``: batch ``k`` is admitted only once ``k <= T + W``; the section that moves ``T`` then admits every
+      batch still due at the old ``T`` before the weight sync, so a batch's weight version never depends on how
+      fast the rollout pump is. ``False``: always admit (capacity ``None``).
+    - ``stamps_target``: admissions carry ``target_step = dispatch index`` (``in_order``). A restore under such a
+      sampler skips unstamped groups, and ``resume_schedule`` follows the stamps.
+    - ``window_knob``: the knob that is the window ``W``; ``None``: the policy has none (``window`` is None, nothing
+      is too stale, the buffer view shades no window); a gated sampler needs one.
+    - ``admits_ahead``: whether a batch may be admitted before its step starts; not when gated with ``W = 0``,
+      and then a run drives both pumps in lockstep on one thread (``asyncrl/run_loop.py``).
     """
 
     name: ClassVar[str]
     Knobs: ClassVar[type[KnobModel]]
-    window_knob: ClassVar[str] = "max_staleness_versions"
-    stamps_target: ClassVar[bool] = False  # admissions carry target_step = dispatch index (in_order)
-    gated: ClassVar[bool] = True  # admit while dispatch_index < T + window; False: always admit
+    window_knob: ClassVar[str | None] = "max_staleness_versions"
+    stamps_target: ClassVar[bool] = False
+    gated: ClassVar[bool] = True
     buffer: ReplayBuffer
     knobs: KnobModel
     dispatch_index: int
@@ -219,14 +207,40 @@ class SamplerBase:
         self.knobs = self.Knobs(**knobs)
         self.dispatch_index = -1
 
+    # ------------------------------------------------------------- facts of the knobs, asked of the class
+    @classmethod
+    def window_of(cls, knobs: KnobModel) -> int | None:
+        """``W`` for these knobs (None without a ``window_knob``)."""
+        return None if cls.window_knob is None else getattr(knobs, cls.window_knob)
+
+    @classmethod
+    def trains_on_policy(cls, knobs: KnobModel) -> bool:
+        """``is_on_policy`` for these knobs: ``W == 0`` (a policy without a window may train on stale data)."""
+        return cls.window_of(knobs) == 0
+
+    @classmethod
+    def capacity_needed(cls, knobs: KnobModel, groups_per_step: int) -> int | None:
+        """``required_buffer_capacity(groups_per_step)`` for these knobs: ``N (W + 1)`` when gated, else None."""
+        groups_per_step = check_int("groups_per_step", groups_per_step, 1)
+        return groups_per_step * (cls.window_of(knobs) + 1) if cls.gated else None
+
+    @classmethod
+    def describe(cls, knobs: KnobModel) -> str:
+        """The policy and its knobs, as errors name it: ``WeightFifoSampler(max_staleness_versions=1)``."""
+        return f"{cls.__name__}({_knob_words(knobs)})"
+
+    # ------------------------------------------------------------------------------ the same, of this one
     @property
-    def window(self) -> int:
+    def window(self) -> int | None:
         """``W``: bounds gated admission (batches ahead of ``T``) and, for most policies, staleness."""
-        return getattr(self.knobs, self.window_knob)
+        return self.window_of(self.knobs)
 
     @property
     def is_on_policy(self) -> bool:
-        return self.window == 0
+        return self.trains_on_policy(self.knobs)
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
+        return self.capacity_needed(self.knobs, groups_per_step)
 
     @property
     def admits_ahead(self) -> bool:
@@ -234,8 +248,9 @@ class SamplerBase:
         return not self.gated or self.window > 0
 
     def lower_bound(self, trainer_version: int) -> int:
-        """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on."""
-        return max(0, trainer_version - self.window)
+        """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on (0 without
+        a window)."""
+        return 0 if self.window is None else max(0, trainer_version - self.window)
 
     # ------------------------------------------------------------------------------------------- admission
     def _gate_open(self, T: int) -> bool:
@@ -260,12 +275,19 @@ class SamplerBase:
             return f"{rule}: {batch} may go at T={T}"
         return f"{rule}: {batch} waits for T >= {k - W}"
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        groups_per_step = check_int("groups_per_step", groups_per_step, 1)
-        return groups_per_step * (self.window + 1) if self.gated else None
-
     def set_dispatch_index(self, resume_step: int) -> None:
         self.dispatch_index = check_int("resume_step", resume_step) - 1
+
+    def resume_schedule(self, kept: list[Slot], trainer_version: int, groups_per_step: int) -> None:
+        """Restored at step ``T`` over a buffer another sampler filled (``kept``: the slots this one keeps): the
+        batches it holds count as admitted. A stamping sampler resumes after the last stamp it holds (``T - 1``
+        when none is ahead); any other after ``ceil(len(kept) / N)`` batches past ``T - 1``."""
+        T = check_int("trainer_version", trainer_version)
+        N = check_int("groups_per_step", groups_per_step, 1)
+        if self.stamps_target:
+            self.dispatch_index = max([T - 1] + [s.target_step for s in kept if s.target_step is not None])
+        else:
+            self.dispatch_index = T - 1 + -(-len(kept) // N)
 
     def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
         return False
@@ -393,8 +415,11 @@ class SamplerBase:
         return "kept", "kept by the policy"
 
     def __repr__(self) -> str:
-        knobs = ", ".join(f"{k}={v!r}" for k, v in self.knobs.model_dump().items())
-        return f"{type(self).__name__}({knobs}, dispatch_index={self.dispatch_index})"
+        return f"{type(self).__name__}({_knob_words(self.knobs)}, dispatch_index={self.dispatch_index})"
+
+
+def _knob_words(knobs: KnobModel) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in knobs.model_dump().items())
 
 
 def _plural(n: int, word: str) -> str:
