@@ -23,8 +23,10 @@ import numpy as np
 
 from asyncrl.chat import prompt_ids
 from asyncrl.prompts import Prompt
+from asyncrl.rewards.functions import RewardBatch, RewardFunctions, call
 
 # score(prompt, texts, completion_ids) -> (total reward of each completion, whether each is correct)
+__all__ = ["evaluate_prompts", "evaluate_task", "scorer", "split_prompts"]
 Score = Callable[[Prompt, list[str], list[list[int]]], tuple[list[float], list[bool]]]
 
 
@@ -69,3 +71,54 @@ def evaluate_prompts(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, 
     summary = {f"mean@{n}": float(np.mean(means)), f"pass@{n}": float(np.mean(passes)),
                "reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(means)), "n": float(len(prompts))}
     return summary, rows
+
+
+def split_prompts(task: Any, split: str, max_prompts: int | None = None) -> list[Prompt]:
+    """The prompts of ``split`` ("eval": the task's evaluation prompts, "train": its training prompts), the first
+    ``max_prompts`` of them; a split the task does not have is one line saying how to give it one."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"evaluate(split={split!r}): the splits are 'eval' and 'train'")
+    if max_prompts is not None and (not isinstance(max_prompts, int) or isinstance(max_prompts, bool)
+                                    or max_prompts < 1):
+        raise ValueError(f"evaluate(max_prompts={max_prompts!r}): an integer >= 1, or None (the whole split)")
+    prompts = list(task.eval_prompts if split == "eval" else task.train_prompts)
+    if not prompts:
+        raise ValueError(f"task {task.name!r} has no {split!r} split to evaluate on: set task.options.eval (a "
+                         "dataset of its own) or task.options.eval_fraction, or pass eval_dataset=")
+    return prompts[:max_prompts]
+
+
+def scorer(task: Any, functions: RewardFunctions | None = None, accuracy: str | None = None) -> Score:
+    """How an evaluation scores a prompt's completions: the task's own ``reward``/``is_correct`` (a toy task: what
+    ``eval_every`` always reported), else the run's reward functions, called as TRL calls them (see the module's
+    last invariant for what is correct)."""
+    if functions is None or functions.is_task:
+        return lambda p, texts, ids: ([task.reward(p, t) for t in texts], [task.is_correct(p, t) for t in texts])
+    if accuracy is not None and accuracy not in functions.names:
+        raise ValueError(f"reward.accuracy {accuracy!r} is not one of the reward functions {functions.names}")
+
+    def score(prompt: Prompt, texts: list[str], ids: list[list[int]]) -> tuple[list[float], list[bool]]:
+        n = len(texts)
+        conversational = prompt.messages is not None
+        batch = RewardBatch([prompt.prompt] * n, [[{"role": "assistant", "content": t}] for t in texts]
+                            if conversational else list(texts), [list(i) for i in ids],
+                            {k: [v] * n for k, v in prompt.columns.items()}, source=prompt)
+        results = [call(f, name, batch) for f, name in zip(functions.funcs, functions.names)]
+        totals = functions.combine(results)
+        if accuracy is not None:
+            values = results[functions.names.index(accuracy)]
+            return totals, [v is not None and v >= 1.0 for v in values]
+        best = [sum(w for w, r in zip(functions.weights, column) if r is not None) for column in zip(*results)]
+        return totals, [any(r is not None for r in column) and t >= b for t, b, column in
+                        zip(totals, best, zip(*results))]
+
+    return score
+
+
+def evaluate_task(generator: Any, task: Any, tokenizer: Any, functions: RewardFunctions | None = None,
+                  split: str = "eval", n: int = 1, temperature: float = 0.0, max_prompts: int | None = None,
+                  seed: int = 0, max_new_tokens: int = 4, accuracy: str | None = None) -> tuple[dict, list[dict]]:
+    """``evaluate_prompts`` on a task's split with the run's reward functions (``Controller.evaluate``)."""
+    prompts = split_prompts(task, split, max_prompts)
+    return evaluate_prompts(generator, prompts, tokenizer, scorer(task, functions, accuracy), n, temperature, seed,
+                            max_new_tokens)

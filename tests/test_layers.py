@@ -28,7 +28,8 @@ TIERS = [
     ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
     # reward functions (TRL's signature), the built-ins and the runner that scores off the pump: no task, no torch
     ["asyncrl.rewards"],  # and its submodules (one family)
-    ["asyncrl.countdown"],  # a generated dataset task, scored by the countdown verifier
+    # a generated dataset task, scored by the countdown verifier; evaluation on a split (n samples, mean@n, pass@n)
+    ["asyncrl.countdown", "asyncrl.evaluation"],
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll

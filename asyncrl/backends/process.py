@@ -241,6 +241,10 @@ class ProcessGenerator:
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list:
         return self._call(self._ctl, "call", "generate_greedy", (prompts, max_new_tokens))
 
+    def generate_sampled(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int,
+                         max_new_tokens: int | None = None) -> list:
+        return self._call(self._ctl, "call", "generate_sampled", (prompts, n, temperature, seed, max_new_tokens))
+
     def state_dict(self) -> dict[str, Any]:
         return self._call(self._ctl, "call", "state_dict", ())
 
