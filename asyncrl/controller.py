@@ -80,7 +80,8 @@ class Controller:
         self.cfg = cfg
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
-        self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs)  # columns checked against the rows
+        self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
+                                              cfg.generation.backend == "simulated")
         self.policy = policy
         self.generator = generator
         self.tokenizer = tokenizer

@@ -224,11 +224,11 @@ def task_with_data(config: Any, train: Any = None, eval: Any = None) -> Task:
     return build_task({"name": "dataset", "options": options})
 
 
-def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = ()) -> Any:
+def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = (), backend_scores: bool = False) -> Any:
     """The run's reward functions (``asyncrl.rewards.RewardFunctions``), first found wins: ``reward_funcs`` (objects),
     ``reward.funcs`` (the config's ``reward:`` section), the task's own ``reward_funcs`` (countdown's verifier), the
-    task's own ``reward`` (the toy tasks). A dataset task with none is one line; so is a row without a column a
-    function needs (``check_reward_columns``)."""
+    task's own ``reward`` (the toy tasks). A dataset task with none is one line (unless ``backend_scores``: the
+    simulated generator scores its groups itself); so is a row without a column a function needs."""
     from asyncrl.rewards import RewardFunctions, TaskReward
 
     if reward_funcs and reward.funcs:
@@ -240,7 +240,7 @@ def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = ()) -> 
         functions = reward.functions()
     elif getattr(task, "reward_funcs", None):
         functions = RewardFunctions(list(task.reward_funcs))
-    elif isinstance(task, DatasetTask) and type(task).reward is DatasetTask.reward:
+    elif isinstance(task, DatasetTask) and type(task).reward is DatasetTask.reward and not backend_scores:
         raise ValueError(f"task {task.name!r} ({task.sources.get('train')}) has no reward of its own: name reward "
                          "functions (reward.funcs: a built-in such as math_answer, or 'package.module:function'; in "
                          "Python Controller.from_config(cfg, reward_funcs=[...]))")
