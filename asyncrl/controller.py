@@ -45,7 +45,7 @@ from asyncrl.faults import FaultContainment
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle
-from asyncrl.samplers import AdmitsAhead, TargetStamping, build_sampler, reasoned
+from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
 from asyncrl.train import TrainPump
 from asyncrl.trace import (  # noqa: F401  (all importable from here too)
@@ -86,8 +86,10 @@ class Controller:
         self.generator = generator
         self.tokenizer = tokenizer
         self.buffer = buffer if buffer is not None else ReplayBuffer()
+        if sampler is not None:  # built by hand: asked what the configuration asked of cfg.sampler's class
+            check_sampler_fits(sampler, cfg)
+        # The run's one sampler: loading the config asked its class and knobs, and built none.
         self.sampler = sampler if sampler is not None else build_sampler(cfg.sampler, self.buffer)
-        check_sampler_fits(self.sampler, cfg)
         if not task.train_prompts:
             raise ValueError(f"task {task.name!r} has no training prompts; a run needs at least one")
         self.buffer.capacity = cfg.buffer_capacity(self.sampler.required_buffer_capacity(cfg.groups_per_step))
@@ -231,9 +233,9 @@ class Controller:
 
     @property
     def lockstep(self) -> bool:
-        """The sampler cannot admit ahead of training (``AdmitsAhead``: ``in_order`` with no lookahead): a run then
+        """The sampler cannot admit ahead of training (no ``admits_ahead``: ``in_order`` with no lookahead): a run then
         drives both ticks on one thread (``asyncrl/run_loop.py``), with the same results as two."""
-        return isinstance(self.sampler, AdmitsAhead) and not self.sampler.admits_ahead
+        return not self.sampler.admits_ahead
 
     @property
     def trainer_version(self) -> int:
@@ -414,7 +416,7 @@ class Controller:
         """Restored under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
         T, N, new = self.trainer_version, self.cfg.groups_per_step, self.cfg.sampler.name
         change = f"restored under sampler {new} (was {old.get('name')})"
-        stamps = isinstance(self.sampler, TargetStamping) and self.sampler.stamps_target
+        stamps = self.sampler.stamps_target
         for slot in self.buffer.slots():
             if how == "drop":
                 self._rollout.skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
@@ -423,12 +425,8 @@ class Controller:
                                    replace=False)
         for slot in reversed(self.buffer.slots()[self.capacity:]):
             self._rollout.skip(slot.group_id, f"{change}; over its capacity {self.capacity}", replace=False)
-        kept = self.buffer.slots()
-        if stamps:
-            self.sampler.dispatch_index = max([T - 1] + [s.target_step for s in kept])
-        else:
-            self.sampler.dispatch_index = T - 1 + -(-len(kept) // N)  # the batches it holds count as admitted
-        for slot, reason in reasoned(self.sampler).evict_reasoned(T):
+        self.sampler.resume_schedule(self.buffer.slots(), T, N)  # the batches it holds count as admitted
+        for slot, reason in self.sampler.evict_reasoned(T):
             self._state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
                                "on restore", f"{reason} ({change})")
         self._rollout.take_skipped()

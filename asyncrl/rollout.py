@@ -24,20 +24,19 @@ import time
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from asyncrl.backends.base import ActorBackend, is_dead_actor
+from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import FaultContainment, RewardTypeError, StepShortfall, describe, reward_problem
 from asyncrl.metrics import GEN_METRICS, Accumulator, skew
 from asyncrl.reports import TickReport
-from asyncrl.samplers import GatedAdmission
 from asyncrl.state import RunState
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, FAULT, REFUSE, SKIP
 
 if TYPE_CHECKING:
     from asyncrl.backends.base import GenerationBackend
     from asyncrl.config import Config
-    from asyncrl.samplers import PromptGroupSampler
+    from asyncrl.samplers import SamplerBase
     from asyncrl.tasks import PromptStream, Task
 
 FAILED = object()  # what ``generation_call`` returns when the call failed and the fault was contained
@@ -52,7 +51,7 @@ class RolloutPump:
     (this pump and the train pump write it), ``encode`` a prompt's token ids, ``sync_weights(version)`` the weight
     sync into ``generator``."""
 
-    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: PromptGroupSampler,
+    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
                  stream: PromptStream, generator: GenerationBackend, task: Task, tokenizer: Any,
                  encode: Callable[[Any], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment):
         self.cfg, self.state, self.buffer, self.sampler, self.stream = cfg, state, buffer, sampler, stream
@@ -91,7 +90,7 @@ class RolloutPump:
         sure it is admitted by then, so its weight version is ``max(0, k - W)`` however late the rollout pump is
         (docs/samplers.md, "Timing-independent schedules"). An ungated sampler (``windowed``) admits on rollout
         ticks only: its gate is always open."""
-        if isinstance(self.sampler, GatedAdmission) and self.sampler.gated:
+        if self.sampler.gated:
             while not self._no_room() and self._admit_batch(report, trace_refusal=False):
                 pass
 
@@ -319,7 +318,7 @@ class RolloutPump:
             return
         version = s.trainer_version if version is None else version
         lost = self.inflight_ids()
-        restartable = isinstance(generator, ActorBackend) and self.cfg.generation.weight_sync == "driver"
+        restartable = capabilities(generator).actor and self.cfg.generation.weight_sync == "driver"
         verdict = self.faults.generator_died(what, exc, restartable, version, len(lost))
         self.fault(None, describe(exc), verdict.reason)
         if verdict.error is not None:

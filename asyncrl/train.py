@@ -5,7 +5,7 @@ builds one from the parts it uses and calls ``tick`` from its ``train_tick``; it
 
 Invariants:
 - The pump never encodes a policy: evict, select and abort are the sampler's decisions, with the reasons its
-  verdicts give (``reasoned``), written to the trace.
+  verdicts give (``select_reasoned``, ``evict_reasoned``, ``abort_reason``), written to the trace.
 - One RL step is exactly one optimizer step: ``begin_train_step`` with the step's first chunk, ``train_microbatches``
   per chunk, ``finish_train_step`` once its ``groups_per_step`` groups are trained. The step's accumulator (``step``)
   and the policy are this pump's alone, so training and the optimizer step run outside the lock.
@@ -27,12 +27,11 @@ import numpy as np
 
 from asyncrl import metrics as M
 from asyncrl.algorithms import make_train_batch
-from asyncrl.backends.base import ActorBackend, PrevLogprobsFromForward, StepMetrics, is_dead_actor
+from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
 from asyncrl.metrics import StepAccumulator
 from asyncrl.reports import TickReport
-from asyncrl.samplers import reasoned
 from asyncrl.state import RunState
 from asyncrl.trace import ABORT, EVICT, SELECT, SYNC, TRAIN
 
@@ -40,7 +39,7 @@ if TYPE_CHECKING:
     from asyncrl.backends.base import GenerationBackend, PolicyBackend
     from asyncrl.config import Config
     from asyncrl.rollout import RolloutPump
-    from asyncrl.samplers import PromptGroupSampler
+    from asyncrl.samplers import SamplerBase
     from asyncrl.tasks import Task
 
 
@@ -49,7 +48,7 @@ class TrainPump:
     ``rollout`` the rollout pump it hands generation to, ``clock`` the step timer's (active time only),
     ``save_checkpoint()`` what ``checkpoint_every`` calls at the end of a step, under the lock."""
 
-    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: PromptGroupSampler,
+    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
                  policy: PolicyBackend, generator: GenerationBackend, task: Task, tokenizer: Any,
                  rollout: RolloutPump, faults: FaultContainment, clock: Callable[[], float],
                  save_checkpoint: Callable[[], Any], reward_functions: Any = None):
@@ -68,15 +67,14 @@ class TrainPump:
             if T == 0 and self.cfg.eval_every and not state.evaluations:
                 self.evaluate()  # the untrained model: where the held-out curve starts
             report = TickReport("train", T)
-            decide = reasoned(self.sampler)  # each decision with the words its verdict gives, for the trace
-            for slot, reason in decide.evict_reasoned(T):
+            for slot, reason in self.sampler.evict_reasoned(T):  # each with the words its verdict gives
                 report.evicted.append(slot.group_id)
                 self.step.add({"groups_evicted": 1, **M.skew("drop", [slot.rollouts])})
                 state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
                              "", reason)
             remaining = N - self.step.groups
             lo, hi = self.cfg.chunk_bounds
-            chosen = decide.select_reasoned(T, min(lo, remaining), min(hi, remaining))
+            chosen = self.sampler.select_reasoned(T, min(lo, remaining), min(hi, remaining))
             if chosen is None:
                 self.rollout.check_shortfall(T, self.step.groups)
                 report.note = (
@@ -96,7 +94,7 @@ class TrainPump:
             # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
             # reload the trainer's weights as T under the lock (a restart in the rollout pump): never mid-update or
             # ahead of T.
-            restartable = self.cfg.faults.restart_generator and isinstance(self.generator, ActorBackend)
+            restartable = self.cfg.faults.restart_generator and capabilities(self.generator).actor
             update = self._optimizer_step() if finished and not restartable else None
             with state.changed:
                 if finished:
@@ -121,7 +119,7 @@ class TrainPump:
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        if not isinstance(self.policy, PrevLogprobsFromForward):  # such a policy takes them from its forward
+        if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:
             self.policy.begin_train_step()
@@ -161,7 +159,7 @@ class TrainPump:
             report.aborted.append(slot.group_id)
             self.step.add({"groups_aborted": 1})
             state.record(ABORT, slot.group_id, w, slot.target_step, T - w, "",
-                         reasoned(self.sampler).abort_reason(slot, T))
+                         self.sampler.abort_reason(slot, T))
         elapsed = self.clock() - self.step.start  # active time only: not a person's pause between hand ticks
         row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
             M.STEP.name: T - 1,
@@ -177,7 +175,7 @@ class TrainPump:
         row.update(M.throughput(out, self.step.total(M.TRAIN_TIME_S.name)))  # train_tflops, mfu
         gen_tokens, gen_s = rollout.take_generation_counts()
         row[M.GEN_TOKENS_PER_S.name] = gen_tokens / gen_s if gen_s > 0 else math.nan
-        if isinstance(self.generator, StepMetrics):  # e.g. a replica set's tokens and busy time per replica
+        if capabilities(self.generator).step_metrics:  # e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()

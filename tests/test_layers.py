@@ -2,7 +2,8 @@
 no module takes part in an import cycle (``if TYPE_CHECKING:`` imports count: the tie they make is real), no engine
 imports another engine, no module outside ``asyncrl/controller.py`` reads or writes the controller's private state,
 no part of the controller (a pump, the checkpoint format, anything below it) holds the controller to reach its
-state, and no package file grows past 600 lines. Source is read with ``ast``, so nothing is imported to check it."""
+state, no package file grows past 600 lines, and nothing asks with ``isinstance`` what a backend or sampler may do
+beyond its Protocol (that is declared). Source is read with ``ast``, so nothing is imported to check it."""
 
 from __future__ import annotations
 
@@ -389,3 +390,69 @@ def test_no_trace_reason_or_detail_is_parsed():
     found = [hit for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))
              for hit in _parsed_words(path.read_text(), str(path.relative_to(ROOT)))]
     assert not found, "trace words parsed (read the typed columns instead):\n" + "\n".join(found)
+
+
+# ------------------------------------------------- optional capabilities are declared, not probed with isinstance
+# The Protocols an object is checked against because it must be one (the two a backend implements, and the
+# sampler's). Anything optional is a declaration with a default: ``Capabilities`` for backends (read with
+# ``asyncrl.backends.base.capabilities``), ``SamplerBase``'s class attributes for samplers.
+CHECKED_PROTOCOLS = {"GenerationBackend", "PolicyBackend", "PromptGroupSampler"}
+
+
+def _runtime_protocols(source: str) -> set[str]:
+    """Names of the ``@runtime_checkable`` Protocols ``source`` defines."""
+    return {n.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ClassDef)
+            and any(getattr(d, "attr", getattr(d, "id", None)) == "runtime_checkable" for d in n.decorator_list)
+            and any(getattr(b, "attr", getattr(b, "id", None)) == "Protocol" for b in n.bases)}
+
+
+def _capability_probes(source: str, where: str, protocols: set[str]) -> list[str]:
+    """Each ``isinstance(x, P)`` / ``issubclass(x, P)`` in ``source`` (``P`` a name, ``module.P`` or one of a tuple)
+    where ``P`` is one of ``protocols`` but none of ``CHECKED_PROTOCOLS``."""
+    hits = []
+    for n in ast.walk(ast.parse(source)):
+        if not (isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in ("isinstance", "issubclass")
+                and len(n.args) == 2):
+            continue
+        kinds = n.args[1].elts if isinstance(n.args[1], ast.Tuple) else [n.args[1]]
+        names = {getattr(k, "attr", getattr(k, "id", None)) for k in kinds}
+        if names & (protocols - CHECKED_PROTOCOLS):
+            hits.append((n.lineno, f"{where}:{n.lineno}: {ast.unparse(n)}"))
+    return [hit for _, hit in sorted(hits)]
+
+
+SOURCES = {str(p.relative_to(ROOT)): p.read_text() for package in PACKAGES
+           for p in sorted((ROOT / package).rglob("*.py"))}
+PROTOCOLS = {name for source in SOURCES.values() for name in _runtime_protocols(source)}
+
+
+def test_no_optional_capability_is_probed_with_isinstance():
+    """A wrapper (a Ray proxy, a child process, a replica set, a rank group) answers for what it wraps, which a
+    structural ``isinstance`` cannot see (and Python 3.11 and 3.12 answer it differently through ``__getattr__``):
+    what a backend or sampler may do beyond its Protocol is declared, with a default."""
+    probe = (  # how asyncrl/train.py and backends/base.py asked, before issue 30
+        "from typing import Protocol, runtime_checkable\n"
+        "import typing\n"
+        "from asyncrl.backends import base\n"
+        "@runtime_checkable\n"
+        "class StepMetrics(Protocol):\n"
+        "    def step_metrics(self) -> dict: ...\n"
+        "@typing.runtime_checkable\n"
+        "class ActorBackend(Protocol):\n"
+        "    actor_id: str\n"
+        "class Plain(Protocol):\n"
+        "    x: int\n"
+        "def end_step(policy, generator, row, cls):\n"
+        "    if isinstance(generator, StepMetrics):\n"
+        "        row.update(generator.step_metrics())\n"
+        "    ok = isinstance(policy, base.PrevLogprobsFromForward) and isinstance(policy, base.PolicyBackend)\n"
+        "    dead = isinstance(generator, (int, ActorBackend)) or issubclass(cls, base.DeclaresCapabilities)\n"
+        "    return isinstance(generator, GenerationBackend) and isinstance(row, dict) and isinstance(row, Plain)\n"
+    )
+    known = _runtime_protocols(probe) | {"PrevLogprobsFromForward", "DeclaresCapabilities"}  # base.py's, before
+    assert _runtime_protocols(probe) == {"StepMetrics", "ActorBackend"}  # Plain is not runtime-checkable
+    assert [hit.split(":")[1] for hit in _capability_probes(probe, "probe.py", known)] == ["13", "15", "16", "16"]
+    assert CHECKED_PROTOCOLS <= PROTOCOLS  # the checked ones are found where they are defined
+    found = [hit for where, source in SOURCES.items() for hit in _capability_probes(source, where, PROTOCOLS)]
+    assert not found, ("an optional capability probed with isinstance (declare it: Capabilities, or a "
+                       "SamplerBase attribute):\n" + "\n".join(found))

@@ -586,13 +586,13 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
     """Megatron takes ``prev_logprobs`` from its training forward when a chunk has none (the controller then skips
     the separate pass, also through a Ray proxy): over steps of two chunks in micro-batches of 3, with generator
     logprobs off the policy's, weights and step metrics equal those of a policy given ``logprobs()``' values."""
-    from asyncrl.backends.base import PrevLogprobsFromForward
+    from asyncrl.backends.base import capabilities
     from asyncrl.backends.ray import proxy_class
 
     loss = LossConfig(entropy_coef=0.03)
     given, forward = (make_policy(tok, lr=1e-2, micro_batch_size=3, loss=loss) for _ in range(2))
-    assert isinstance(forward, PrevLogprobsFromForward)
-    assert proxy_class(MegatronPolicy).prev_logprobs_from_forward is True  # a proxy is one too, without a call
+    assert capabilities(forward).prev_logprobs_from_forward
+    assert capabilities(proxy_class(MegatronPolicy)).prev_logprobs_from_forward  # a proxy too, without a call
     for step in range(3):
         chunks = [make_batch(B=7, seed=10 * step + c) for c in range(2)]
         given.begin_train_step(), forward.begin_train_step()
@@ -605,6 +605,38 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
         assert b["is_weight_mean"] != 1.0
     wa, wb = given.export_weights(), forward.export_weights()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _rebuild_after_teardown(rank: int, out: str) -> None:
+    """In a fresh process: a policy, its world destroyed under it (what vLLM's shutdown does to a colocated
+    process), then a new policy trains: Megatron's groups are made again on the new world."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tok = make_tokenizer()
+    cfg = MegatronTrainerConfig(device="cpu", optimizer="torch")
+    first = MegatronPolicy(ModelConfig(), cfg, GRPOLoss(), 0, tok)
+    old_group = parallel_state.get_data_parallel_group()
+    first.close()
+    dist.destroy_process_group()
+    second = MegatronPolicy(ModelConfig(), cfg, GRPOLoss(), 0, tok)
+    group = parallel_state.get_data_parallel_group()
+    ones = torch.ones(2)
+    dist.all_reduce(ones, group=group)  # a stale group raises here
+    batch = make_batch(seed=3)
+    second.begin_train_step()
+    second.train_microbatches(with_logprobs(batch, second.logprobs(batch)))
+    m = second.finish_train_step()
+    torch.save({"fresh_group": group is not old_group, "grad_norm": m["grad_norm"]}, out)
+
+
+def test_a_policy_after_its_world_was_torn_down_makes_megatron_s_groups_again(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "out.pt")
+    mp.start_processes(_rebuild_after_teardown, args=(out,), nprocs=1, start_method="spawn", join=True)
+    got = torch.load(out)
+    assert got["fresh_group"] and got["grad_norm"] > 0
 
 
 def test_the_supported_megatron_core_range_is_declared_once_and_checked_at_start():

@@ -63,7 +63,7 @@ def load_tokenizer(model_cfg: Any):
     if model_cfg.hf_path is None:
         from asyncrl.tokenizer import build_tokenizer
 
-        return build_tokenizer()
+        return build_tokenizer(getattr(model_cfg, "vocab_size", None))
     from transformers import AutoTokenizer
 
     check_model_dir(model_cfg.hf_path)

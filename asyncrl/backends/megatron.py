@@ -21,7 +21,7 @@
   DDP, or ``DataParallel`` with the torch optimizer) and their step totals (``DataParallel``), so every rank takes
   the same step; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
 
-- Previous-policy logprobs come from the training forward (``PrevLogprobsFromForward``): a chunk without
+- Previous-policy logprobs come from the training forward (``prev_logprobs_from_forward``): a chunk without
   ``prev_logprobs`` gets its forward's own, detached. Exact for the reason ``TorchPolicy`` gives (one optimizer step
   per RL step, in ``finish_train_step``), and because dropout is off (``hidden_dropout``/``attention_dropout`` 0), so
   train mode computes what ``logprobs``' eval mode does. It saves a forward pass and a call: on two H200s the
@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -99,11 +99,11 @@ def check_megatron_core(version: str | None = None) -> str:
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
-    prev_logprobs_from_forward: Literal[True] = True  # module docstring: exact with dropout off
-    # A Ray rank group builds it only after its actor joined torch.distributed's default group (ranks.py). Through
-    # a Ray proxy the pipelined calls return at once and the proxy's next call waits for them
-    # (asyncrl/backends/ray.py): nothing reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(needs_process_group=True,
+    # prev_logprobs_from_forward: exact with dropout off (module docstring). A Ray rank group builds it only after
+    # its actor joined torch.distributed's default group (ranks.py). Through a Ray proxy the pipelined calls return
+    # at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing reads what they return,
+    # and a step's calls reach the actor back to back.
+    capabilities = Capabilities(prev_logprobs_from_forward=True, needs_process_group=True,
                                 ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,

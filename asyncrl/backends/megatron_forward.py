@@ -69,7 +69,17 @@ def _flex_fn(device: torch.device):
     if key not in _FLEX:
         from torch.nn.attention.flex_attention import flex_attention
 
-        _FLEX[key] = torch.compile(flex_attention, dynamic=True) if device.type == "cuda" else flex_attention
+        if device.type == "cuda":
+            # one compiled kernel family for every pass shape; past dynamo's recompile limit (8: dtypes, grad and
+            # no-grad, a row count of 1) a call would fall back to eager flex, which materialises the scores
+            import torch._dynamo.config as dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo, name):
+                    setattr(dynamo, name, max(getattr(dynamo, name), 64))
+            _FLEX[key] = torch.compile(flex_attention, dynamic=True)
+        else:
+            _FLEX[key] = flex_attention
     return _FLEX[key]
 
 

@@ -32,7 +32,7 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
@@ -121,7 +121,7 @@ class TorchPolicy:
     order). The loss is the ``Loss`` object given at construction; its metrics and ``ENGINE_METRICS`` are
     reduced over the step by one ``Accumulator``.
 
-    Previous-policy logprobs: a ``PrevLogprobsFromForward`` (``asyncrl/backends/base.py``): the controller leaves
+    Previous-policy logprobs: it declares ``prev_logprobs_from_forward`` (``Capabilities``): the controller leaves
     a chunk's ``prev_logprobs`` unset and ``train_microbatches`` takes them from its own forward (detached, 0 off
     the mask). That is exact: the weights change only in ``finish_train_step`` (one AdamW step per RL step, never
     between a step's chunks), so during a step the current weights *are* the policy before this step's update, and
@@ -136,10 +136,11 @@ class TorchPolicy:
     is public too).
     """
 
-    prev_logprobs_from_forward: Literal[True] = True  # one optimizer step per RL step makes it exact (docstring)
-    # Through a Ray proxy these return at once and the proxy's next call waits for them (asyncrl/backends/ray.py):
-    # nothing reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
+    # prev_logprobs_from_forward: one optimizer step per RL step makes it exact (docstring). Through a Ray proxy the
+    # pipelined calls return at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing
+    # reads what they return, and a step's calls reach the actor back to back.
+    capabilities = Capabilities(prev_logprobs_from_forward=True,
+                                ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss

@@ -17,16 +17,10 @@ from pydantic import Field, TypeAdapter
 
 from asyncrl.samplers.base import (
     Admission,
-    AdmitsAhead,
-    GatedAdmission,
     KnobModel,
     PromptGroupSampler,
-    ReasonedDecisions,
     SamplerBase,
-    StalenessWindow,
-    TargetStamping,
     Verdict,
-    reasoned,
 )
 from asyncrl.samplers.custom import CustomConfig, build_custom
 from asyncrl.samplers.in_order import InOrderConfig, InOrderSampler
@@ -88,8 +82,7 @@ def explain_frame(verdicts: list[Verdict]):
 
 
 __all__ = [
-    "Admission", "AdmitsAhead", "GatedAdmission", "PromptGroupSampler", "ReasonedDecisions", "reasoned", "StalenessWindow",
-    "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
+    "Admission", "PromptGroupSampler", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
     "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_class", "sampler_knobs", "sampler_config", "explain_frame",
     "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),

@@ -10,6 +10,9 @@ Invariants:
   trace says what ``explain`` said.
 - Candidates are produced lazily from the buffer's indexes, so a decision costs O(selected + evicted + versions),
   not O(buffer).
+- What the pumps read off a sampler besides the Protocol is declared on ``SamplerBase`` with a default, never
+  probed; ``is_on_policy`` and the required capacity are facts of the class and its knobs (``trains_on_policy``,
+  ``capacity_needed``), so the configuration asks them without building a sampler.
 - Gated admission with window ``W``: batch ``k`` (the dispatch index after admission) is admitted once
   ``k <= T + W``; at most ``W + 1`` batches are ever admitted and not yet due, so the buffer needs
   ``groups_per_step * (W + 1)`` slots.
@@ -63,7 +66,9 @@ class Verdict:
 class PromptGroupSampler(Protocol):
     """The policy that decides which prompt groups are admitted, trained, kept or dropped (docs/samplers.md).
 
-    The pumps follow it and encode no policy of their own. ``dispatch_index`` is saved in checkpoints.
+    The pumps follow it and encode no policy of their own. ``dispatch_index`` is saved in checkpoints. Every
+    sampler is a ``SamplerBase``, which satisfies it and declares, with defaults, what else the pumps, restores and
+    views read (``gated``, ``stamps_target``, ``window``, ``admits_ahead``, the reasoned decisions).
     """
 
     name: str  # the policy's name, as configurations and reasons write it
@@ -97,65 +102,6 @@ class PromptGroupSampler(Protocol):
 
     def set_dispatch_index(self, resume_step: int) -> None:
         """On resume: ``dispatch_index = resume_step - 1``. Negative: ``ValueError``."""
-
-
-@runtime_checkable
-class ReasonedDecisions(Protocol):
-    """Optional: a sampler that words each decision as it makes it, in the words its ``explain`` gives that slot,
-    so the trace's select, evict and abort rows say them (``SamplerBase`` provides it; ``reasoned`` adapts any
-    other sampler)."""
-
-    def select_reasoned(self, trainer_version: int, min_groups: int,
-                        max_groups: int) -> list[tuple[Slot, str]] | None:
-        """``select``, each slot with the reason of its ``selected`` verdict."""
-
-    def evict_reasoned(self, trainer_version: int) -> list[tuple[Slot, str]]:
-        """``evict``, each slot with the reason of its eviction verdict."""
-
-    def abort_reason(self, slot: Slot, trainer_version: int) -> str:
-        """Why an in-flight group that ``should_abort_inflight`` let go is cancelled."""
-
-
-def reasoned(sampler: SamplerBase) -> SamplerBase:
-    """``sampler`` itself: every sampler (a ``SamplerBase``) words its decisions. For call sites not yet reading
-    ``select_reasoned``/``evict_reasoned``/``abort_reason`` off the sampler directly."""
-    return sampler
-
-
-@runtime_checkable
-class StalenessWindow(Protocol):
-    """Optional: a sampler with a window of weight versions. The buffer view shades ``[lower_bound(T), T]``."""
-
-    window: int
-
-    def lower_bound(self, trainer_version: int) -> int: ...
-
-
-@runtime_checkable
-class TargetStamping(Protocol):
-    """Optional: whether the sampler's admissions stamp ``target_step`` (``in_order``: batch ``k`` is for step
-    ``k``, and only groups stamped ``T`` train at ``T``). A restore under another sampler reads it: unstamped
-    groups cannot be trained by a stamping sampler, and its dispatch index follows the stamps. Without it: False."""
-
-    stamps_target: bool
-
-
-@runtime_checkable
-class AdmitsAhead(Protocol):
-    """Optional: whether the sampler may admit a batch before the step it feeds has started. False (``in_order``
-    with ``max_lookahead_versions: 0``, any gated sampler with a window of 0) means generation can never run ahead
-    of training, so a run drives both pumps in lockstep on one thread (``asyncrl/run_loop.py``). Without it: True."""
-
-    admits_ahead: bool
-
-
-@runtime_checkable
-class GatedAdmission(Protocol):
-    """Optional: whether the sampler's gate admits batch ``k`` only once ``k <= T + W`` (``SamplerBase.gated``).
-    The section that moves ``T`` then admits every batch still due at the old ``T`` before the weight sync, so a
-    batch's weight version never depends on how fast the rollout pump is (docs/samplers.md). Without it: False."""
-
-    gated: bool
 
 
 class KnobModel(StrictModel):
