@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncrl.backends.base import capabilities
 from asyncrl.chat import prompt_ids
 from asyncrl.prompts import Prompt
 from asyncrl.rewards.functions import RewardBatch, RewardFunctions, call
@@ -38,11 +39,10 @@ def completions(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, n: in
     if temperature == 0:
         greedy = generator.generate_greedy(ids, max_new_tokens)
         return [[list(c)] * n for c in greedy]
-    sample = getattr(generator, "generate_sampled", None)
-    if sample is None:
+    if not capabilities(generator).sampled_evaluation:
         raise ValueError(f"evaluate(temperature={temperature}): the generator {type(generator).__name__} samples only "
                          "rollouts; evaluate with temperature=0.0 (greedy), or use the torch generator")
-    flat = sample(ids, n, temperature, seed, max_new_tokens)
+    flat = generator.generate_sampled(ids, n, temperature, seed, max_new_tokens)
     return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
 
 

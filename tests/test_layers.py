@@ -29,8 +29,7 @@ TIERS = [
     ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
     # reward functions (TRL's signature), the built-ins and the runner that scores off the pump: no task, no torch
     ["asyncrl.rewards"],  # and its submodules (one family)
-    # a generated dataset task, scored by the countdown verifier; evaluation on a split (n samples, mean@n, pass@n)
-    ["asyncrl.countdown", "asyncrl.evaluation"],
+    ["asyncrl.countdown"],  # a generated dataset task, scored by the countdown verifier
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
@@ -47,6 +46,7 @@ TIERS = [
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
+    ["asyncrl.evaluation"],  # evaluation on a split: n samples a prompt (a generator's capability), mean@n, pass@n
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the

@@ -242,11 +242,17 @@ def test_evaluation_scores_with_the_runs_reward_functions():
     ev, rows_out = evaluate_task(Fixed(), task, tok, RewardFunctions([only_sums]))
     assert [r["correct"] for r in rows_out] == [True, True, False, False]  # None (does not apply): not correct
 
+    from asyncrl.backends.base import Capabilities
+
     class Sampled(Fixed):  # n samples a prompt: "4", then "x" — one right in n for the rows whose answer is 4
+        capabilities = Capabilities(sampled_evaluation=True)
+
         def generate_sampled(self, prompt_ids, n, temperature, seed, max_new_tokens):
             self.asked = (n, temperature, seed, max_new_tokens)
             return [list(b"4") if i % n == 0 else list(b"x") for i in range(len(prompt_ids) * n)]
 
+    with pytest.raises(ValueError, match=r"evaluate\(temperature=0.7\): the generator Fixed samples only rollouts"):
+        evaluate_task(Fixed(), task, tok, RewardFunctions([right]), n=4, temperature=0.7)
     gen = Sampled()
     ev, _ = evaluate_task(gen, task, tok, RewardFunctions([right]), n=4, temperature=0.7, seed=5, max_new_tokens=3)
     assert gen.asked == (4, 0.7, 5, 3)

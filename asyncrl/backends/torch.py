@@ -310,6 +310,8 @@ class TorchGenerator:
     submissions and the weights, not on timing.
     """
 
+    capabilities = Capabilities(sampled_evaluation=True)
+
     def __init__(self, model_cfg: ModelConfig, gen_cfg: TorchGenerationConfig, seed: int, tokenizer=None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
         self.tokenizer = tokenizer
