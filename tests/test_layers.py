@@ -38,9 +38,11 @@ TIERS = [
     # the rollout pump, the background run and the checkpoint format the controller uses
     ["asyncrl.rollout", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
-    ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.simulate_plots"],
-    ["asyncrl.simulate"],  # drives a controller on the simulated backends
+    # drives a controller on the simulated backends: the loop, the studies built on it, a fit to a real run
+    ["asyncrl.simulate.simulation"], ["asyncrl.simulate.studies"], ["asyncrl.simulate.calibration"],
+    ["asyncrl.simulate"],
+    ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.cli"],
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
