@@ -1,6 +1,8 @@
 """``asyncrl run CONFIG_OR_PRESET --steps N --out DIR``: a headless run that writes its metrics, trace and config.
 ``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds);
 ``--sweep KEY=V1,V2`` (repeatable) and ``--gpus G`` simulate a grid instead: ``sweep.csv``, ``sweep.png``.
+``asyncrl replay RUN --sampler S [--sampler S ...] --out DIR``: a recorded run replayed under other samplers
+(``asyncrl/replay/command.py``).
 
 Overrides use dotted keys: ``--set seed=1 --set sampler.name=weight_fifo --set sampler.max_staleness_versions=2``.
 Checkpoints: ``--checkpoint-every K`` writes ``DIR/checkpoints/step-XXXXXX`` every K steps; ``--resume DIR``
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.presets import presets  # the rest is imported where it is used: `asyncrl --help` loads no torch
+from asyncrl.replay import command as replay_command
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -335,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the sweep's points that use G GPUs; without a sweep over generation.replicas or "
                         "trainer.data_parallel, every split of G between them: how many for generation?")
     p.add_argument("--no-plot", action="store_true", help="do not write simulation.png (sweep.png)")
+    replay_command.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
+    if args.command == "replay":
+        return replay_command.main(args)
     args.set += [f"tracking.{key}={value}" for key, value in
                  (("tensorboard_dir", args.tensorboard), ("wandb_project", args.wandb)) if value is not None]
     return run(args)
