@@ -20,7 +20,6 @@ The buffer holds metadata and whatever it is given as a group's rollouts; it nev
 from __future__ import annotations
 
 import bisect
-import numbers
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import pandas as pd
 
 from asyncrl.sorted_ids import SortedIds
+from asyncrl.strict import check_int as _as_int
 
 
 @dataclass(eq=False)
@@ -54,13 +54,6 @@ class Slot:
     def __repr__(self) -> str:
         target = "" if self.target_step is None else f", target_step={self.target_step}"
         return f"Slot(group_id={self.group_id}, weight_version={self.weight_version}{target}, {self.state})"
-
-
-def _as_int(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as a plain int >= ``minimum`` (numpy integers welcome; bools are not versions)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
 
 
 class Bucket:

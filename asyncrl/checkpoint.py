@@ -95,6 +95,8 @@ def _fsync_dir(path: Path) -> None:
 
 # --- writing ---------------------------------------------------------------------------------------------------
 def _jsonable(obj: Any) -> Any:
+    if callable(getattr(obj, "to_json", None)):  # a Prompt: its columns, only the fields it has set
+        return obj.to_json()
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return dataclasses.asdict(obj)
     if isinstance(obj, (np.generic, torch.Tensor)):  # numpy / torch scalars
@@ -269,7 +271,7 @@ def save(ctrl: Any, path: str | Path) -> Path:
         row["rollouts"] = _jsonable(row["rollouts"]) if row["rollouts"] is not None else None
     meta = {
         "asyncrl_version": asyncrl.__version__,
-        "model": ctrl.cfg.model.model_dump(mode="json"),
+        "model": ctrl.cfg.model.shape_dump(),
         "shapes": shapes(state["policy"]),
         **{key: state[key] for key in META_KEYS},
     }
@@ -335,7 +337,7 @@ def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_c
     if sampler is not None:
         data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)
-    check_model(ckpt.meta["model"], cfg.model.model_dump(mode="json"), where)
+    check_model(ckpt.meta["model"], cfg.model.shape_dump(), where)
     ctrl = cls.from_config(cfg)
     try:
         check_shapes(ckpt.meta["shapes"], shapes(ctrl.policy.state_dict()), where)

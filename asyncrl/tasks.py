@@ -15,13 +15,21 @@ Built-in toy tasks (``build_task(TaskConfig(name=..., options={...}))``):
 | ``successor`` | ``"c>"`` → ``"d"`` | the same 25 prompts (a..y) | 0.04 |
 | ``addition`` | ``"3+4="`` → ``"7"`` (digits 0..``max_digit``) | the same prompts | 0.20 |
 
+Tasks from data (their prompts carry their rows' columns, ``Prompt.columns``; the run's reward functions score
+them):
+
+| name | prompts | evaluation prompts |
+| --- | --- | --- |
+| ``dataset`` | your file or object's ``prompt`` column (``asyncrl/datasets.py``) | ``eval``, ``eval_fraction`` or none |
+| ``countdown`` | TinyZero's countdown, generated from a seed (``asyncrl/countdown.py``) | held-out rows |
+
 Scoring: the completion text (decoded without special tokens; anything from a literal ``<eos>`` on is cut) is
 stripped of leading whitespace and its first ``len(answer)`` characters are compared with the answer. Reward 1 for
 correct, else 0 — or ``partial_credit`` (option, default 0) when the answer has the right form (e.g. a digit for
 ``addition``).
 
-``PromptStream`` serves training prompts by data position (a seeded shuffle per epoch) so a run can be resumed
-from its position alone.
+``PromptStream`` (``asyncrl/prompts.py``) serves training prompts by data position (a seeded shuffle per epoch) so a
+run can be resumed from its position alone.
 """
 
 from __future__ import annotations
@@ -29,20 +37,18 @@ from __future__ import annotations
 import inspect
 import string
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from asyncrl.chat import prompt_ids, render
+from asyncrl.countdown import countdown_task
+from asyncrl.datasets import DataError, dataset_task
 from asyncrl.metrics import HELD_OUT_ACCURACY, HELD_OUT_REWARD
+from asyncrl.prompts import Prompt, PromptStream
 
-
-@dataclass(frozen=True)
-class Prompt:
-    text: str
-    answer: str
-    id: str = ""  # unique within its task (for example "train/17")
+__all__ = ["Prompt", "PromptStream", "Task", "ToyTask", "TASKS", "TOY_TASKS", "build_task", "evaluate"]
 
 
 @runtime_checkable
@@ -107,7 +113,7 @@ class ToyTask:
 
 
 def _numbered(split: str, items: Sequence[tuple[str, str]]) -> list[Prompt]:
-    return [Prompt(text, answer, f"{split}/{i}") for i, (text, answer) in enumerate(items)]
+    return [Prompt(text, answer, f"{split}/{i}", columns={"answer": answer}) for i, (text, answer) in enumerate(items)]
 
 
 def copy_digit_task(partial_credit: float = 0.0) -> ToyTask:
@@ -162,13 +168,16 @@ def addition_task(max_digit: int = 4, partial_credit: float = 0.0) -> ToyTask:
                    well_formed=lambda a: a.isdigit())
 
 
-TASKS: dict[str, Callable[..., ToyTask]] = {  # name -> factory; its keyword arguments are the task's options
+TASKS: dict[str, Callable[..., Task]] = {  # name -> factory; its keyword arguments are the task's options
     "copy_digit": copy_digit_task,
     "copy_first": partial(copy_char_task, "first"),
     "copy_last": partial(copy_char_task, "last"),
     "successor": successor_task,
     "addition": addition_task,
+    "dataset": dataset_task,
+    "countdown": countdown_task,
 }
+TOY_TASKS = ("copy_digit", "copy_first", "copy_last", "successor", "addition")  # prompt lists built in code
 
 
 def build_task(config: Any) -> Task:
@@ -182,68 +191,21 @@ def build_task(config: Any) -> Task:
         name, options = config.name, dict(config.options)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; tasks: {sorted(TASKS)}")
-    allowed = list(inspect.signature(TASKS[name]).parameters)
+    parameters = inspect.signature(TASKS[name]).parameters
+    allowed = list(parameters)
     unknown = {k: v for k, v in options.items() if k not in allowed}
     if unknown:
         raise ValueError(f"bad options {unknown} for task {name!r}: unknown; its options are {allowed}")
+    missing = [k for k, p in parameters.items() if p.default is inspect.Parameter.empty and k not in options]
+    if missing:
+        raise ValueError(f"task {name!r} needs option(s) {missing} (for example task.options.{missing[0]}=PATH); "
+                         f"its options are {allowed}")
     try:
         return TASKS[name](**options)
+    except DataError:  # it names the file, the row and the column already
+        raise
     except (TypeError, ValueError) as err:
         raise ValueError(f"bad options {options} for task {name!r}: {err}") from None
-
-
-class PromptStream:
-    """Training prompts by data position: position ``p`` is prompt ``order(p // n)[p % n]`` where each epoch's
-    order is a permutation seeded by ``(seed, epoch)``. Random access, so resuming needs only the position.
-    With ``max_epochs`` the stream ends after ``len(prompts) * max_epochs`` positions."""
-
-    def __init__(self, prompts: Sequence[Prompt], seed: int, max_epochs: int | None = None, shuffle: bool = True):
-        if not prompts:
-            raise ValueError("PromptStream needs at least one prompt")
-        if max_epochs is not None and max_epochs < 1:
-            raise ValueError(f"max_epochs must be >= 1 or None, got {max_epochs}")
-        self.prompts = list(prompts)
-        self.seed = int(seed)
-        self.max_epochs = max_epochs
-        self.shuffle = shuffle
-        self._orders: dict[int, np.ndarray] = {}
-
-    @property
-    def total(self) -> int | None:
-        """Positions available (``None``: endless)."""
-        return None if self.max_epochs is None else len(self.prompts) * self.max_epochs
-
-    def exhausted(self, position: int) -> bool:
-        """True when ``position`` is past the end (nothing more to serve)."""
-        return self.total is not None and position >= self.total
-
-    def remaining(self, position: int) -> int | None:
-        return None if self.total is None else max(0, self.total - position)
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        order = self._orders.get(epoch)
-        if order is None:
-            n = len(self.prompts)
-            order = np.random.default_rng([self.seed, epoch]).permutation(n) if self.shuffle else np.arange(n)
-            if len(self._orders) > 8:
-                self._orders.clear()
-            self._orders[epoch] = order
-        return order
-
-    def get(self, position: int) -> Prompt:
-        """The prompt at ``position``; ``IndexError`` once the stream ran out (see ``exhausted``)."""
-        if position < 0:
-            raise IndexError(f"negative data position {position}")
-        if self.exhausted(position):
-            raise IndexError(f"prompt stream ran out at position {position} (total {self.total})")
-        epoch, offset = divmod(position, len(self.prompts))
-        return self.prompts[int(self.epoch_order(epoch)[offset])]
-
-    def take(self, position: int, count: int) -> list[Prompt]:
-        """Up to ``count`` prompts from ``position`` on (fewer at the end of the stream)."""
-        if self.total is not None:
-            count = min(count, max(0, self.total - position))
-        return [self.get(position + i) for i in range(count)]
 
 
 def evaluate(backend: Any, task: Task, tokenizer: Any, max_new_tokens: int = 4,
@@ -252,12 +214,14 @@ def evaluate(backend: Any, task: Task, tokenizer: Any, max_new_tokens: int = 4,
     prompt_ids, max_new_tokens)`` (``TorchGenerator`` or ``TorchPolicy``); returns ``reward_mean``, ``accuracy``
     and ``n``. Draws no randomness, so it never changes a seeded run."""
     prompts = list(task.eval_prompts if prompts is None else prompts)
+    prompts = render(prompts, tokenizer, where=getattr(task, "where", None))  # as the chat template renders them
     if not prompts:
         return {HELD_OUT_REWARD.name: float("nan"), HELD_OUT_ACCURACY.name: float("nan"), "n": 0.0}
-    ids = [tokenizer.encode(p.text) for p in prompts]
+    ids = [prompt_ids(tokenizer, p) for p in prompts]
     completions = backend.generate_greedy(ids, max_new_tokens)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = [task.reward(p, t) for p, t in zip(prompts, texts)]
     correct = [task.is_correct(p, t) for p, t in zip(prompts, texts)]
     return {HELD_OUT_REWARD.name: float(np.mean(rewards)), HELD_OUT_ACCURACY.name: float(np.mean(correct)),
             "n": float(len(prompts))}
+

@@ -4,8 +4,12 @@ Ids 0–255 are the bytes themselves (so a token id *is* the byte it stands for)
 ``<pad>`` = 256, ``<bos>`` = 257, ``<eos>`` = 258 — a vocabulary of 259 (a small vocabulary keeps a CPU model fast:
 the embedding and output layers scale with it).
 
-``tokenizer.encode(text)`` (``add_special_tokens=True``, the default) prepends ``<bos>``; that is how prompts are
-encoded. ``tokenizer.decode(ids, skip_special_tokens=True)`` turns completions back into text (``<eos>`` dropped).
+``tokenizer.encode(text)`` (``add_special_tokens=True``, the default) prepends ``<bos>``; that is how standard prompts
+are encoded. ``tokenizer.decode(ids, skip_special_tokens=True)`` turns completions back into text (``<eos>`` dropped).
+
+Its chat template (``CHAT_TEMPLATE``, so conversational data runs on the quickstart model) is one line per message,
+``<bos>user: 3+4=\\n`` then ``assistant: `` for the generation prompt: short, because a CPU model's context is. The
+template writes ``<bos>`` itself; ``apply_chat_template`` does not add it again.
 """
 
 from __future__ import annotations
@@ -15,6 +19,10 @@ from functools import lru_cache
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258
 VOCAB_SIZE = 259
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 
 @lru_cache(maxsize=1)
@@ -52,7 +60,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def build_tokenizer():
     """A ``transformers.PreTrainedTokenizerFast`` over bytes: vocab 259, ``pad_token_id`` 256, ``bos_token_id``
-    257, ``eos_token_id`` 258; ``encode`` prepends ``<bos>``."""
+    257, ``eos_token_id`` 258; ``encode`` prepends ``<bos>``; ``chat_template`` is ``CHAT_TEMPLATE``."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -64,4 +72,5 @@ def build_tokenizer():
         padding_side="right",
         model_max_length=1 << 16,
         clean_up_tokenization_spaces=False,
+        chat_template=CHAT_TEMPLATE,
     )

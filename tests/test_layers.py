@@ -16,20 +16,27 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking"],
+     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts"],  # strict: the strict base model and int check
+    # configs and samplers share; prompts: the Prompt and the stream that serves prompts by data position
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
     # GRPO maths and the Loss; how engines cut a chunk into micro-batches: data and metrics only, never the backends
     ["asyncrl.algorithms", "asyncrl.micro_batches"],
+    ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
+    # reward functions (TRL's signature), the built-ins and the runner that scores off the pump: no task, no torch
+    ["asyncrl.rewards"],  # and its submodules (one family)
+    ["asyncrl.countdown"],  # a generated dataset task, scored by the countdown verifier
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
-    ["asyncrl.config"],
-    ["asyncrl.backends.base"],  # the backend Protocols and Capabilities
-    # what the engines share: HF helpers, placements, Megatron's weight map and process groups
+    ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
+    # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
+    ["asyncrl.backends.base", "asyncrl.backends.submit_queue"],
+    # what the engines share: HF helpers, placements, Megatron's weight map and process groups, torch decoding
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.device_lock",
-     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling"],
-    ["asyncrl.backends.vllm_build"],  # how the vLLM engine is built (the HF model directory it loads)
+     "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode"],
+    # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
+    ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
@@ -51,6 +58,8 @@ TIERS = [
     ["asyncrl.cli"],
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
+# Packages whose submodules are one family: they share the package's layer and may import one another.
+FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards")
 ENGINE = LAYERS["asyncrl.backends.torch"]
 # They connect or multiply engines' actors (K replicas / R ranks as one backend); they import none.
 NOT_ENGINES = {"asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"}
@@ -116,17 +125,16 @@ TYPED_GRAPH = {m: _imports(m, typing=True) for m in MODULES}  # with the ``if TY
 def _layer(module: str) -> int | None:
     if module in LAYERS:
         return LAYERS[module]
-    if module.startswith("asyncrl.samplers."):
-        return LAYERS["asyncrl.samplers"]
+    for family in FAMILIES:
+        if module.startswith(family + "."):
+            return LAYERS[family]
     if module.startswith("asyncrl.backends."):
         return ENGINE
     return None  # a new top-level module: only the cycle check applies until it is given a layer
 
 
 def _family(module: str) -> str:
-    if module.startswith("asyncrl.samplers"):
-        return "asyncrl.samplers"
-    return module
+    return next((f for f in FAMILIES if module == f or module.startswith(f + ".")), module)
 
 
 def test_every_import_points_down():

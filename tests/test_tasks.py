@@ -7,10 +7,14 @@ from collections import Counter
 import pytest
 
 from asyncrl.config import TaskConfig
-from asyncrl.tasks import TASKS, Prompt, PromptStream, Task, build_task, evaluate
+from asyncrl.tasks import TASKS, TOY_TASKS, Prompt, PromptStream, Task, build_task, evaluate
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+def test_the_registry_holds_the_toy_tasks_and_the_data_tasks():
+    assert set(TASKS) == set(TOY_TASKS) | {"dataset", "countdown"}
+
+
+@pytest.mark.parametrize("name", sorted(TOY_TASKS))
 def test_every_task_builds_and_satisfies_the_protocol(name):
     task = build_task(TaskConfig(name=name))
     assert isinstance(task, Task) and task.name == name

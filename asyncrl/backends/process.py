@@ -46,6 +46,8 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.submit_queue import SubmitQueue
+
 START_TIMEOUT_S = 300.0  # building the backend in the child (imports + model) must finish within this
 CLOSE_TIMEOUT_S = 10.0
 
@@ -135,10 +137,8 @@ class ProcessGenerator:
         gen_child.close()  # only the child holds these ends now: its death is an EOF here, not a hang
         ctl_child.close()
         self._gen, self._ctl = _Channel(gen_parent), _Channel(ctl_parent)
-        self._queue: list[list] = []  # one list per submit call
-        self._queue_lock = threading.Lock()
+        self._queue = SubmitQueue()
         self._drain = threading.Lock()  # taking the queue and generating it, or a load: never interleaved
-        self._running = 0
         self._late: list = []  # groups of an interrupted poll, returned by the next one
         self._staging: dict[str, torch.Tensor] | None = None
         self._closed = False
@@ -197,22 +197,14 @@ class ProcessGenerator:
         return self._version
 
     def submit(self, requests: Sequence) -> None:
-        with self._queue_lock:
-            self._queue.append(list(requests))
+        self._queue.submit(requests)
 
     def num_inflight(self) -> int:
-        with self._queue_lock:
-            return sum(map(len, self._queue)) + self._running + len(self._late)
+        return self._queue.inflight() + len(self._late)
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         """Remove still-queued groups; a group already being generated finishes (and is not listed)."""
-        wanted = set(group_ids)
-        with self._queue_lock:
-            removed = [r.group_id for batch in self._queue for r in batch if r.group_id in wanted]
-            if removed:
-                batches = ([r for r in batch if r.group_id not in wanted] for batch in self._queue)
-                self._queue = [batch for batch in batches if batch]
-        return removed
+        return self._queue.abort(group_ids)
 
     def poll(self, timeout: float | None = 0.0) -> list:
         """Generate everything queued now in the child, one call per submitted batch, and return it (with the
@@ -224,17 +216,7 @@ class ProcessGenerator:
         return late + done
 
     def _generate_queued(self) -> list:
-        with self._queue_lock:
-            batches, self._queue = self._queue, []
-            self._running += sum(map(len, batches))
-        done: list = []
-        try:
-            for requests in batches:
-                done += self._call(self._gen, "generate", requests)
-        finally:
-            with self._queue_lock:
-                self._running -= sum(map(len, batches))
-        return done
+        return self._queue.generate(lambda requests: self._call(self._gen, "generate", requests))
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` into the shared staging tensors, then have the child load them; returns (and moves

@@ -4,7 +4,9 @@
 - ``TorchPolicy``: the :class:`~asyncrl.backends.base.PolicyBackend` — logprobs, gradient accumulation over any
   number of chunks/micro-batches, one AdamW step per RL step with the loss normalised over the whole step.
 - ``TorchGenerator``: the :class:`~asyncrl.backends.base.GenerationBackend` — its *own* model copy (a weight sync
-  is a real copy), one batched sampling call per ``poll`` with a KV cache, seeded by its own ``torch.Generator``.
+  is a real copy), one batched sampling call per ``poll`` with a KV cache (``asyncrl/backends/torch_decode.py``),
+  seeded by its own ``torch.Generator``; its queue is ``asyncrl/backends/submit_queue.py``'s, shared with the
+  child-process placement.
 
 Determinism: a policy and a generator built with the same ``seed`` start from identical weights (version 0).
 Sampling draws come only from the generator's private ``torch.Generator`` (seeded with ``seed``), so a rollout
@@ -26,10 +28,9 @@ Save/restore: ``TorchPolicy.state_dict()`` (weights, AdamW state, reference weig
 from __future__ import annotations
 
 import copy
-import inspect
 import math
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Literal
 
@@ -40,43 +41,13 @@ from asyncrl.algorithms import Loss, token_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.backends.sampling import group_max_tokens
+from asyncrl.backends.submit_queue import SubmitQueue
+from asyncrl.backends.torch_decode import _sample_from, decode, greedy_completions
 from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
-from asyncrl.tokenizer import EOS_ID, PAD_ID
 
-# --- forward helpers (work across transformers 4.x and 5.x keyword names) -----------------------------------------
-
-def _forward_kwargs() -> tuple[str, str | None]:
-    from transformers import LlamaForCausalLM
-
-    params = inspect.signature(LlamaForCausalLM.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    keep_kw = "logits_to_keep" if "logits_to_keep" in params else (
-        "num_logits_to_keep" if "num_logits_to_keep" in params else None
-    )
-    return cache_kw, keep_kw
-
-
-_CACHE_KW: str | None = None
-_KEEP_KW: str | None = None
-
-
-def _kw() -> tuple[str, str | None]:
-    global _CACHE_KW, _KEEP_KW
-    if _CACHE_KW is None:
-        _CACHE_KW, _KEEP_KW = _forward_kwargs()
-    return _CACHE_KW, _KEEP_KW
-
-
-def _new_cache(model):
-    from transformers import DynamicCache
-
-    try:
-        return DynamicCache(config=model.config)
-    except TypeError:
-        return DynamicCache()
-
+# --- the policy's logprobs (every forward of training and scoring goes through here) ----------
 
 def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """[B, S, V] logits of a (right-padded) batch. Right padding cannot influence earlier positions under causal
@@ -88,111 +59,6 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
         kwargs["attention_mask"] = attention_mask
         kwargs["position_ids"] = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
     return model(input_ids=input_ids, **kwargs).logits
-
-
-def _sample_from(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> torch.Tensor:
-    """One token per row from ``softmax(logits / temperature)`` restricted to the top-p nucleus."""
-    if temperature != 1.0:
-        logits = logits / temperature
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
-
-
-@torch.no_grad()
-def decode(
-    model,
-    prompts: Sequence[Sequence[int]],
-    max_new_tokens: int,
-    choose: Callable[[torch.Tensor], torch.Tensor],
-    eos_id: int = EOS_ID,
-    pad_id: int = PAD_ID,
-    limits: Sequence[int] | None = None,
-) -> tuple[list[list[int]], list[list[float]], list[str]]:
-    """Decode every prompt row at once with a KV cache: ``choose(logits[B, V]) -> tokens[B]`` picks the next
-    tokens. Returns per row the completion ids (up to and including ``eos``), the temperature-1 logprob of each,
-    and the finish reason (``"stop"`` at eos, else ``"length"``). Prompts of unequal lengths are left-padded
-    with an attention mask and shifted position ids. ``limits``: a token limit per row (at most
-    ``max_new_tokens``); a row past its limit is finished, but ``choose`` still draws for it, so every row's
-    completion is the prefix of the one it gets without limits."""
-    device = next(model.parameters()).device
-    cache_kw, keep_kw = _kw()
-    B = len(prompts)
-    lengths = [len(p) for p in prompts]
-    width = max(lengths)
-    if min(lengths) == width:
-        input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
-        mask = positions = None
-    else:
-        input_ids = torch.full((B, width), pad_id, dtype=torch.long)
-        mask = torch.zeros((B, width), dtype=torch.long)
-        for i, p in enumerate(prompts):
-            if p:
-                input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            mask[i, width - len(p):] = 1
-        input_ids, mask = input_ids.to(device), mask.to(device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = _new_cache(model)
-    finished = torch.zeros(B, dtype=torch.bool, device=device)
-    limit = None if limits is None else torch.tensor(limits, device=device)
-    tokens, logps = [], []
-    step_input = input_ids
-    for t in range(max_new_tokens):
-        kwargs: dict[str, Any] = {cache_kw: cache, "use_cache": True}
-        if keep_kw is not None:
-            kwargs[keep_kw] = 1
-        if mask is not None:
-            kwargs["attention_mask"] = mask
-            kwargs["position_ids"] = positions
-        logits = model(input_ids=step_input, **kwargs).logits[:, -1].float()
-        nxt = choose(logits)
-        logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
-        nxt = nxt.masked_fill(finished, pad_id)
-        tokens.append(nxt)
-        logps.append(logp)
-        finished = finished | (nxt == eos_id)
-        if limit is not None:
-            finished = finished | (limit <= t + 1)
-        if t + 1 == max_new_tokens or bool(finished.all()):
-            break
-        step_input = nxt.unsqueeze(-1)
-        if mask is not None:
-            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
-            positions = positions[:, -1:] + 1
-    tok_rows = torch.stack(tokens, dim=1).tolist()
-    lp_rows = torch.stack(logps, dim=1).tolist()
-    completions, logprobs, reasons = [], [], []
-    for row, (toks, lps) in enumerate(zip(tok_rows, lp_rows)):
-        if limits is not None:
-            toks, lps = toks[:limits[row]], lps[:limits[row]]
-        if eos_id in toks:
-            n = toks.index(eos_id) + 1
-            completions.append(toks[:n])
-            logprobs.append(lps[:n])
-            reasons.append("stop")
-        else:
-            completions.append(toks)
-            logprobs.append(lps)
-            reasons.append("length")
-    return completions, logprobs, reasons
-
-
-def greedy_completions(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int = EOS_ID,
-                       pad_id: int = PAD_ID) -> list[list[int]]:
-    """Greedy (argmax) completions of ``prompts`` under ``model``; no randomness is drawn."""
-    if not prompts:
-        return []
-    was_training = model.training
-    model.eval()
-    try:
-        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id)
-    finally:
-        model.train(was_training)
-    return completions
 
 
 def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool):
@@ -421,10 +287,8 @@ class TorchGenerator:
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(seed)
         self._version = 0
-        self._queue: list[list[GenerationRequest]] = []  # one list per submit call
+        self._queue = SubmitQueue()
         self._done: list[GroupRollouts] = []  # generated by a weight load's drain, not yet polled
-        self._running = 0
-        self._queue_lock = threading.Lock()
         self._model_lock = threading.RLock()
 
     @property
@@ -436,43 +300,21 @@ class TorchGenerator:
         return self.gen_cfg.max_new_tokens
 
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
-        with self._queue_lock:
-            self._queue.append(list(requests))
+        self._queue.submit(requests)
 
     def num_inflight(self) -> int:
-        with self._queue_lock:
-            return sum(map(len, self._queue)) + self._running + len(self._done)
+        return self._queue.inflight() + len(self._done)
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         """Remove still-queued groups; a group already being generated finishes (and is not listed)."""
-        wanted = set(group_ids)
-        with self._queue_lock:
-            removed = [r.group_id for batch in self._queue for r in batch if r.group_id in wanted]
-            if removed:
-                batches = ([r for r in batch if r.group_id not in wanted] for batch in self._queue)
-                self._queue = [batch for batch in batches if batch]
-        return removed
+        return self._queue.abort(group_ids)
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
         """Generate everything queued now; ``[]`` when nothing is queued. (Synchronous: ``timeout`` never makes it
         wait longer than the generation itself.)"""
         with self._model_lock:  # taken before the queue: a weight load cannot come between taking and generating
             done, self._done = self._done, []
-            return done + self._generate_queued()
-
-    def _generate_queued(self) -> list[GroupRollouts]:
-        """Under the model lock: each queued submit call in one batched decode, in submission order."""
-        with self._queue_lock:
-            batches, self._queue = self._queue, []
-            self._running += sum(map(len, batches))
-        out = []
-        try:
-            for requests in batches:
-                out += self._decode(requests)
-        finally:
-            with self._queue_lock:
-                self._running -= sum(map(len, batches))
-        return out
+            return done + self._queue.generate(self._decode)  # one batched decode per submit call, in order
 
     def _decode(self, requests: list[GenerationRequest]) -> list[GroupRollouts]:
         prompts = [list(r.prompt_ids) for r in requests for _ in range(r.n)]
@@ -506,7 +348,7 @@ class TorchGenerator:
         then set ``version``. Every parameter must be present. What is still queued is generated first, with the
         weights it was submitted for (``poll`` returns it)."""
         with self._model_lock:
-            self._done += self._generate_queued()
+            self._done += self._queue.generate(self._decode)
             with torch.no_grad():
                 missing = []
                 for name, tensor in self.model.state_dict(keep_vars=True).items():
@@ -537,5 +379,5 @@ class TorchGenerator:
             self._rng.set_state(state["rng"])
 
     def close(self) -> None:
-        with self._queue_lock:
-            self._queue, self._done = [], []
+        self._queue.clear()
+        self._done = []

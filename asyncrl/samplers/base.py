@@ -17,13 +17,14 @@ Invariants:
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from itertools import islice
 from typing import TYPE_CHECKING, Any, ClassVar, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import ConfigDict
+
+from asyncrl.strict import StrictModel, check_int
 
 if TYPE_CHECKING:
     from asyncrl.buffer import ReplayBuffer, Slot
@@ -182,28 +183,16 @@ class GatedAdmission(Protocol):
     gated: bool
 
 
-class KnobModel(BaseModel):
+class KnobModel(StrictModel):
     """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    @model_validator(mode="before")
     @classmethod
-    def _known_knobs(cls, data: Any) -> Any:
-        if isinstance(data, Mapping) and cls.model_config.get("extra") == "forbid":
-            unknown = [key for key in data if key not in cls.model_fields]
-            if unknown:
-                name = cls.model_fields["name"].default if "name" in cls.model_fields else cls.__name__
-                knobs = [key for key in cls.model_fields if key != "name"]
-                raise ValueError(f"unknown knob(s) {unknown} for sampler {name!r}; its knobs are {knobs}")
-        return data
-
-
-def check_version(name: str, value: object, minimum: int = 0) -> int:
-    """``value`` as a plain int >= ``minimum`` (numpy integers welcome, bools refused), else ``ValueError``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
+    def _unknown_keys(cls, unknown: list[str], data: Mapping) -> str:
+        name = cls.model_fields["name"].default if "name" in cls.model_fields else cls.__name__
+        knobs = [key for key in cls.model_fields if key != "name"]
+        return f"unknown knob(s) {unknown} for sampler {name!r}; its knobs are {knobs}"
 
 
 class SamplerBase:
@@ -253,14 +242,14 @@ class SamplerBase:
         return not self.gated or self.dispatch_index < T + self.window
 
     def admit(self, trainer_version: int) -> Admission | None:
-        T = check_version("trainer_version", trainer_version)
+        T = check_int("trainer_version", trainer_version)
         if not self._gate_open(T):
             return None
         self.dispatch_index += 1
         return Admission(self.dispatch_index, self.dispatch_index if self.stamps_target else None)
 
     def explain_admission(self, trainer_version: int) -> str:
-        T = check_version("trainer_version", trainer_version)
+        T = check_int("trainer_version", trainer_version)
         if not self.gated:
             return f"`{self.name}` always admits: only the buffer capacity and the in-flight limit bound dispatch"
         W, k = self.window, self.dispatch_index + 1
@@ -272,11 +261,11 @@ class SamplerBase:
         return f"{rule}: {batch} waits for T >= {k - W}"
 
     def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        groups_per_step = check_version("groups_per_step", groups_per_step, 1)
+        groups_per_step = check_int("groups_per_step", groups_per_step, 1)
         return groups_per_step * (self.window + 1) if self.gated else None
 
     def set_dispatch_index(self, resume_step: int) -> None:
-        self.dispatch_index = check_version("resume_step", resume_step) - 1
+        self.dispatch_index = check_int("resume_step", resume_step) - 1
 
     def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
         return False
@@ -297,7 +286,7 @@ class SamplerBase:
         return list(zip(self.buffer.remove([s.group_id for s in picked]), words))
 
     def _pick(self, trainer_version: int, min_groups: int, max_groups: int) -> tuple[int, list[Slot] | None]:
-        T = check_version("trainer_version", trainer_version)
+        T = check_int("trainer_version", trainer_version)
         _check_chunk(min_groups, max_groups)
         picked = list(islice(self._candidates(T), max_groups))
         return T, (picked if len(picked) >= min_groups else None)
@@ -307,7 +296,7 @@ class SamplerBase:
 
     def evict_reasoned(self, trainer_version: int) -> list[tuple[Slot, str]]:
         """``evict``, each slot with its eviction verdict's reason."""
-        T = check_version("trainer_version", trainer_version)
+        T = check_int("trainer_version", trainer_version)
         doomed = list(self._evictable(T))
         if not doomed:
             return []
@@ -316,12 +305,12 @@ class SamplerBase:
 
     def abort_reason(self, slot: Slot, trainer_version: int) -> str:
         """The words its eviction verdict would give it: a group is aborted because it could only be evicted."""
-        return self._evict_reason(slot, check_version("trainer_version", trainer_version))[1]
+        return self._evict_reason(slot, check_int("trainer_version", trainer_version))[1]
 
     def explain(self, trainer_version: int, min_groups: int = 1, max_groups: int | None = None) -> list[Verdict]:
         """A verdict for every slot, in buffer order, as if ``evict`` then ``select(T, min_groups, max_groups)``
         ran now. Changes nothing."""
-        T = check_version("trainer_version", trainer_version)
+        T = check_int("trainer_version", trainer_version)
         _check_chunk(min_groups, max_groups if max_groups is not None else min_groups)
         evictable = {s.group_id for s in self._evictable(T)}
         order = {s.group_id: i for i, s in enumerate(self._candidates(T))}

@@ -1,49 +1,30 @@
-"""Run configuration: pydantic models, YAML presets, and ``load_config(preset_or_path, **overrides)``.
+"""The engines' sections: ``model:``, ``generation:`` and ``trainer:`` (one typed class per backend, chosen by
+``backend``), ``ray:``, and the backend registry that names each section's engine.
 
-Cross-field rules live here, where a bad combination is rejected before anything starts:
-- a sampler that may train on stale data needs an importance-sampling correction in the loss;
-- the buffer must hold at least the sampler's ``required_buffer_capacity(groups_per_step)``;
-- chunk bounds fit inside a step.
+Invariants:
+- Every backend section is a ``StrictModel``: an unknown key is an error listing the allowed ones, so a knob of
+  another backend (or a typo) is never silently ignored.
+- ``GENERATION_CONFIGS`` / ``TRAINER_CONFIGS`` are the registry: one entry per backend, whose class names its engine
+  (``engine``); ``asyncrl.backends.build_backends`` builds what they name. A new backend is a class here and a
+  line there.
+- ``check_placement`` holds the rules that join the two sections (replicas and ranks are Ray actors, a collective
+  weight sync needs both sides in Ray on like devices); each section checks its own knobs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Union
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, field_validator, model_validator
 
-from asyncrl.algorithms import LossConfig
-from asyncrl.faults import FaultsConfig
-from asyncrl.presets import PRESETS, presets
-from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
-from asyncrl.tasks import build_task
-from asyncrl.tracking import TrackingConfig
+from asyncrl.strict import StrictModel
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
-
-class _Knobs(_Strict):
-    """A backend's section: an unknown key is an error that lists the allowed ones (a typo is never silently
-    ignored), like the samplers' ``KnobModel``."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _known_keys(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            unknown = [key for key in data if key not in cls.model_fields]
-            if unknown:
-                given = ", ".join(f"{key}={data[key]!r}" for key in unknown)
-                raise ValueError(f"unknown key(s) {given} for {cls.__name__}; allowed: {list(cls.model_fields)}")
-        return data
-
-
-class ModelConfig(_Strict):
+class ModelConfig(BaseModel):
     """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``."""
+
+    model_config = ConfigDict(extra="forbid")
 
     hidden_size: int = Field(128, ge=1)
     intermediate_size: int = Field(344, ge=1)
@@ -55,6 +36,14 @@ class ModelConfig(_Strict):
     tie_word_embeddings: bool = True
     hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
     dtype: Literal["float32", "bfloat16"] = "float32"
+    chat_template: str | None = Field(
+        None, description="the chat template conversational prompts are rendered with (a Jinja template, or the "
+        "path of a file holding one); None: the tokenizer's own (asyncrl/chat.py)")
+
+    def shape_dump(self) -> dict:
+        """The fields that make the weights (what a checkpoint keeps as its model and a restore must match): all
+        but ``chat_template``, which changes how prompts are rendered, not the model."""
+        return self.model_dump(mode="json", exclude={"chat_template"})
 
     def llama_config(self, vocab_size: int, pad_token_id: int, bos_token_id: int, eos_token_id: int):
         """The ``transformers.LlamaConfig`` every backend builds this model from (when there is no ``hf_path``),
@@ -73,7 +62,7 @@ class ModelConfig(_Strict):
 # --- backends: one typed section per engine, chosen by ``backend`` ----------------------------------------------
 
 
-class _Placement(_Knobs):
+class _Placement(StrictModel):
     backend: str  # each variant narrows it to its Literal name (the discriminator)
     device: str = Field("cpu", description="torch device the engine runs on: 'cpu', 'cuda', 'cuda:1', ...")
     placement: Literal["local", "ray"] = Field(
@@ -163,7 +152,7 @@ class VLLMGenerationConfig(_LongTail):
         return device
 
 
-class SimulatedGeneration(_Knobs):
+class SimulatedGeneration(StrictModel):
     """Latency and reward model of the simulated generator (asyncrl/backends/simulated.py says how each knob
     is used). Times are virtual seconds. A knob set of its own, so ``asyncrl.simulate``'s calibration can fit one."""
 
@@ -322,7 +311,7 @@ class MegatronTrainerConfig(_MicroBatched):
         return self.data_parallel * self.tensor_parallel
 
 
-class SimulatedTraining(_Knobs):
+class SimulatedTraining(StrictModel):
     """Latency and learning model of the simulated policy (asyncrl/backends/simulated.py). Times are virtual
     seconds."""
 
@@ -396,8 +385,10 @@ TrainerConfig = Annotated[
 """``trainer:`` — one of ``TRAINER_CONFIGS``, chosen by ``backend`` (default ``torch``)."""
 
 
-class RayConfig(_Strict):
+class RayConfig(BaseModel):
     """``ray:`` — the Ray session behind every ``placement: ray`` backend, generation replica and trainer rank."""
+
+    model_config = ConfigDict(extra="forbid")
 
     address: str | None = Field(
         None, description="join this Ray cluster ('auto': the one `ray start` started on this machine; "
@@ -408,124 +399,10 @@ class RayConfig(_Strict):
         "the run fails with what was asked and what the cluster has")
 
 
-class TaskConfig(_Strict):
-    """``task:`` — a built-in task (asyncrl/tasks.py) and its options, checked when the config loads."""
-
-    name: str = Field("copy_digit", description="one of asyncrl.tasks.TASKS")
-    options: dict[str, Any] = Field(
-        default_factory=dict, description="the task factory's keyword arguments (each task's are its factory's)")
-
-    @model_validator(mode="after")
-    def _builds(self) -> "TaskConfig":
-        build_task(self)  # an unknown task, an unknown option or a bad value is a ValueError naming it
-        return self
-
-
-class Config(_Strict):
-    seed: int = 0
-    groups_per_step: int = Field(8, ge=1)  # N: prompt groups per optimizer step (one batch)
-    group_size: int = Field(8, ge=1)  # G: completions per prompt
-    min_groups_per_chunk: int | None = Field(None, ge=1)  # None: the whole step in one chunk
-    max_groups_per_chunk: int | None = Field(None, ge=1)
-    max_buffered_groups: int | None = Field(None, ge=1)  # None: the sampler's required capacity (or 4N)
-    max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
-    max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
-    eval_every: int | None = Field(None, ge=1)
-    # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
-    # run torch code; one thread each avoids oversubscribing the cores.
-    torch_threads: int | None = Field(None, ge=1)
-    # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
-    # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
-    # Generous by default, for slow generation on big models.
-    stall_timeout_s: float = Field(60.0, gt=0)
-    # Checkpoints (asyncrl/checkpoint.py): every K steps into checkpoint_dir/step-XXXXXX, keeping the newest few.
-    checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
-    checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")
-    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
-    faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
-    sampler: SamplerConfig = Field(default_factory=InOrderConfig)
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    generation: GenerationConfig = Field(default_factory=TorchGenerationConfig)
-    trainer: TrainerConfig = Field(default_factory=TorchTrainerConfig)
-    loss: LossConfig = Field(default_factory=LossConfig)
-    task: TaskConfig = Field(default_factory=TaskConfig)
-    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
-    ray: RayConfig = Field(default_factory=RayConfig)
-
-    @field_validator("loss", mode="before")
-    @classmethod
-    def _stale_sampler_needs_correction(cls, loss: Any, info: ValidationInfo) -> Any:
-        # Runs before LossConfig's own checks, so a stale sampler with importance_correction 'none' is reported
-        # as the cause (the sampler rule), not as a truncation that has nothing to correct.
-        correction = loss.get("importance_correction") if isinstance(loss, dict) else None
-        sampler = info.data.get("sampler")
-        if correction == "none" and sampler is not None and not isinstance(sampler, CustomConfig):
-            check_importance_correction(build_sampler(sampler, None), correction)
-        return loss
-
-    @model_validator(mode="after")
-    def _consistent(self) -> Config:
-        N = self.groups_per_step
-        if self.group_size < 2:
-            raise ValueError(
-                f"group_size {self.group_size}: GRPO's advantage is a reward minus its group's mean, so a group of "
-                "one always has advantage 0 and learns nothing; use group_size >= 2"
-            )
-        if self.checkpoint_every is not None and self.checkpoint_dir is None:
-            raise ValueError(f"checkpoint_every {self.checkpoint_every} needs checkpoint_dir (where to write)")
-        for knob in ("min_groups_per_chunk", "max_groups_per_chunk"):  # a chunk is part of one step
-            if getattr(self, knob) is not None and getattr(self, knob) > N:
-                raise ValueError(f"{knob} {getattr(self, knob)} > groups_per_step {N}: a chunk is part of one step")
-        if self.max_groups_per_chunk is not None and self.max_groups_per_chunk < self.chunk_bounds[0]:
-            raise ValueError(
-                f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
-            )
-        _check_scale(self)
-        if self.generation.weight_sync == "collective":
-            _check_collective_weight_sync(self)
-        if isinstance(self.sampler, CustomConfig):  # built on an empty buffer, as its config validation did
-            from asyncrl.buffer import ReplayBuffer
-
-            sampler = build_custom(self.sampler, ReplayBuffer())
-        else:
-            sampler = build_sampler(self.sampler, None)
-        check_sampler_fits(sampler, self)
-        return self
-
-    @property
-    def chunk_bounds(self) -> tuple[int, int]:
-        lo = self.min_groups_per_chunk or self.groups_per_step
-        return lo, self.max_groups_per_chunk or self.groups_per_step
-
-    def buffer_capacity(self, required: int | None) -> int:
-        if self.max_buffered_groups is not None:
-            return self.max_buffered_groups
-        return required if required is not None else 4 * self.groups_per_step
-
-
-def check_sampler_fits(sampler: Any, cfg: Config) -> None:
-    """Reject a sampler the rest of the config cannot serve (raises ValueError naming both sides)."""
-    check_importance_correction(sampler, cfg.loss.importance_correction)
-    required = sampler.required_buffer_capacity(cfg.groups_per_step)
-    if required is not None and cfg.max_buffered_groups is not None and cfg.max_buffered_groups < required:
-        raise ValueError(
-            f"max_buffered_groups {cfg.max_buffered_groups} is smaller than the {required} groups sampler "
-            f"{sampler!r} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
-        )
-
-
-def check_importance_correction(sampler: Any, importance_correction: str) -> None:
-    if not sampler.is_on_policy and importance_correction == "none":
-        raise ValueError(
-            f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
-            "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
-        )
-
-
-def _check_scale(cfg: Config) -> None:
-    """Replicas and ranks are Ray actors (Megatron ranks may also come from torchrun, with placement 'local');
-    what is not built yet says so by its knob."""
-    gen, trainer = cfg.generation, cfg.trainer
+def check_placement(gen: Any, trainer: Any) -> None:
+    """The rules that join ``generation`` and ``trainer`` (ValueError naming both sides). Replicas and ranks are
+    Ray actors (Megatron ranks may also come from torchrun, with placement 'local'); what is not built yet says
+    so by its knob."""
     if gen.backend == "simulated" and trainer.backend == "simulated" and trainer.colocated:
         gpus = gen.replicas * gen.gpus_per_replica
         if trainer.data_parallel > gpus:
@@ -543,58 +420,21 @@ def _check_scale(cfg: Config) -> None:
             f"generation.weight_sync 'collective' joins one policy actor and one generator actor; with "
             f"generation.replicas {gen.replicas} and {ranks} trainer rank(s) use weight_sync 'driver'"
         )
+    if gen.weight_sync == "collective":
+        _check_collective_weight_sync(gen, trainer)
 
 
-def _check_collective_weight_sync(cfg: Config) -> None:
-    placements = (cfg.trainer.placement, cfg.generation.placement)
+def _check_collective_weight_sync(gen: Any, trainer: Any) -> None:
+    placements = (trainer.placement, gen.placement)
     if placements != ("ray", "ray"):
         raise ValueError(
             "generation.weight_sync 'collective' sends weights from the policy's Ray actor to the generator's, so "
             f"both need placement 'ray'; got trainer.placement {placements[0]!r} and generation.placement "
             f"{placements[1]!r} (use weight_sync 'driver' otherwise)"
         )
-    devices = (str(cfg.trainer.device), str(cfg.generation.device))
+    devices = (str(trainer.device), str(gen.device))
     if not (all(d.startswith("cuda") for d in devices) or all(d == "cpu" for d in devices)):
         raise ValueError(
             f"generation.weight_sync 'collective' needs both backends on CUDA (NCCL) or both on CPU (gloo); got "
             f"trainer.device {devices[0]!r} and generation.device {devices[1]!r}"
         )
-
-
-_VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
-
-
-def merge_overrides(base: dict, overrides: dict) -> dict:
-    """``base`` with nested ``overrides`` applied, as ``load_config(preset, **overrides)`` applies them to a preset."""
-    out = dict(base)
-    for key, value in overrides.items():
-        # A new sampler name replaces the sampler block: knobs of one policy are errors for another.
-        if key == "sampler" and isinstance(value, dict) and value.get("name") not in (None, out.get(key, {}).get("name")):
-            out[key] = dict(value)
-        # A new backend keeps the base's keys the new backend also has (device, placement, max_new_tokens, ...)
-        # and drops the old backend's own knobs; the override's keys are all kept (unknown ones are errors).
-        elif (key in _VARIANTS and isinstance(value, dict) and isinstance(out.get(key), dict)
-              and value.get("backend", out[key].get("backend", "torch")) != out[key].get("backend", "torch")):
-            fields = _VARIANTS[key].get(value["backend"], _Knobs).model_fields
-            out[key] = {**{k: v for k, v in out[key].items() if k in fields}, **value}
-        elif isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = merge_overrides(out[key], value)
-        else:
-            out[key] = value
-    return out
-
-
-def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: Any) -> Config:
-    """A preset name (``quickstart``, ...) or a YAML path, with nested overrides applied on top:
-    ``load_config("quickstart", seed=1, sampler={"name": "weight_fifo", "max_staleness_versions": 2})``."""
-    data: dict = {}
-    if preset_or_path is not None:
-        path = Path(preset_or_path)
-        if not path.suffix and not path.exists():
-            path = PRESETS / f"{preset_or_path}.yaml"
-            if not path.exists():
-                raise ValueError(f"unknown preset {str(preset_or_path)!r}; presets: {presets()}, or a YAML path")
-        elif not path.exists():
-            raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
-    return Config.model_validate(merge_overrides(data, overrides))

@@ -1,0 +1,156 @@
+"""KV-cached decoding of a Hugging Face causal LM in plain torch: what the torch engines sample and evaluate with.
+
+- ``decode`` decodes every prompt row at once (left-padded, shifted positions), one ``choose(logits) -> tokens``
+  call per position, and reports per row the completion (up to and including eos), each token's temperature-1
+  logprob (``log_softmax(logits)``, whatever ``choose`` sampled with) and the finish reason.
+- ``_sample_from`` draws only from the ``torch.Generator`` it is given, so a rollout depends on that generator's
+  seed and the calls made, never on timing; ``greedy_completions`` draws nothing.
+- Works across transformers 4.x and 5.x (the cache and logits-to-keep keyword names are read off the signature).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from asyncrl.tokenizer import EOS_ID, PAD_ID
+
+# --- forward helpers (work across transformers 4.x and 5.x keyword names) -----------------------------------------
+
+def _forward_kwargs() -> tuple[str, str | None]:
+    from transformers import LlamaForCausalLM
+
+    params = inspect.signature(LlamaForCausalLM.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    keep_kw = "logits_to_keep" if "logits_to_keep" in params else (
+        "num_logits_to_keep" if "num_logits_to_keep" in params else None
+    )
+    return cache_kw, keep_kw
+
+
+_CACHE_KW: str | None = None
+_KEEP_KW: str | None = None
+
+
+def _kw() -> tuple[str, str | None]:
+    global _CACHE_KW, _KEEP_KW
+    if _CACHE_KW is None:
+        _CACHE_KW, _KEEP_KW = _forward_kwargs()
+    return _CACHE_KW, _KEEP_KW
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(config=model.config)
+    except TypeError:
+        return DynamicCache()
+
+
+def _sample_from(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)`` restricted to the top-p nucleus."""
+    if temperature != 1.0:
+        logits = logits / temperature
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return torch.multinomial(probs, 1, generator=rng).squeeze(-1)
+
+
+@torch.no_grad()
+def decode(
+    model,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    choose: Callable[[torch.Tensor], torch.Tensor],
+    eos_id: int = EOS_ID,
+    pad_id: int = PAD_ID,
+    limits: Sequence[int] | None = None,
+) -> tuple[list[list[int]], list[list[float]], list[str]]:
+    """Decode every prompt row at once with a KV cache: ``choose(logits[B, V]) -> tokens[B]`` picks the next
+    tokens. Returns per row the completion ids (up to and including ``eos``), the temperature-1 logprob of each,
+    and the finish reason (``"stop"`` at eos, else ``"length"``). Prompts of unequal lengths are left-padded
+    with an attention mask and shifted position ids. ``limits``: a token limit per row (at most
+    ``max_new_tokens``); a row past its limit is finished, but ``choose`` still draws for it, so every row's
+    completion is the prefix of the one it gets without limits."""
+    device = next(model.parameters()).device
+    cache_kw, keep_kw = _kw()
+    B = len(prompts)
+    lengths = [len(p) for p in prompts]
+    width = max(lengths)
+    if min(lengths) == width:
+        input_ids = torch.tensor(prompts, dtype=torch.long, device=device)
+        mask = positions = None
+    else:
+        input_ids = torch.full((B, width), pad_id, dtype=torch.long)
+        mask = torch.zeros((B, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if p:
+                input_ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    cache = _new_cache(model)
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+    limit = None if limits is None else torch.tensor(limits, device=device)
+    tokens, logps = [], []
+    step_input = input_ids
+    for t in range(max_new_tokens):
+        kwargs: dict[str, Any] = {cache_kw: cache, "use_cache": True}
+        if keep_kw is not None:
+            kwargs[keep_kw] = 1
+        if mask is not None:
+            kwargs["attention_mask"] = mask
+            kwargs["position_ids"] = positions
+        logits = model(input_ids=step_input, **kwargs).logits[:, -1].float()
+        nxt = choose(logits)
+        logp = torch.log_softmax(logits, dim=-1).gather(-1, nxt.unsqueeze(-1)).squeeze(-1)
+        nxt = nxt.masked_fill(finished, pad_id)
+        tokens.append(nxt)
+        logps.append(logp)
+        finished = finished | (nxt == eos_id)
+        if limit is not None:
+            finished = finished | (limit <= t + 1)
+        if t + 1 == max_new_tokens or bool(finished.all()):
+            break
+        step_input = nxt.unsqueeze(-1)
+        if mask is not None:
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=device)], dim=1)
+            positions = positions[:, -1:] + 1
+    tok_rows = torch.stack(tokens, dim=1).tolist()
+    lp_rows = torch.stack(logps, dim=1).tolist()
+    completions, logprobs, reasons = [], [], []
+    for row, (toks, lps) in enumerate(zip(tok_rows, lp_rows)):
+        if limits is not None:
+            toks, lps = toks[:limits[row]], lps[:limits[row]]
+        if eos_id in toks:
+            n = toks.index(eos_id) + 1
+            completions.append(toks[:n])
+            logprobs.append(lps[:n])
+            reasons.append("stop")
+        else:
+            completions.append(toks)
+            logprobs.append(lps)
+            reasons.append("length")
+    return completions, logprobs, reasons
+
+
+def greedy_completions(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int = EOS_ID,
+                       pad_id: int = PAD_ID) -> list[list[int]]:
+    """Greedy (argmax) completions of ``prompts`` under ``model``; no randomness is drawn."""
+    if not prompts:
+        return []
+    was_training = model.training
+    model.eval()
+    try:
+        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id)
+    finally:
+        model.train(was_training)
+    return completions

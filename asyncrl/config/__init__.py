@@ -1,0 +1,188 @@
+"""Run configuration: ``Config`` (the run's own knobs and one field per section), YAML presets, and
+``load_config(preset_or_path, **overrides)``.
+
+Where a section lives (each module opens with its invariants):
+- ``asyncrl.config.backends``: ``model:``, ``generation:``, ``trainer:``, ``ray:`` and the backend registry
+  (``GENERATION_CONFIGS``, ``TRAINER_CONFIGS``), and the rules that join generation to trainer;
+- ``asyncrl.config.sampling``: the sampler's glue (``sampler:`` itself is typed in ``asyncrl.samplers``);
+- ``asyncrl.config.tasks``: ``task:``, and the sections that say what is trained on and how it is scored;
+- ``loss:``, ``faults:`` and ``tracking:`` are typed next to what they configure (asyncrl/algorithms.py,
+  asyncrl/faults.py, asyncrl/tracking.py).
+A new section is a model in the module it belongs to, a field of ``Config`` and, where it is imported from
+``asyncrl.config``, a name below.
+
+Cross-field rules are checked here, where a bad combination is rejected before anything starts:
+- a sampler that may train on stale data needs an importance-sampling correction in the loss;
+- the buffer must hold at least the sampler's ``required_buffer_capacity(groups_per_step)``;
+- chunk bounds fit inside a step; replicas and ranks fit their placement.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+
+from asyncrl.algorithms import LossConfig
+from asyncrl.config.backends import (
+    GENERATION_CONFIGS,
+    TRAINER_CONFIGS,
+    GenerationConfig,
+    MegatronTrainerConfig,
+    ModelConfig,
+    RayConfig,
+    SimulatedGeneration,
+    SimulatedGenerationConfig,
+    SimulatedTrainerConfig,
+    SimulatedTraining,
+    TorchGenerationConfig,
+    TorchTrainerConfig,
+    TrainerConfig,
+    VLLMGenerationConfig,
+    check_placement,
+)
+from asyncrl.config.sampling import (
+    check_importance_correction,
+    check_sampler_config,
+    check_sampler_fits,
+    check_stale_sampler_correction,
+)
+from asyncrl.config.tasks import TaskConfig
+from asyncrl.faults import FaultsConfig
+from asyncrl.presets import PRESETS, presets
+from asyncrl.rewards import RewardConfig
+from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
+from asyncrl.strict import StrictModel
+from asyncrl.tasks import build_task
+from asyncrl.tracking import TrackingConfig
+
+__all__ = [
+    "Config", "load_config", "merge_overrides", "presets", "PRESETS",
+    "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
+    "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
+    "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
+    "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
+    "check_sampler_fits", "check_importance_correction",
+    # importable from asyncrl.config since before the split into a package; their homes are asyncrl.samplers
+    # and asyncrl.tasks
+    "CustomConfig", "InOrderConfig", "build_custom", "build_sampler", "build_task",
+]
+
+
+class Config(BaseModel):
+    """The whole run: the run's own knobs here, each section typed in the module that holds it."""
+
+    model_config = ConfigDict(extra="forbid")
+    seed: int = 0
+    groups_per_step: int = Field(8, ge=1)  # N: prompt groups per optimizer step (one batch)
+    group_size: int = Field(8, ge=1)  # G: completions per prompt
+    min_groups_per_chunk: int | None = Field(None, ge=1)  # None: the whole step in one chunk
+    max_groups_per_chunk: int | None = Field(None, ge=1)
+    max_buffered_groups: int | None = Field(None, ge=1)  # None: the sampler's required capacity (or 4N)
+    max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
+    max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
+    eval_every: int | None = Field(None, ge=1)
+    filter_uniform_groups: bool = Field(
+        False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
+        "dynamic sampling) and admit another in its place")
+    # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
+    # run torch code; one thread each avoids oversubscribing the cores.
+    torch_threads: int | None = Field(None, ge=1)
+    # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
+    # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
+    # Generous by default, for slow generation on big models.
+    stall_timeout_s: float = Field(60.0, gt=0)
+    # Checkpoints (asyncrl/checkpoint.py): every K steps into checkpoint_dir/step-XXXXXX, keeping the newest few.
+    checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
+    checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")
+    keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
+    sampler: SamplerConfig = Field(default_factory=InOrderConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    generation: GenerationConfig = Field(default_factory=TorchGenerationConfig)
+    trainer: TrainerConfig = Field(default_factory=TorchTrainerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    task: TaskConfig = Field(default_factory=TaskConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)  # reward functions, weights, workers (asyncrl/rewards)
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
+    ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("loss", mode="before")
+    @classmethod
+    def _stale_sampler_needs_correction(cls, loss: Any, info: ValidationInfo) -> Any:
+        # Runs before LossConfig's own checks (see check_stale_sampler_correction).
+        correction = loss.get("importance_correction") if isinstance(loss, dict) else None
+        check_stale_sampler_correction(info.data.get("sampler"), correction)
+        return loss
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        N = self.groups_per_step
+        if self.group_size < 2:
+            raise ValueError(
+                f"group_size {self.group_size}: GRPO's advantage is a reward minus its group's mean, so a group of "
+                "one always has advantage 0 and learns nothing; use group_size >= 2"
+            )
+        if self.checkpoint_every is not None and self.checkpoint_dir is None:
+            raise ValueError(f"checkpoint_every {self.checkpoint_every} needs checkpoint_dir (where to write)")
+        for knob in ("min_groups_per_chunk", "max_groups_per_chunk"):  # a chunk is part of one step
+            if getattr(self, knob) is not None and getattr(self, knob) > N:
+                raise ValueError(f"{knob} {getattr(self, knob)} > groups_per_step {N}: a chunk is part of one step")
+        if self.max_groups_per_chunk is not None and self.max_groups_per_chunk < self.chunk_bounds[0]:
+            raise ValueError(
+                f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
+            )
+        check_placement(self.generation, self.trainer)
+        check_sampler_config(self)
+        return self
+
+    @property
+    def chunk_bounds(self) -> tuple[int, int]:
+        lo = self.min_groups_per_chunk or self.groups_per_step
+        return lo, self.max_groups_per_chunk or self.groups_per_step
+
+    def buffer_capacity(self, required: int | None) -> int:
+        if self.max_buffered_groups is not None:
+            return self.max_buffered_groups
+        return required if required is not None else 4 * self.groups_per_step
+
+
+_VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
+
+
+def merge_overrides(base: dict, overrides: dict) -> dict:
+    """``base`` with nested ``overrides`` applied, as ``load_config(preset, **overrides)`` applies them to a preset."""
+    out = dict(base)
+    for key, value in overrides.items():
+        # A new sampler name replaces the sampler block: knobs of one policy are errors for another.
+        if key == "sampler" and isinstance(value, dict) and value.get("name") not in (None, out.get(key, {}).get("name")):
+            out[key] = dict(value)
+        # A new backend keeps the base's keys the new backend also has (device, placement, max_new_tokens, ...)
+        # and drops the old backend's own knobs; the override's keys are all kept (unknown ones are errors).
+        elif (key in _VARIANTS and isinstance(value, dict) and isinstance(out.get(key), dict)
+              and value.get("backend", out[key].get("backend", "torch")) != out[key].get("backend", "torch")):
+            fields = _VARIANTS[key].get(value["backend"], StrictModel).model_fields
+            out[key] = {**{k: v for k, v in out[key].items() if k in fields}, **value}
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: Any) -> Config:
+    """A preset name (``quickstart``, ...) or a YAML path, with nested overrides applied on top:
+    ``load_config("quickstart", seed=1, sampler={"name": "weight_fifo", "max_staleness_versions": 2})``."""
+    data: dict = {}
+    if preset_or_path is not None:
+        path = Path(preset_or_path)
+        if not path.suffix and not path.exists():
+            path = PRESETS / f"{preset_or_path}.yaml"
+            if not path.exists():
+                raise ValueError(f"unknown preset {str(preset_or_path)!r}; presets: {presets()}, or a YAML path")
+        elif not path.exists():
+            raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
+        data = yaml.safe_load(path.read_text()) or {}
+    return Config.model_validate(merge_overrides(data, overrides))

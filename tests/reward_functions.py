@@ -1,0 +1,96 @@
+"""Reward functions the reward tests name as ``tests.reward_functions:NAME`` (importable in a worker process)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+
+def length(completions, **kwargs):
+    return [float(len(c if isinstance(c, str) else c[0]["content"])) for c in completions]
+
+
+def only_even(completions, completion_ids, **kwargs):
+    """Applies to completions with an even number of tokens (None elsewhere)."""
+    return [1.0 if len(ids) % 2 == 0 else None for ids in completion_ids]
+
+
+def never(completions, **kwargs):
+    return [None] * len(completions)
+
+
+def uses_column(completions, answer, **kwargs):
+    return [1.0 if c == a else 0.0 for c, a in zip(completions, answer)]
+
+
+def named_params(prompts, completions, answer):  # no **kwargs: gets only what it names
+    return [float(p == "p" and c == a) for p, c, a in zip(prompts, completions, answer)]
+
+
+async def async_length(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+def pid(completions, **kwargs):
+    return [float(os.getpid())] * len(completions)
+
+
+def pid_after_a_while(completions, **kwargs):
+    time.sleep(0.3)
+    return [float(os.getpid())] * len(completions)
+
+
+def slow(completions, **kwargs):
+    time.sleep(30)
+    return [0.0] * len(completions)
+
+
+def slow_once(completions, marker, **kwargs):
+    """Hangs the first time (``marker``: a path column), then gives its process id."""
+    path = Path(marker[0])
+    if not path.exists():
+        path.write_text("hung")
+        time.sleep(30)
+    return [float(os.getpid())] * len(completions)
+
+
+def raises(completions, **kwargs):
+    raise ValueError("the verifier is down")
+
+
+def nan(completions, **kwargs):
+    return [float("nan")] * len(completions)
+
+
+def short(completions, **kwargs):
+    return [1.0]
+
+
+def words(completions, **kwargs):
+    return ["yes"] * len(completions)
+
+
+def scalar(completions, **kwargs):
+    return 1.0
+
+
+def dies_once(completions, marker, **kwargs):
+    """SIGKILLs its own worker the first time (``marker``: a path column), then scores 1."""
+    path = Path(marker[0])
+    if not path.exists():
+        path.write_text("died")
+        os.kill(os.getpid(), signal.SIGKILL)
+    return [1.0] * len(completions)
+
+
+def wait_10ms(completions, **kwargs):
+    time.sleep(0.01)
+    return [1.0] * len(completions)
+
+
+def old_signature(prompt, completion_text):
+    return 1.0
