@@ -52,7 +52,7 @@ TIERS = [
     # a recording replayed under another sampler: what it reads of a recording, the latency fit, the generator
     # serving recorded completions, one replay, several side by side (and their figure), the package's lazy names
     ["asyncrl.replay.recorded"], ["asyncrl.replay.latency", "asyncrl.replay.generator"], ["asyncrl.replay.replayed"],
-    ["asyncrl.replay.figure"], ["asyncrl.replay.compare"], ["asyncrl.replay"],
+    ["asyncrl.replay.figure"], ["asyncrl.replay.comparison"], ["asyncrl.replay"],
     ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.replay.command"],  # ``asyncrl replay``: opens a recording, compares
     ["asyncrl.cli"],

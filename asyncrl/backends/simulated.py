@@ -155,6 +155,7 @@ class SimulatedGenerator:
         self.replicas = gen_cfg.replicas if gen_cfg.placement != "ray" else 1
         self._replicas = [_Replica([(-math.inf, 0)]) for _ in range(self.replicas)]
         self.timed_updates = False  # asyncrl.simulate times each replica's update itself (``receive``)
+        self.hold = False  # asyncrl.simulate: while a train tick's chunk trains, finished groups wait to be polled
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
         self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
@@ -228,9 +229,11 @@ class SimulatedGenerator:
                 t = end
 
     def next_event_time(self) -> float | None:
-        """When the next group finishes or a timed weight update begins (virtual seconds); None if neither."""
+        """When the next group finishes or a timed weight update begins (virtual seconds); None if neither. While
+        finished groups are held, only later finishes count (the held ones come out when the hold ends)."""
         with self._lock:
-            times = [f.finish for f in self._flights.values() if f.finish < math.inf]
+            past = self.clock.now if self.hold else -math.inf
+            times = [f.finish for f in self._flights.values() if past < f.finish < math.inf]
             times += [u[0] for rep in self._replicas for u in rep.pending]
             return min(times, default=None)
 
@@ -303,8 +306,8 @@ class SimulatedGenerator:
             while True:
                 self._advance()
                 now = self.clock.now
-                done = sorted((f for f in self._flights.values() if f.finish <= now),
-                              key=lambda f: (f.finish, f.request.group_id))
+                done = [] if self.hold else sorted((f for f in self._flights.values() if f.finish <= now),
+                                                   key=lambda f: (f.finish, f.request.group_id))
                 if done or not self._flights or not isinstance(self.clock, WallClock):
                     break
                 wait = min(f.finish for f in self._flights.values()) - now

@@ -5,7 +5,7 @@
 
 The parts: ``recorded`` (what a replay reads of a recording), ``latency`` (the latency model fitted from its step
 timings), ``generator`` (the simulated generator serving recorded completions), ``replayed`` (one replay, read like
-a controller), ``compare`` (several samplers side by side: one table, one figure) and ``command`` (``asyncrl
+a controller), ``comparison`` (several samplers side by side: one table, one figure) and ``command`` (``asyncrl
 replay``). A replay predicts schedules and data, not learning: the rewards are the recorded policy's.
 """
 
@@ -14,8 +14,8 @@ from importlib import import_module
 _LAZY = {  # loaded on first use, so ``asyncrl --help`` (which registers ``asyncrl replay``) loads no torch
     "replay": "asyncrl.replay.replayed",
     "ReplayedRun": "asyncrl.replay.replayed",
-    "compare": "asyncrl.replay.compare",
-    "Comparison": "asyncrl.replay.compare",
+    "compare": "asyncrl.replay.comparison",
+    "Comparison": "asyncrl.replay.comparison",
 }
 
 

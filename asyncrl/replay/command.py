@@ -53,7 +53,7 @@ def main(args: argparse.Namespace) -> int:
     import pandas as pd
 
     from asyncrl.recording import Recording
-    from asyncrl.replay.compare import compare
+    from asyncrl.replay.comparison import compare
 
     start = time.perf_counter()
     try:

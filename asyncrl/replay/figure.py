@@ -3,7 +3,8 @@ on shared axes so the columns read against each other.
 
 Rows: the lag of the trained groups; the groups dropped, by their lag at the drop and how (evicted, aborted,
 skipped); what the sampler skews (the mean completion length, then the mean reward, of what was generated, trained
-and dropped); the schedule (every trained group at its step, by dispatch order, coloured by lag). Returns a
+and dropped); the schedule against the recording's (per step, the share of the groups trained that the recording
+trained at that step). Returns a
 ``matplotlib.figure.Figure`` (no pyplot state).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pandas as pd
 from matplotlib.figure import Figure
 
 from asyncrl import metrics as M
@@ -27,6 +29,7 @@ def comparison_figure(cmp) -> Figure:
     fig = Figure(figsize=(3.1 * len(names) + 0.6, 2.3 * len(rows)), layout="constrained")
     axes = fig.subplots(len(rows), len(names), squeeze=False, sharey="row")
     lag_max = max(1, int(max(table.loc["lag_max"].max(), _max(drops.lag))))
+    recorded = sched[sched.sampler == names[0]]
     for j, name in enumerate(names):
         col, s = table[name], sched[sched.sampler == name]
         ax = axes[0][j]
@@ -61,15 +64,16 @@ def comparison_figure(cmp) -> Figure:
                         va="bottom", fontsize=7)
             ax.set_title("mean completion length" if row == 2 else "mean reward", fontsize=9)
         ax = axes[4][j]
-        points = ax.scatter(s.step, s.group_id, c=s.lag, cmap="viridis", vmin=0, vmax=lag_max, s=4)
+        same = _agreement(s, recorded)
+        ax.plot(same.index, same.values, color="#4C72B0", lw=1)
+        ax.set_ylim(-0.05, 1.05)
         ax.set_xlabel("step", fontsize=8)
-        ax.set_title("trained groups (colour: lag)", fontsize=9)
+        ax.set_title(f"the recording's groups at its step: {same.mean():.0%}", fontsize=9)
     axes[0][0].set_ylabel("groups trained")
     axes[1][0].set_ylabel("groups dropped")
     axes[2][0].set_ylabel("tokens")
     axes[3][0].set_ylabel("reward")
-    axes[4][0].set_ylabel("group id (dispatch order)")
-    fig.colorbar(points, ax=axes[4].tolist(), label="lag", shrink=0.8)
+    axes[4][0].set_ylabel("share of the step's groups")
     for ax in axes.flat:
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
@@ -79,3 +83,12 @@ def comparison_figure(cmp) -> Figure:
 def _max(values) -> int:
     values = values.dropna()
     return int(values.max()) if len(values) else 0
+
+
+def _agreement(mine, recorded):
+    """Per step, the share of the groups a run trained that the recording trained at the same step (a replayed
+    group counts as the recorded group it was served)."""
+    theirs = set(zip(recorded.step, recorded.recorded_group))
+    hits = [(step, (step, group) in theirs) for step, group in zip(mine.step, mine.recorded_group)]
+    frame = pd.DataFrame(hits, columns=["step", "same"])
+    return frame.groupby("step").same.mean()

@@ -11,9 +11,12 @@ Invariants (kept in ``Simulation``):
 - A train tick's effects (``T += 1``, the weight sync, aborts) become visible when its chunk has trained, not when
   it started: the loop asks the sampler (``Controller.explain``) what the next train tick would select, reserves the
   trainer for that chunk's time, and runs the real ``train_tick`` at the end of it. So the rollout side sees the
-  old ``T`` while the trainer works, as it would in a real run. (The chunk actually trained can differ from the one
-  planned if rollouts committed meanwhile change a sampler's choice; the trainer's time then follows the chunk it
-  trained, and ``summary()["train_ticks_replanned"]`` counts such ticks.)
+  old ``T`` while the trainer works, as it would in a real run. The tick's choice is the one made at its start, as
+  in a real run, where a train tick holds the controller's lock through evict and select: groups that finish while
+  the chunk trains are held by the generator (``hold``) and committed when the tick ends, right after it, so they
+  cannot change what it selected (the rollout side keeps dispatching meanwhile). Should the chunk trained still
+  differ from the one planned, the trainer's time follows the chunk it trained, and
+  ``summary()["train_ticks_replanned"]`` counts such ticks.
 - After a step the weights go to every replica (``SimulatedPolicy.sync_arrivals``: latency plus bytes over the link,
   one after another or down a tree): the trainer waits for the last transfer; each replica loads them as its
   ``weight_update`` says (``SimulatedGenerator.receive``).
@@ -89,6 +92,7 @@ class Simulation:
                 if tick_at is not None and now >= tick_at:
                     self._train(tick_start, now)
                     tick_at = None
+                gen.hold = tick_at is not None
                 self._rollout(now)
                 if tick_at is None and now >= self.trainer_free:
                     tick_at, tick_start = self._plan(now), now
@@ -107,7 +111,7 @@ class Simulation:
                     later, tick_at = self._contend(now, later, tick_at)
                 clock.now = later
         finally:
-            clock.stepping, gen.timed_updates = True, False
+            clock.stepping, gen.timed_updates, gen.hold = True, False, False
             self.wall_s += time.perf_counter() - wall
         return self.metrics.iloc[rows:]
 

@@ -37,8 +37,10 @@ def label(sampler: Mapping) -> str:
     """``windowed W=2``, ``in_order L=0``, ``custom my_sampler:NewestFirst``: a sampler config in a few words."""
     letters = {"max_staleness_versions": "W", "max_lookahead_versions": "L"}
     knobs = [f"{letters[k]}={v}" for k, v in sampler.items() if k in letters]
-    knobs += [f"{k}={v}" for k, v in sampler.items() if k not in letters and k != "name" and v not in (False, None)]
-    return " ".join([sampler["name"], *knobs]) if sampler["name"] != "custom" else f"custom {sampler.get('target')}"
+    knobs += [f"{k}={v}" for k, v in sampler.items()
+              if k not in letters and k not in ("name", "target") and v not in (False, None)]
+    head = sampler["name"] if sampler["name"] != "custom" else f"custom {sampler.get('target')}"
+    return " ".join([head, *knobs])
 
 
 def summarize(trace: pd.DataFrame, metrics: pd.DataFrame, cfg=None) -> dict[str, Any]:
