@@ -9,14 +9,18 @@ Every run is real: ``asyncrl run quickstart`` in a process of its own (the CPU t
 threads), with completions of up to 8 tokens whose limits are long-tailed (``generation.min_new_tokens_tail=2``),
 written as a run directory; the replays are ``asyncrl.replay.compare``'s.
 
-1. ``speed``: two ``--steps`` recordings (``in_order`` L=1 and ``weight_fifo`` W=1), each replayed under the five
-   samplers (the four built in and ``notebooks/my_sampler.NewestFirst``): the wall seconds of each replay (the
-   recording read once, before the clock starts), and for the run's own sampler whether the replayed schedule (every
-   ``select``: step, group, weight version) equals the recorded one. The goal: under 10 s a sampler at 1,000 steps.
-2. ``fidelity``: a real run of each of the five samplers (``--fidelity-steps``); then each run's recording replayed
-   under every sampler and compared with that sampler's real run: steps/s (simulated against wall), mean lag, the
-   lag distribution (total variation distance between the shares of groups trained at each lag), the share of
-   dispatched groups dropped. The diagonal (a recording replayed into its own sampler) is the fit's own error.
+1. ``speed``: three ``--steps`` recordings, two real CPU runs (``in_order`` L=1 and ``weight_fifo`` W=1) and one of
+   the simulated backends with 128-token completions (``asyncrl run what_if``: a replay's cost grows with the
+   tokens a step trains), each replayed under the five samplers (the four built in and
+   ``notebooks/my_sampler.NewestFirst``): the wall seconds of each replay (the recording read once, before the
+   clock starts), and for the run's own sampler whether the replayed schedule (every ``select``: step, group,
+   weight version) equals the recorded one. The goal: under 10 s a sampler at 1,000 steps.
+2. ``fidelity``: ``--repeats`` real runs of each of the five samplers and ``windowed`` W=1 (``--fidelity-steps``
+   each, round robin so the machine's load drifts alike over all of them); then every run's recording replayed
+   under every sampler and compared with that sampler's real runs (medians over the repeats): steps/s (simulated
+   against wall), mean lag, the lag distribution (total variation distance between the shares of groups trained at
+   each lag, all repeats pooled), the share of dispatched groups dropped. The diagonal (recordings replayed into
+   their own sampler) is the fit's own error; the real runs' range says how much the machine moved.
 
 The box is shared: wall-clock figures move with its load (``meta.json`` has the load before the run).
 """
@@ -36,22 +40,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path[:0] = [str(ROOT), str(ROOT / "notebooks")]  # the custom sampler lives next to the notebooks
 
+import pandas as pd  # noqa: E402
+
 from record import meta, save  # noqa: E402
 
 SAMPLERS = [{"name": "in_order", "max_lookahead_versions": 1}, {"name": "weight_fifo", "max_staleness_versions": 1},
             {"name": "windowed", "max_staleness_versions": 0}, {"name": "ready_first", "max_staleness_versions": 1},
             {"name": "custom", "target": "my_sampler:NewestFirst", "max_lag": 1}]
+# fidelity: the five, and windowed with a window (it evicts at lag 2 and mixes lags 0 and 1: a timing-dependent mix)
+FIDELITY = SAMPLERS[:2] + [{"name": "windowed", "max_staleness_versions": 1}] + SAMPLERS[2:]
 SETTINGS = ["eval_every=null", "torch_threads=1", "generation.max_new_tokens=8", "generation.min_new_tokens_tail=2"]
 
 
-def record(out: Path, sampler: dict, steps: int, seed: int) -> float:
-    """``asyncrl run quickstart`` with ``sampler`` into ``out``; returns its wall seconds."""
+def record(out: Path, sampler: dict, steps: int, seed: int, preset: str = "quickstart") -> float:
+    """``asyncrl run PRESET`` with ``sampler`` into ``out`` (the quickstart with ``SETTINGS``); returns its wall
+    seconds."""
     import json
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "notebooks")]), HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", str(steps), "--out", str(out),
+    settings = SETTINGS if preset == "quickstart" else []
+    cmd = [sys.executable, "-m", "asyncrl.cli", "run", preset, "--steps", str(steps), "--out", str(out),
            "--quiet", "--no-plot", "--set", f"sampler={json.dumps(sampler)}", "--set", f"seed={seed}",
-           *[a for s in SETTINGS for a in ("--set", s)]]
+           *[a for s in settings for a in ("--set", s)]]
     start = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
     if done.returncode != 0:
@@ -69,9 +79,9 @@ def speed(work: Path, steps: int, seed: int, rows: list[dict]) -> None:
     from asyncrl.replay.comparison import label
     from asyncrl.replay.recorded import read
 
-    for sampler in SAMPLERS[:2]:
-        out = work / f"speed-{sampler['name']}"
-        record_s = record(out, sampler, steps, seed)
+    for preset, sampler in [("quickstart", SAMPLERS[0]), ("quickstart", SAMPLERS[1]), ("what_if", SAMPLERS[0])]:
+        out = work / f"speed-{preset}-{sampler['name']}"
+        record_s = record(out, sampler, steps, seed, preset)
         rec = Recording(out)
         run = read(rec)
         for target in SAMPLERS:
@@ -79,7 +89,8 @@ def speed(work: Path, steps: int, seed: int, rows: list[dict]) -> None:
             replayed = replay(rec, target, recorded=run)
             seconds = time.perf_counter() - start
             own = target == sampler
-            rows.append({"recording": label(sampler), "sampler": label(target), "steps": len(replayed.metrics),
+            rows.append({"recording": f"{preset} {label(sampler)}", "sampler": label(target),
+                         "steps": len(replayed.metrics), "tokens_per_step": round(run.metrics.completion_tokens.mean()),
                          "replay_s": round(seconds, 2), "record_s": round(record_s, 1), "own_sampler": own,
                          "same_schedule": trained(replayed.schedule) == trained(run.schedule) if own else None,
                          "source": run.source, "drawn_fraction": round(replayed.drawn_fraction, 4),
@@ -87,37 +98,45 @@ def speed(work: Path, steps: int, seed: int, rows: list[dict]) -> None:
             print(rows[-1], flush=True)
 
 
-def _lag_shares(frame) -> dict[int, float]:
+def _lag_shares(frame: pd.DataFrame) -> dict[int, float]:
     counts = frame.lag.value_counts(normalize=True)
     return {int(k): float(v) for k, v in counts.items()}
 
 
-def fidelity(work: Path, steps: int, seed: int, rows: list[dict]) -> None:
+def fidelity(work: Path, steps: int, seed: int, repeats: int, rows: list[dict]) -> None:
     from asyncrl import Recording
+    from asyncrl.replay import replay
     from asyncrl.replay.comparison import label, summarize
     from asyncrl.replay.recorded import read, schedule
-    from asyncrl.replay import replay
 
-    real = {}
-    for sampler in SAMPLERS:
-        out = work / f"fidelity-{label(sampler).replace(' ', '_').replace(':', '_')}"
-        record(out, sampler, steps, seed)
-        rec = Recording(out)
-        real[label(sampler)] = (rec, read(rec), sampler)
-    for source, (rec, run, _) in real.items():
-        for target, (_, target_run, knobs) in real.items():
-            replayed = replay(rec, knobs, recorded=run)
-            mine, theirs = summarize(replayed.trace, replayed.metrics), summarize(target_run.trace, target_run.metrics)
-            a, b = _lag_shares(replayed.schedule), _lag_shares(schedule(target_run.trace))
+    real: dict[str, list] = {label(s): [] for s in FIDELITY}
+    for repeat in range(repeats):  # round robin: the machine's load drifts alike over every sampler's runs
+        for sampler in FIDELITY:
+            out = work / f"fidelity-{repeat}-{label(sampler).replace(' ', '_').replace(':', '_')}"
+            record(out, sampler, steps, seed)
+            rec = Recording(out)
+            real[label(sampler)].append((rec, read(rec), sampler))
+    for source, recordings in real.items():
+        for target, targets in real.items():
+            knobs = targets[0][2]
+            mine = [(replay(rec, knobs, recorded=run)) for rec, run, _ in recordings]
+            ours = [summarize(r.trace, r.metrics) for r in mine]
+            theirs = [summarize(run.trace, run.metrics) for _, run, _ in targets]
+            a = _lag_shares(pd.concat([r.schedule for r in mine]))
+            b = _lag_shares(pd.concat([schedule(run.trace) for _, run, _ in targets]))
             tv = 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+            med = lambda runs, key: float(pd.Series([r[key] for r in runs]).median())  # noqa: E731
+            real_rate, replay_rate = med(theirs, "steps_per_s"), med(ours, "steps_per_s")
             rows.append({
-                "recording": source, "replayed_into": target,
-                "steps_per_s_real": round(theirs["steps_per_s"], 2), "steps_per_s_replay": round(mine["steps_per_s"], 2),
-                "steps_per_s_error": round(mine["steps_per_s"] / theirs["steps_per_s"] - 1, 3),
-                "lag_mean_real": round(theirs["lag_mean"], 3), "lag_mean_replay": round(mine["lag_mean"], 3),
+                "recording": source, "replayed_into": target, "repeats": repeats,
+                "steps_per_s_real": round(real_rate, 2),
+                "steps_per_s_real_range": f"{min(r['steps_per_s'] for r in theirs):.1f}-"
+                                          f"{max(r['steps_per_s'] for r in theirs):.1f}",
+                "steps_per_s_replay": round(replay_rate, 2), "steps_per_s_error": round(replay_rate / real_rate - 1, 3),
+                "lag_mean_real": round(med(theirs, "lag_mean"), 3), "lag_mean_replay": round(med(ours, "lag_mean"), 3),
                 "lag_tv_distance": round(tv, 3),
-                "drop_frac_real": round(theirs["drop_frac"], 3), "drop_frac_replay": round(mine["drop_frac"], 3),
-                "drawn_fraction": round(replayed.drawn_fraction, 3),
+                "drop_frac_real": round(med(theirs, "drop_frac"), 3), "drop_frac_replay": round(med(ours, "drop_frac"), 3),
+                "drawn_fraction": round(float(pd.Series([r.drawn_fraction for r in mine]).median()), 3),
             })
             print(rows[-1], flush=True)
 
@@ -127,12 +146,12 @@ def main() -> None:
     parser.add_argument("--only", choices=["speed", "fidelity"])
     parser.add_argument("--steps", type=int, default=1000, help="steps of the speed section's recordings")
     parser.add_argument("--fidelity-steps", type=int, default=200, help="steps of each fidelity run")
+    parser.add_argument("--repeats", type=int, default=3, help="real runs of each sampler in the fidelity section")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--name", default=None, help="run directory name under benchmarks/data/bench_replay")
     parser.add_argument("--out", default=None, help="write rows.csv/meta.json here instead")
     args = parser.parse_args()
     before = meta("bench_replay")
-    import pandas as pd
 
     work = Path(tempfile.mkdtemp(prefix="bench-replay-"))
     speed_rows: list[dict] = []
@@ -141,7 +160,7 @@ def main() -> None:
         if args.only in (None, "speed"):
             speed(work, args.steps, args.seed, speed_rows)
         if args.only in (None, "fidelity"):
-            fidelity(work, args.fidelity_steps, args.seed, fidelity_rows)
+            fidelity(work, args.fidelity_steps, args.seed, args.repeats, fidelity_rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     speed_frame, fidelity_frame = pd.DataFrame(speed_rows), pd.DataFrame(fidelity_rows)
