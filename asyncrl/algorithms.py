@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import chain, repeat
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -193,6 +193,123 @@ def token_entropy(logits: torch.Tensor) -> torch.Tensor:
     logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     ent = -(logp.exp() * logp).sum(-1)
     return torch.nn.functional.pad(ent, (1, 0))
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_tokens: int = 2048,
+    entropy: bool = False, vocab_size: int | None = None, vocab_start: int = 0, group: Any = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Logprob of ``targets`` [N] (and, with ``entropy``, the next-token entropy) at N positions, from their last
+    hidden states ``hidden`` [N, H] and the output layer's ``weight`` [V, H], ``chunk_tokens`` positions at a time:
+    ``(logprobs [N], entropy [N] or None)``, float32 (float64 for float64 inputs), differentiable in ``hidden`` and ``weight``.
+
+    What ``token_logprobs`` / ``token_entropy`` compute from the full logits, up to float reassociation, without a
+    ``[N, V]`` tensor: at most ``chunk_tokens x V`` logits exist at once, in the forward *and* the backward (which
+    recomputes each chunk's logits from the saved hidden states; ``_ChunkedLogprobs``). The logits are the output
+    layer's product in ``weight``'s dtype, upcast to float32, as the full path does.
+
+    Vocabulary-parallel (Megatron's tensor parallelism): ``weight`` is this rank's rows of the vocabulary,
+    ``vocab_start`` the first one's id, ``group`` the tensor-parallel process group; the log-sum-exp, the picked
+    logits and the entropy are all-reduced over it, and so is the hidden states' gradient (the hidden states are
+    replicated over the group). ``vocab_size``: the real vocabulary (rows at or past it are padding, left out)."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens {chunk_tokens!r}: must be a positive integer")
+    rows = weight.shape[0] if vocab_size is None else max(0, min(weight.shape[0], vocab_size - vocab_start))
+    lp, ent = _ChunkedLogprobs.apply(hidden, weight, targets, int(chunk_tokens), bool(entropy), rows,
+                                     int(vocab_start), group)
+    return lp, (ent if entropy else None)
+
+
+def _all_reduce(t: torch.Tensor, group: Any, op: str = "sum") -> torch.Tensor:
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """A chunk's logits, upcast to float32 (float64 stays float64)."""
+    return torch.nn.functional.linear(h, weight[:rows]).to(torch.promote_types(weight.dtype, torch.float32))
+
+
+def _chunk_stats(z: torch.Tensor, t: torch.Tensor, start: int, group: Any, entropy: bool):
+    """Log-sum-exp, picked logit and (optionally) ``sum p z`` of a chunk's float32 logits ``z`` [c, rows]."""
+    m = z.max(-1).values if z.shape[-1] else z.new_full(z.shape[:1], -float("inf"))
+    m = _all_reduce(m, group, "max")
+    lse = _all_reduce(torch.exp(z - m.unsqueeze(-1)).sum(-1), group).log() + m
+    local = t - start
+    mine = (local >= 0) & (local < z.shape[-1])
+    picked = z.gather(-1, local.clamp(0, max(0, z.shape[-1] - 1)).unsqueeze(-1)).squeeze(-1) if z.shape[-1] else m
+    picked = _all_reduce(torch.where(mine, picked, torch.zeros_like(picked)), group)
+    pz = None
+    if entropy:
+        pz = _all_reduce((torch.exp(z - lse.unsqueeze(-1)) * z).sum(-1), group)
+    return lse, picked, pz, local, mine
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """``chunked_logprobs``' autograd: the forward keeps only the hidden states (its input), the log-sum-exp and
+    the entropy per position; the backward recomputes each chunk's logits and turns them into that chunk's
+    gradient at once (d logprob / d z = onehot - p; d entropy / d z = -p (log p + H)), so memory is bounded by one
+    chunk both ways. The weight's gradient is accumulated over chunks in float32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, entropy, rows, start, group):
+        ctx.set_materialize_grads(False)
+        n = hidden.shape[0]
+        lp = torch.empty(n, dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
+        lses = torch.empty_like(lp)
+        ent = torch.empty_like(lp) if entropy else None
+        for a in range(0, n, chunk):
+            z = _chunk_logits(hidden[a:a + chunk], weight, rows)
+            lse, picked, pz, _, _ = _chunk_stats(z, targets[a:a + chunk], start, group, entropy)
+            del z
+            lp[a:a + chunk] = picked - lse
+            lses[a:a + chunk] = lse
+            if entropy:
+                ent[a:a + chunk] = lse - pz
+        ctx.save_for_backward(hidden, weight, targets, lses, ent if entropy else lses)
+        ctx.cfg = (chunk, entropy, rows, start, group)
+        return lp, (ent if entropy else lp.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        hidden, weight, targets, lses, ents = ctx.saved_tensors
+        chunk, entropy, rows, start, group = ctx.cfg
+        if not entropy:
+            g_ent = None
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.zeros_like(hidden) if need_h else None
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
+        if g_lp is None and g_ent is None:
+            return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
+        for a in range(0, hidden.shape[0], chunk):
+            h = hidden[a:a + chunk]
+            logp = _chunk_logits(h, weight, rows).sub_(lses[a:a + chunk].unsqueeze(-1))  # log p, in place
+            p = logp.exp()
+            if g_ent is not None:  # d H / d z = -p (log p + H), into log p's buffer
+                grad = logp.add_(ents[a:a + chunk].unsqueeze(-1)).mul_(p).mul_(-g_ent[a:a + chunk].unsqueeze(-1))
+            else:
+                grad = logp.zero_()
+            if g_lp is not None:  # d logprob / d z = onehot(target) - p
+                gl = g_lp[a:a + chunk]
+                grad.sub_(p.mul_(gl.unsqueeze(-1)))
+                local = targets[a:a + chunk] - start
+                mine = (local >= 0) & (local < rows)
+                grad.scatter_add_(-1, local.clamp(0, max(0, rows - 1)).unsqueeze(-1),
+                                  torch.where(mine, gl, torch.zeros_like(gl)).unsqueeze(-1))
+            del p
+            dz = grad.to(weight.dtype)
+            del grad, logp
+            if need_h:
+                grad_h[a:a + chunk] = dz @ weight[:rows]
+            if need_w:
+                grad_w[:rows].add_((dz.t() @ h).to(acc))
+        if need_h:
+            grad_h = _all_reduce(grad_h, group)  # each rank's vocabulary rows gave a part of it
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
 
 
 def grpo_loss(

@@ -1,6 +1,7 @@
-"""Checkpoints on disk: atomic directories that load without unpickling code. The format is a file layout around
-``Controller.state_dict()`` (``save``) and ``Controller.load_state_dict()`` (``restore``); the controller is never
-built here and then overwritten.
+"""Checkpoints on disk: atomic directories that load without unpickling code. A checkpoint is data: ``save`` writes a
+run's ``(config, state_dict)`` (``Controller.state_dict()``'s keys) into a file layout, ``load`` reads them back
+(the config validated and checked against the checkpoint's model). ``Controller.save`` and ``Controller.restore``
+own the flow; nothing here builds, reads or calls a controller.
 
 One checkpoint is a directory:
 
@@ -194,10 +195,11 @@ def latest(directory: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def save_periodic(ctrl: Any, directory: str | Path, keep: int) -> Path:
-    """``checkpoint_every``: ``directory/step-XXXXXX``, then delete all but the newest ``keep`` complete ones."""
+def save_periodic(directory: str | Path, config: Any, state: dict, keep: int) -> Path:
+    """``checkpoint_every``: ``save`` into ``directory/step-XXXXXX`` (the state's trainer version), then delete all
+    but the newest ``keep`` complete ones."""
     directory = Path(directory)
-    path = ctrl.save(directory / f"{PREFIX}{ctrl.trainer_version:06d}")
+    path = save(directory / f"{PREFIX}{state['trainer_version']:06d}", config, state)
     done = sorted(p for p in directory.glob(f"{PREFIX}*") if complete(p))
     for old in done[:-keep]:
         _remove(old)
@@ -259,33 +261,34 @@ def shapes(policy_state: dict) -> dict[str, list[int]]:
     return {k: list(v.shape) for k, v in model.items() if isinstance(v, torch.Tensor)}
 
 
-# --- the controller's side: a file format around ``Controller.state_dict`` / ``load_state_dict`` --------------
-def save(ctrl: Any, path: str | Path) -> Path:
-    """``Controller.save`` (which holds the controller's lock): ``ctrl.state_dict()`` split into the four files."""
-    import asyncrl
-
-    state = ctrl.state_dict()
-    buffer = state["buffer"]
-    for row in buffer["slots"]:  # dataclasses (Prompt, GroupRollouts) become plain JSON objects
-        row["prompt"] = _jsonable(row["prompt"]) if row["prompt"] is not None else None
-        row["rollouts"] = _jsonable(row["rollouts"]) if row["rollouts"] is not None else None
-    meta = {
-        "asyncrl_version": asyncrl.__version__,
-        "model": ctrl.cfg.model.shape_dump(),
-        "shapes": shapes(state["policy"]),
-        **{key: state[key] for key in META_KEYS},
-    }
-    files = {key: state[key] for key in STATE_KEYS}
-    if not any(files["in_step"].values()):  # nothing counted: the files are those of the format before in_step
-        del files["in_step"]
-    tensors = {key: state[key] for key in TENSOR_KEYS}
-    return write(path, meta, ctrl.cfg.model_dump(mode="json"), files, tensors)
-
-
-# Where each key of ``Controller.state_dict()`` is stored: meta.json, state.json, tensors.pt.
+# --- a run's (config, state_dict) as files, and back -------------------------------------------------------
+# Where each key of a state dict (``Controller.state_dict()``) is stored: meta.json, state.json, tensors.pt.
 META_KEYS = ("trainer_version", "data_position", "exhausted", "dispatch_index", "sampler")
 STATE_KEYS = ("buffer", "trace", "metrics", "evaluations", "in_step")
 TENSOR_KEYS = ("policy", "generator", "torch_rng")
+
+
+def save(path: str | Path, config: Any, state: dict) -> Path:
+    """Write ``(config, state)`` as one checkpoint directory at ``path``, atomically: ``config`` a run's ``Config``
+    (``config.yaml``; its model's shape fields in ``meta.json``), ``state`` a state dict. Buffer slots' dataclasses
+    (``Prompt``, ``GroupRollouts``) become plain JSON objects; ``state`` itself is not changed."""
+    import asyncrl
+
+    buffer = {**state["buffer"], "slots": [
+        {**row, "prompt": _jsonable(row["prompt"]) if row["prompt"] is not None else None,
+         "rollouts": _jsonable(row["rollouts"]) if row["rollouts"] is not None else None}
+        for row in state["buffer"]["slots"]]}
+    meta = {
+        "asyncrl_version": asyncrl.__version__,
+        "model": config.model.shape_dump(),
+        "shapes": shapes(state["policy"]),
+        **{key: state[key] for key in META_KEYS},
+    }
+    files = {key: buffer if key == "buffer" else state[key] for key in STATE_KEYS}
+    if not any(files["in_step"].values()):  # nothing counted: the files are those of the format before in_step
+        del files["in_step"]
+    tensors = {key: state[key] for key in TENSOR_KEYS}
+    return write(path, meta, config.model_dump(mode="json"), files, tensors)
 
 
 def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool) -> dict:
@@ -305,8 +308,8 @@ def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool) -> dict:
 
 
 def state_dict(ckpt: Checkpoint) -> dict:
-    """A checkpoint's files as ``Controller.load_state_dict`` takes them (buffer slots as ``Prompt`` and
-    ``GroupRollouts`` again)."""
+    """A checkpoint's files as a state dict (``Controller.load_state_dict`` takes it): buffer slots as ``Prompt``
+    and ``GroupRollouts`` again."""
     from asyncrl.data import GroupRollouts
     from asyncrl.tasks import Prompt
 
@@ -318,31 +321,19 @@ def state_dict(ckpt: Checkpoint) -> dict:
     return state
 
 
-def restore(cls: type, path: str | Path, sampler: Any, config: Any, on_sampler_change: str,
-            trust_code: bool = False) -> Any:
-    """``Controller.restore`` (its docstring says what a sampler change does): read, check, build the controller
-    ``cls.from_config``, then ``load_state_dict``. Every check that can fail runs before anything is loaded."""
+def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: bool = False) -> tuple[Any, dict]:
+    """``(config, state_dict)`` of the checkpoint at ``path`` (``resolve`` finds it). The config is ``config``
+    (a ``Config``; default: the checkpoint's own, under ``own_config``'s rules) with ``sampler`` (a sampler config
+    or mapping) in place of its sampler, validated, and its model must be the checkpoint's: every check that can
+    fail here runs before anything is loaded into a run."""
     import asyncrl
     from asyncrl.config import Config
     from asyncrl.samplers import sampler_config
 
-    if on_sampler_change not in ("rejudge", "drop"):
-        raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {on_sampler_change!r}")
     ckpt = read(path, asyncrl.__version__)
-    where = repr(str(ckpt.path))
-    if config is None:
-        data = own_config(ckpt, sampler is not None, trust_code)
-    else:
-        data = config.model_dump(mode="json")
+    data = own_config(ckpt, sampler is not None, trust_code) if config is None else config.model_dump(mode="json")
     if sampler is not None:
         data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)
-    check_model(ckpt.meta["model"], cfg.model.shape_dump(), where)
-    ctrl = cls.from_config(cfg)
-    try:
-        check_shapes(ckpt.meta["shapes"], shapes(ctrl.policy.state_dict()), where)
-    except CheckpointError:
-        ctrl.close()
-        raise
-    ctrl.load_state_dict(state_dict(ckpt), on_sampler_change)
-    return ctrl
+    check_model(ckpt.meta["model"], cfg.model.shape_dump(), repr(str(ckpt.path)))
+    return cfg, state_dict(ckpt)

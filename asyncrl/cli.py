@@ -1,6 +1,7 @@
 """``asyncrl run CONFIG_OR_PRESET --steps N --out DIR``: a headless run that writes its metrics, trace and config.
 ``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds);
 ``--sweep KEY=V1,V2`` (repeatable) and ``--gpus G`` simulate a grid instead: ``sweep.csv``, ``sweep.png``.
+``asyncrl export RUN_OR_CHECKPOINT DIR``: the trained policy of a checkpoint as a Hugging Face model directory.
 ``asyncrl replay RUN --sampler S [--sampler S ...] --out DIR``: a recorded run replayed under other samplers
 (``asyncrl/replay/command.py``).
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
         cfg = load_config(args.config, **overrides)
+        if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps is None:
+            cfg.trainer.lr_decay_steps = args.steps  # a decaying lr_schedule's horizon: the run's --steps in all
         _check_writable(out)
         ctrl = Controller.restore(resume, config=cfg) if resume else Controller.from_config(cfg)
         if resume is not None:  # the one line a resumed run says where it continues from
@@ -113,10 +116,10 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     """The run itself, its files and its summary (``run`` checked everything and listens for ``attach``)."""
     import yaml
 
-    from asyncrl.recording import RunFiles
+    from asyncrl.run_files import RunFiles
 
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/recording.py); history=True: a
+    # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/run_files.py); history=True: a
     # resumed run's files start from its checkpoint's history, not the old files
     files = RunFiles(out).attach(ctrl)
 
@@ -171,8 +174,9 @@ def _check_writable(out: Path) -> None:
 
 def _plot(ctrl, path: Path) -> None:
     try:
-        from widgets.render import draw_reward  # the notebook's reward panel: one drawing of it
         from matplotlib.figure import Figure
+
+        from asyncrl.plots.metrics import draw_reward  # the notebook's reward panel: one drawing of it
     except ImportError:
         print("matplotlib is not installed: no reward.png (pip install 'asyncrl[notebook]')", file=sys.stderr)
         return
@@ -277,7 +281,7 @@ def simulate(args: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
         table.to_csv(out / "sweep.csv", index=False)
         if not args.no_plot:
-            from asyncrl.simulate_plots import plot_grid
+            from asyncrl.plots.simulation import plot_grid
 
             plot_grid(table, [c for c in table.columns if "." in c]).savefig(out / "sweep.png", dpi=110)
         shown = [c for c in table.columns if "." in c] + ["gpus", "sim_steps_per_hour", "tokens_per_s",
@@ -293,6 +297,28 @@ def simulate(args: argparse.Namespace) -> int:
     print(json.dumps({k: summary[k] for k in ("steps", "sim_steps_per_hour", "gen_idle_frac", "train_idle_frac",
                                               "lag_mean", "groups_dropped")}))
     print(f"{summary['steps']} simulated steps in {sim.wall_s:.1f} s of wall time; files in {args.out}",
+          file=sys.stderr)
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    """``asyncrl export RUN_OR_CHECKPOINT DIR``: restore the checkpoint (a run directory: its newest) and write its
+    policy with ``Controller.save_pretrained``. A bad checkpoint or DIR is one line, exit 2, nothing written."""
+    from asyncrl.controller import Controller
+
+    out = Path(args.dir)
+    try:
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise ValueError(f"{args.dir!r} exists and is not an empty directory: export writes a new one")
+        ctrl = Controller.restore(args.run)
+    except (ValueError, TypeError, ImportError, OSError) as exc:
+        print(_error_message(exc).replace("asyncrl run:", "asyncrl export:"), file=sys.stderr)
+        return 2
+    try:
+        ctrl.save_pretrained(out)
+    finally:
+        ctrl.close()
+    print(f"asyncrl export: the policy after step {ctrl.trainer_version} of {args.run} written to {out}",
           file=sys.stderr)
     return 0
 
@@ -338,10 +364,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="keep the sweep's points that use G GPUs; without a sweep over generation.replicas or "
                         "trainer.data_parallel, every split of G between them: how many for generation?")
     p.add_argument("--no-plot", action="store_true", help="do not write simulation.png (sweep.png)")
+    p = sub.add_parser("export", help="write a checkpoint's trained policy as a Hugging Face model directory "
+                       "(config, safetensors, tokenizer) that transformers and vLLM load")
+    p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
+    p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
     replay_command.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
+    if args.command == "export":
+        return export(args)
     if args.command == "replay":
         return replay_command.main(args)
     args.set += [f"tracking.{key}={value}" for key, value in

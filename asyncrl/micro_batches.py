@@ -174,6 +174,32 @@ def unpack(mb: MicroBatch, values: torch.Tensor) -> torch.Tensor:
     return values.reshape(-1)[mb.unpack]
 
 
+def predicting_positions(mb: MicroBatch, seqs: TrainBatch, rows: int, width: int, seq_first: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The positions whose next-token logprob a loss reads, for a micro-batch whose forward ran on ``[rows,
+    width]`` ids (its packed rows, or its ``[n, width]`` sequences ``seqs``): ``(src, dst, targets)`` for every
+    token under the loss mask past a sequence's first position. ``src``: the index of the position that predicts it
+    (the one before it, in its own sequence) into the forward's outputs flattened row-major, or sequence-first
+    (``[width, rows]``, Megatron's layout) with ``seq_first``; ``dst``: the token's flat index into the
+    ``[n, seq width]`` per-sequence tensors; ``targets``: its id. Position 0 never predicts (``token_logprobs``
+    gives it 0)."""
+    mask = seqs.loss_mask > 0
+    mask[:, 0] = False
+    i, j = mask.nonzero(as_tuple=True)
+    if mb.packed is None:
+        r, c = i, j - 1
+    else:
+        flat = mb.unpack[i, j] - 1  # the packed position before it: the same sequence's previous token
+        r, c = flat // width, flat % width
+    src = c * rows + r if seq_first else r * width + c
+    return src, i * seqs.loss_mask.shape[1] + j, seqs.input_ids[i, j]
+
+
+def scatter_positions(values: torch.Tensor, dst: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """``values`` at ``predicting_positions``' ``dst`` of a zero ``shape`` tensor (differentiable in ``values``)."""
+    return values.new_zeros(shape[0] * shape[1]).scatter(0, dst, values).view(shape)
+
+
 def add_all(acc, parts: list[dict]) -> dict[str, float]:
     """Add every micro-batch's contributions (floats or 0-dim tensors on one device) to the accumulator ``acc`` in
     order, with one device-to-host transfer for the lot instead of a sync per value; returns their sums by name."""

@@ -31,6 +31,8 @@ from typing import Any
 
 import pandas as pd
 
+from asyncrl import read_view
+from asyncrl.reports import ControllerState
 from asyncrl.trace import STEP
 
 SOCKET = "control.sock"
@@ -156,9 +158,9 @@ class ControlServer:
         if handle is None:
             raise RuntimeError("the run has not started its pumps yet; try again in a moment")
         if cmd == "state":
-            return _state_json(ctrl.state()) | self._status(handle)
+            return read_view.encode_state(ctrl.state()) | self._status(handle)
         if cmd == "explain":
-            return json.loads(ctrl.explain(timeout=5.0).to_json(orient="split", index=False))
+            return read_view.encode_verdicts(ctrl.explain(timeout=5.0))
         if cmd in ("rollout_tick", "train_tick"):  # refused by the controller unless the pumps are parked
             return str(getattr(ctrl, cmd)())
         if cmd == "pause":
@@ -198,13 +200,6 @@ def _send(conn: socket.socket, message: dict) -> None:
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
-def _state_json(state) -> dict:
-    out = {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-    out["buffer"] = json.loads(state.buffer.to_json(orient="split"))
-    out["last_report"] = None if state.last_report is None else str(state.last_report)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------- client
 def attach(run_dir: str | Path) -> Remote:
     """Control the live ``asyncrl run`` writing ``run_dir``: a ``Remote`` (``AttachError`` when there is no live
@@ -220,7 +215,7 @@ class _Task:
 class Remote:
     """A live ``asyncrl run``, driven from here: ``pause()``, ``resume()``, ``stop()``, and while paused
     ``rollout_tick()``, ``train_tick()``, ``tick()``, ``explain()``, ``state()``. ``metrics`` and ``trace`` read the
-    run's live files. It also stands in for the run's handle (``last_run``: ``running``, ``paused``, ``status``,
+    run's live files (a ``read_view.ReadView``, as a controller is). It also stands in for the run's handle (``last_run``: ``running``, ``paused``, ``status``,
     ``target``), so ``widgets.Dashboard(remote)`` works with the same buttons. ``close()`` detaches."""
 
     error = None
@@ -306,23 +301,15 @@ class Remote:
 
     # ---------------------------------------------------------------------------------------------- reading
     def explain(self, timeout: float | None = None) -> pd.DataFrame:
-        from asyncrl.samplers.verdict_frame import VerdictFrame
+        """The run's controller's ``explain()`` (computed there, while paused)."""
+        return read_view.decode_verdicts(self._call("explain"))
 
-        split = self._call("explain")
-        frame = VerdictFrame(split["data"], columns=split["columns"])
-        return frame.astype({c: "Int64" for c in ("group_id", "weight_version", "target_step") if c in frame})
-
-    def state(self):
-        from asyncrl.reports import ControllerState
-
+    def state(self) -> ControllerState:
+        """The run's controller's ``state()``; its status comes with it."""
         value = self._call("state")
         names = {f.name for f in dataclasses.fields(ControllerState)}
-        split = value["buffer"]
-        value["buffer"] = pd.DataFrame(split["data"], columns=split["columns"],
-                                       index=pd.Index(split["index"], name="weight_version", dtype="int64"),
-                                       dtype="int64")
         self._status = {k: value[k] for k in value if k not in names or k == "trainer_version"}
-        return ControllerState(**{k: value[k] for k in names})
+        return read_view.decode_state(value)
 
     @property
     def metrics(self) -> pd.DataFrame:
@@ -342,15 +329,8 @@ class Remote:
 
     @property
     def evaluations(self) -> pd.DataFrame:
-        from asyncrl import metrics as M
-
-        metrics, columns = self.metrics, [c.name for c in M.EVALUATION_COLUMNS]
-        if M.EVAL_REWARD.name not in metrics:
-            return pd.DataFrame(columns=columns)
-        done = metrics.dropna(subset=[M.EVAL_REWARD.name])
-        return pd.DataFrame({M.EVALUATED_VERSION.name: done[M.TRAINER_VERSION.name].astype(int).values,
-                             M.HELD_OUT_REWARD.name: done[M.EVAL_REWARD.name].values,
-                             M.HELD_OUT_ACCURACY.name: done[M.EVAL_ACCURACY.name].values})
+        """The held-out evaluations in ``metrics.csv`` so far."""
+        return read_view.evaluations_from_metrics(self.metrics)
 
     @property
     def trainer_version(self) -> int:

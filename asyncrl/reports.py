@@ -65,7 +65,7 @@ class ControllerState:
     generation_version: int
     sampler: str  # the policy's name
     sampler_repr: str
-    window: int | None  # None when the sampler has no staleness window (StalenessWindow)
+    window: int | None  # None when the sampler has no window (``window_knob = None``)
     lower_bound: int | None  # the window's oldest version at this T
     buffer: pd.DataFrame  # slot counts by weight version x state (ReplayBuffer.summary())
     capacity: int

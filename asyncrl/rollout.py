@@ -1,6 +1,7 @@
 """The rollout pump, top to bottom: admit, dispatch, poll (with retries), score, skip or commit. ``Controller``
-holds one and calls ``tick`` from its ``rollout_tick``; the train pump (in ``asyncrl/controller.py``) calls
-``generation_call`` (aborts), ``sync_generator``, ``skip`` (restore under another sampler) and ``fault``.
+builds one from the parts it uses and calls ``tick`` from its ``rollout_tick``; the train pump
+(``asyncrl/train.py``) calls ``abort``, ``sync_generator``, ``check_shortfall`` and ``fault``, and a restore under
+another sampler calls ``skip``.
 
 Invariants (with ``asyncrl/faults.py``, which keeps the budgets and words each fault):
 - The pump never encodes a policy: the sampler admits; the pump dispatches one batch at a time, only when all of
@@ -10,34 +11,51 @@ Invariants (with ``asyncrl/faults.py``, which keeps the budgets and words each f
   stamps replaces it (``dispatch``: one place takes prompts from the stream and reserves slots).
 - Every error caught is a ``fault`` row; a failing generation call is retried by the next tick (stepping) or after
   the backoff (a run: ``poll`` waits it out in slices of its timeout), until the budget is spent.
+- The groups in flight are the buffer's pending slots (reserved, not yet committed or removed); the pump owns what
+  only it needs of them: the requests not yet accepted by ``submit`` (``unsent``) and the dispatch counts of groups
+  sent more than once (``attempts``). ``release`` is the one place a group leaves flight (committed, skipped or
+  aborted), ``abort`` the one place the generator is asked to cancel groups.
 - Everything that reads or writes the run state does so under ``state.lock``; scoring (pure Python) runs outside.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
-from asyncrl.backends.base import ActorBackend, is_dead_actor
+from asyncrl.backends.base import capabilities, is_dead_actor
+from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import FaultContainment, RewardTypeError, StepShortfall, describe, reward_problem
 from asyncrl.metrics import GEN_METRICS, Accumulator, skew
 from asyncrl.reports import TickReport
-from asyncrl.samplers import GatedAdmission
 from asyncrl.state import RunState
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, FAULT, REFUSE, SKIP
+
+if TYPE_CHECKING:
+    from asyncrl.backends.base import GenerationBackend
+    from asyncrl.config import Config
+    from asyncrl.samplers import SamplerBase
+    from asyncrl.tasks import PromptStream, Task
 
 FAILED = object()  # what ``generation_call`` returns when the call failed and the fault was contained
 
 
 class RolloutPump:
-    """The rollout half of a controller. ``ctrl`` is read for its parts (``cfg``, ``buffer``, ``sampler``,
-    ``stream``, ``generator``, ``task``, ``tokenizer``, ``sync_weights``, ``encode``); ``state`` is the
-    controller's run state, which this pump and the train pump write."""
+    """The rollout half of a controller, built from the parts it uses: ``state`` is the controller's run state
+    (this pump and the train pump write it), ``encode`` a prompt's token ids, ``sync_weights(version)`` the weight
+    sync into ``generator``."""
 
-    def __init__(self, ctrl: Any, state: RunState, faults: FaultContainment):
-        self.ctrl, self.state, self.faults = ctrl, state, faults
-        self.cfg = ctrl.cfg
+    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
+                 stream: PromptStream, generator: GenerationBackend, task: Task, tokenizer: Any,
+                 encode: Callable[[str], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment):
+        self.cfg, self.state, self.buffer, self.sampler, self.stream = cfg, state, buffer, sampler, stream
+        self.generator, self.task, self.tokenizer, self.encode = generator, task, tokenizer, encode
+        self.sync_weights, self.faults = sync_weights, faults
+        self.unsent: list[GenerationRequest] = []  # dispatched, not yet accepted by ``submit``
+        self.attempts: dict[int, int] = {}  # dispatches of live groups sent more than once
+        self._batch: dict[int, int] = {}  # group in flight -> the batch (dispatch index) it was admitted in
         self._refused: str | None = None  # the last refusal traced, until the gate opens again
         self._skipped: list[int] = []  # since the last report
         self._shortfall: dict[int, list[int]] = {}  # stamped steps that lost groups nothing replaced
@@ -67,43 +85,43 @@ class RolloutPump:
         sure it is admitted by then, so its weight version is ``max(0, k - W)`` however late the rollout pump is
         (docs/samplers.md, "Timing-independent schedules"). An ungated sampler (``windowed``) admits on rollout
         ticks only: its gate is always open."""
-        if isinstance(self.ctrl.sampler, GatedAdmission) and self.ctrl.sampler.gated:
+        if self.sampler.gated:
             while not self._no_room() and self._admit_batch(report, trace_refusal=False):
                 pass
 
     def _no_room(self) -> str | None:
         """Why no batch may be dispatched now (the buffer, the in-flight limit, the stream), or None."""
-        ctrl, s, N = self.ctrl, self.state, self.cfg.groups_per_step
+        s, buffer, N = self.state, self.buffer, self.cfg.groups_per_step
         limit = self.cfg.max_inflight_groups
         if s.exhausted:
             return "no dispatch: the prompt stream is exhausted"
-        if len(ctrl.buffer) + N > ctrl.capacity:
-            return (f"no dispatch: buffer holds {len(ctrl.buffer)}, a batch of {N} needs room (capacity "
-                    f"{ctrl.capacity})")
-        if limit is not None and len(s.inflight) + N > limit:
-            return f"no dispatch: {len(s.inflight)} in flight, limit {limit}"
-        if s.unsent:
-            return f"no dispatch: {len(s.unsent)} group(s) wait to be re-submitted to the generation backend"
-        if ctrl.stream.exhausted(s.data_position + N - 1):
+        if len(buffer) + N > buffer.capacity:
+            return (f"no dispatch: buffer holds {len(buffer)}, a batch of {N} needs room (capacity "
+                    f"{buffer.capacity})")
+        if limit is not None and buffer.num_pending + N > limit:
+            return f"no dispatch: {buffer.num_pending} in flight, limit {limit}"
+        if self.unsent:
+            return f"no dispatch: {len(self.unsent)} group(s) wait to be re-submitted to the generation backend"
+        if self.stream.exhausted(s.data_position + N - 1):
             s.exhausted = True
             return "no dispatch: fewer prompts left than a batch; the stream is exhausted"
         return None
 
     def _admit_batch(self, report: TickReport, trace_refusal: bool) -> bool:
         """Ask the sampler; on an admission dispatch one batch and submit it. False when the gate is shut."""
-        ctrl, s, T = self.ctrl, self.state, self.state.trainer_version
-        gate = ctrl.sampler.explain_admission(T)  # asked first: admit changes what it would say
-        admission = ctrl.sampler.admit(T)
+        s, sampler, T = self.state, self.sampler, self.state.trainer_version
+        gate = sampler.explain_admission(T)  # asked first: admit changes what it would say
+        admission = sampler.admit(T)
         if admission is None:
             if trace_refusal:
                 report.note = f"gate closed: {gate}"
                 if gate != self._refused:  # once per distinct refusal: a running pump asks a shut gate every poll
                     self._refused = gate
-                    s.record(REFUSE, detail=f"batch {ctrl.sampler.dispatch_index + 1}", reason=gate)
+                    s.record(REFUSE, detail=f"batch {sampler.dispatch_index + 1}", reason=gate)
             return False
         report.admitted = admission
         self._refused = None
-        version = self.generation_call("version", lambda: ctrl.generator.version)
+        version = self.generation_call("version", lambda: self.generator.version)
         if version is FAILED:  # the fault is recorded; under the lock the generator holds weights T
             version = T
         s.record(ADMIT, None, version, admission.target_step, None, f"batch {admission.dispatch_index}", gate,
@@ -114,24 +132,24 @@ class RolloutPump:
         return True
 
     def _dispatch(self, version: int, target_step: int | None, why: str, batch: int | None) -> int | None:
-        """The next prompt as a new group (slot reserved, in flight, queued for ``submit``); None when the stream
-        has no prompt left."""
-        ctrl, s = self.ctrl, self.state
-        if ctrl.stream.exhausted(s.data_position):
+        """The next prompt as a new group (slot reserved: in flight; queued for ``submit``); None when the stream
+        has no prompt left. ``batch``: the dispatch index of the batch it belongs to."""
+        s = self.state
+        if self.stream.exhausted(s.data_position):
             return None
-        prompt = ctrl.stream.get(s.data_position)
+        prompt = self.stream.get(s.data_position)
         s.data_position += 1
-        gid = ctrl.buffer.reserve(version, target_step, prompt=prompt)
-        s.inflight[gid] = version
-        s.unsent.append(GenerationRequest(gid, ctrl.encode(prompt.text), self.cfg.group_size))
+        gid = self.buffer.reserve(version, target_step, prompt=prompt)
+        if batch is not None:
+            self._batch[gid] = batch
+        self.unsent.append(GenerationRequest(gid, self.encode(prompt.text), self.cfg.group_size))
         s.record(DISPATCH, gid, version, target_step, None, prompt.text, why, dispatch_index=batch)
         return gid
 
     def flush_unsent(self) -> None:
         """Submit what waits to be submitted (new, re-dispatched or replacement groups); kept on failure."""
-        s = self.state
-        if s.unsent and self.generation_call("submit", self.ctrl.generator.submit, list(s.unsent)) is not FAILED:
-            s.unsent.clear()
+        if self.unsent and self.generation_call("submit", self.generator.submit, list(self.unsent)) is not FAILED:
+            self.unsent.clear()
 
     def _poll(self, timeout: float) -> list[GroupRollouts]:
         """The generation half of a tick: re-submit what waits, then poll; every failure is contained by
@@ -145,13 +163,13 @@ class RolloutPump:
                 return []
         with s.lock:
             self.flush_unsent()
-            if s.unsent:
+            if self.unsent:
                 return []
         # The backend waits for a group only if one is in flight; the backoff above applies either way, so a run
         # spaces its retries even while nothing is in flight (a failing tick writes a trace row, so the pump looks
         # again at once instead of waiting on the controller: the backoff is what paces it).
         start = time.perf_counter()
-        finished = self.generation_call("poll", self.ctrl.generator.poll, timeout if s.inflight else 0.0)
+        finished = self.generation_call("poll", self.generator.poll, timeout if self.buffer.num_pending else 0.0)
         with s.lock:
             self._generated[1] += time.perf_counter() - start
             if finished is not FAILED:
@@ -160,16 +178,17 @@ class RolloutPump:
             # Lost groups: after a poll that failed or returned nothing (so no result awaits collection), a
             # backend with nothing in flight will never return the groups we sent it.
             with s.lock:
-                sent = [g for g in s.inflight if g not in {r.group_id for r in s.unsent}]
-                if sent and self.generation_call("num_inflight", self.ctrl.generator.num_inflight) == 0:
+                unsent = {r.group_id for r in self.unsent}
+                sent = [g for g in self.inflight_ids() if g not in unsent]
+                if sent and self.generation_call("num_inflight", self.generator.num_inflight) == 0:
                     self._redispatch(sent, "lost by the generation backend (it has nothing in flight)")
             return []
         return finished
 
     def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
-        s, buffer = self.state, self.ctrl.buffer
+        s, buffer = self.state, self.buffer
         with s.lock:  # an aborted group may still come back finished: it was already accounted for
-            finished = [g for g in finished if g.group_id in s.inflight]
+            finished = [g for g in finished if self.in_flight(g.group_id)]
             prompts = [buffer[g.group_id].prompt for g in finished]
         problems, bad = [], None
         for group, prompt in zip(finished, prompts):  # scoring is pure Python; done outside the lock
@@ -181,17 +200,12 @@ class RolloutPump:
                 bad = bad or exc
         with s.changed:
             for group, problem in zip(finished, problems):
-                if group.group_id not in s.inflight:
+                if not self.in_flight(group.group_id):
                     continue  # aborted while it was being scored
                 if problem is not None:
                     self.skip(group.group_id, problem)
                     continue
-                s.inflight.pop(group.group_id)
-                s.attempts.pop(group.group_id, None)
-                if s.unsent:  # an attempt thought lost came back after all: no need to send it again
-                    s.unsent[:] = [r for r in s.unsent if r.group_id != group.group_id]
-                slot = buffer.commit(group.group_id, group, end_weight_version=group.gen_end_version,
-                                     start_weight_version=group.gen_start_version)
+                slot = self.release(group.group_id, group)
                 report.committed.append(group.group_id)
                 self._skew.add(skew("gen", [group]))
                 s.record(COMMIT, slot.group_id, slot.weight_version, slot.target_step, None,
@@ -213,7 +227,7 @@ class RolloutPump:
         (``sync_generator``), and a checkpoint that held them as pending would have them generated again, with
         the new weights and the generator's random numbers after them."""
         report = TickReport("rollout", self.state.trainer_version)
-        finished = self.generation_call("poll", self.ctrl.generator.poll, 0.0)
+        finished = self.generation_call("poll", self.generator.poll, 0.0)
         if finished is not FAILED and finished:
             with self.state.lock:
                 self._generated[0] += sum(g.num_tokens for g in finished)
@@ -237,10 +251,10 @@ class RolloutPump:
             if problem is not None:
                 self.fault(gid, problem, "not retried: the generation backend scored this group")
             return problem
-        group.texts = self.ctrl.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
+        group.texts = self.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
         for attempt in range(budget + 1):
             try:
-                rewards = [self.ctrl.task.reward(prompt, text) for text in group.texts]
+                rewards = [self.task.reward(prompt, text) for text in group.texts]
                 problem = next(filter(None, map(reward_problem, rewards)), None)
             except RewardTypeError:
                 raise
@@ -268,23 +282,23 @@ class RolloutPump:
         return out
 
     def _generation_fault(self, what: str, exc: Exception, version: int | None = None) -> None:
-        s, generator = self.state, self.ctrl.generator
+        s, generator = self.state, self.generator
         if not is_dead_actor(exc, generator):
-            verdict = self.faults.generation_error(what, exc, len(s.inflight))
+            verdict = self.faults.generation_error(what, exc, self.buffer.num_pending)
             self.fault(None, describe(exc), verdict.reason)
             if verdict.error is not None:
                 raise verdict.error from exc
             return
         version = s.trainer_version if version is None else version
-        lost = list(s.inflight)
-        restartable = isinstance(generator, ActorBackend) and self.cfg.generation.weight_sync == "driver"
+        lost = self.inflight_ids()
+        restartable = capabilities(generator).actor and self.cfg.generation.weight_sync == "driver"
         verdict = self.faults.generator_died(what, exc, restartable, version, len(lost))
         self.fault(None, describe(exc), verdict.reason)
         if verdict.error is not None:
             raise verdict.error from exc
         generator.restart()
-        self.ctrl.sync_weights(version)
-        s.unsent.clear()
+        self.sync_weights(version)
+        self.unsent.clear()
         self._redispatch(lost, "lost with the dead generator actor")
 
     def sync_generator(self, version: int, report: TickReport | None = None) -> None:
@@ -293,27 +307,26 @@ class RolloutPump:
         if report is not None:
             self.admit_due(report)
         try:
-            self.ctrl.sync_weights(version)
+            self.sync_weights(version)
         except Exception as exc:
-            if not is_dead_actor(exc, self.ctrl.generator):
+            if not is_dead_actor(exc, self.generator):
                 raise
             self._generation_fault("weight sync", exc, version)  # the restart loads ``version``
 
     def _redispatch(self, group_ids: list[int], why: str) -> None:
         """Send lost groups again (same slot, prompt and stamps) while ``faults.max_dispatch_attempts`` last;
         skip the others."""
-        s, limit = self.state, self.cfg.faults.max_dispatch_attempts
-        queued = {r.group_id for r in s.unsent}
+        limit = self.cfg.faults.max_dispatch_attempts
+        queued = {r.group_id for r in self.unsent}
         for gid in group_ids:
-            attempt = s.attempts.get(gid, 1) + 1
+            attempt = self.attempts.get(gid, 1) + 1
             if attempt > limit:
                 self.skip(gid, f"{why}; dispatched {limit} times (faults.max_dispatch_attempts)")
                 continue
-            s.attempts[gid] = attempt
+            self.attempts[gid] = attempt
             self.fault(gid, why, f"retried: re-dispatched, attempt {attempt} of {limit}")
             if gid not in queued:
-                s.unsent.append(GenerationRequest(gid, self.ctrl.encode(self.ctrl.buffer[gid].prompt.text),
-                                                  self.cfg.group_size))
+                self._send(gid)
 
     def skip(self, gid: int, reason: str, replace: bool = True) -> None:
         """The one way a group is given up: its slot and in-flight permit come back, a ``skip`` event says why,
@@ -322,26 +335,76 @@ class RolloutPump:
         reports it when the step cannot complete)."""
         s = self.state
         with s.lock:
-            s.inflight.pop(gid, None)
-            s.attempts.pop(gid, None)
-            s.unsent[:] = [r for r in s.unsent if r.group_id != gid]
-            slot = self.ctrl.buffer.remove([gid])[0]
+            batch = self._batch.get(gid)
+            slot = self.release(gid)
             self._skipped.append(gid)
             if slot.target_step is not None and slot.target_step < s.trainer_version:
                 replace = False  # its step is done: a replacement could only be evicted
             if not replace:
                 s.record(SKIP, gid, slot.weight_version, slot.target_step, None, "not replaced", reason)
                 return
-            if self.ctrl.stream.exhausted(s.data_position):
+            if self.stream.exhausted(s.data_position):
                 if slot.target_step is not None:
                     self._shortfall.setdefault(slot.target_step, []).append(gid)
                 s.record(SKIP, gid, slot.weight_version, slot.target_step, None, "not replaced: no prompt left",
                          reason)
                 return
-            new = self.ctrl.buffer.next_group_id  # the id ``_dispatch`` reserves
+            new = self.buffer.next_group_id  # the id ``_dispatch`` reserves
             s.record(SKIP, gid, slot.weight_version, slot.target_step, None, f"replaced by group {new}", reason)
-            # stamped with the current weight version: the generator's too, under the lock
-            self._dispatch(s.trainer_version, slot.target_step, f"replaces group {gid}", None)
+            # stamped with the current weight version: the generator's too, under the lock; in the lost group's batch
+            self._dispatch(s.trainer_version, slot.target_step, f"replaces group {gid}", batch)
+
+    def abort(self, group_ids: Iterable[int]) -> list[Slot]:
+        """Cancel groups in flight (the train pump's, after a step, for those the sampler dooms): the generator
+        aborts those it was sent, the ones it was not are cancelled here. Returns the slots of the groups cancelled,
+        each released; a group the generator could not cancel (the call failed) stays in flight."""
+        doomed = list(group_ids)
+        if not doomed:
+            return []
+        with self.state.lock:
+            cancelled = self.generation_call("abort", self.generator.abort, doomed)
+            cancelled = [] if cancelled is FAILED else list(cancelled)
+            if self.unsent:  # never sent: cancelled here
+                cancelled += [r.group_id for r in self.unsent if r.group_id in set(doomed)]
+                self.unsent[:] = [r for r in self.unsent if r.group_id not in set(doomed)]
+            return [self.release(gid) for gid in cancelled]
+
+    def release(self, gid: int, rollouts: GroupRollouts | None = None) -> Slot:
+        """The one place a group leaves flight: its dispatch count and any request of it still waiting for
+        ``submit`` go, and with ``rollouts`` its slot is committed (ready, with the weights its tokens used),
+        without them the slot is removed (a skip, an abort), giving its permit back. Returns the slot."""
+        self.attempts.pop(gid, None)
+        self._batch.pop(gid, None)
+        if self.unsent:  # an attempt thought lost that came back after all need not be sent again
+            self.unsent[:] = [r for r in self.unsent if r.group_id != gid]
+        if rollouts is None:
+            return self.buffer.remove([gid])[0]
+        return self.buffer.commit(gid, rollouts, end_weight_version=rollouts.gen_end_version,
+                                  start_weight_version=rollouts.gen_start_version)
+
+    def in_flight(self, gid: int) -> bool:
+        return gid in self.buffer and not self.buffer[gid].ready
+
+    def inflight_ids(self) -> list[int]:
+        """The groups in flight (the buffer's pending slots), in dispatch order."""
+        return [slot.group_id for slot in self.buffer.pending_slots()]
+
+    def _send(self, gid: int) -> None:
+        self.unsent.append(GenerationRequest(gid, self.encode(self.buffer[gid].prompt.text), self.cfg.group_size))
+
+    def resume(self, in_step: dict | None, trace: Iterable) -> None:
+        """After a restore (the buffer and the trace loaded): what this pump counted towards the next step
+        (``step_state``), and every pending slot, in flight at save time, queued to be generated again in the
+        batch its dispatch row names. ``flush_unsent`` submits them."""
+        self.unsent.clear()
+        self.attempts.clear()
+        self._skew.totals = dict((in_step or {}).get("gen", {}))  # a checkpoint older than ``in_step``: nothing
+        pending = self.inflight_ids()
+        live = set(pending)
+        self._batch = {row.group_id: row.dispatch_index for row in trace
+                       if row.event == DISPATCH and row.group_id in live and row.dispatch_index is not None}
+        for gid in pending:
+            self._send(gid)
 
     def take_generation_counts(self) -> tuple[int, float]:
         """(completion tokens, poll seconds) since the previous call: the step's ``gen_tokens_per_s``. Under the
@@ -355,16 +418,10 @@ class RolloutPump:
         self._skew.reset()
         return out
 
-    def step_state(self, train: Accumulator) -> dict:
-        """What the pumps counted towards the next step: ``train`` (the controller's step accumulator: evictions
-        before a select that waited) and ``gen`` (the committed groups' ``GEN_METRICS``). A checkpoint keeps it, so
-        the resumed step's metrics row counts them too (not the generation rate: timings are not restored)."""
-        return {"train": dict(train.totals), "gen": dict(self._skew.totals)}
-
-    def load_step_state(self, state: dict | None, train: Accumulator) -> None:
-        state = state or {}  # a checkpoint older than ``in_step``: nothing counted
-        train.totals = dict(state.get("train", {}))
-        self._skew.totals = dict(state.get("gen", {}))
+    def step_state(self) -> dict:
+        """The committed groups' ``GEN_METRICS`` towards the next step. A checkpoint keeps it (``resume``), so the
+        resumed step's metrics row counts them too (not the generation rate: timings are not restored)."""
+        return dict(self._skew.totals)
 
     def take_skipped(self) -> list[int]:
         out, self._skipped = self._skipped, []
@@ -373,7 +430,7 @@ class RolloutPump:
     def fault(self, gid: int | None, error: str, reason: str) -> None:
         """Record a ``fault`` row (with the group's stamps while it is buffered)."""
         with self.state.lock:
-            buffer = self.ctrl.buffer
+            buffer = self.buffer
             slot = buffer[gid] if gid is not None and gid in buffer else None
             version, target = (slot.weight_version, slot.target_step) if slot is not None else (None, None)
             self.state.record(FAULT, gid, version, target, None, error, reason)
@@ -382,7 +439,7 @@ class RolloutPump:
         """A stamped step that lost groups no prompt could replace fails here, naming the step and the shortfall,
         instead of waiting forever (``trained``: groups of step ``T`` already trained)."""
         lost, N = self._shortfall.get(T), self.cfg.groups_per_step
-        have = trained + self.ctrl.buffer.count(target_step=T)
+        have = trained + self.buffer.count(target_step=T)
         if lost and have < N:
             raise StepShortfall(
                 f"step {T} cannot complete: it lost group(s) {lost} (see their skip events) and the prompt stream "

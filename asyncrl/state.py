@@ -1,7 +1,8 @@
-"""The controller's run state, with one owner: ``RunState`` holds ``T``, the data position, the groups in flight and
-those waiting to be submitted, dispatch attempts, the trace, the metrics rows and the evaluations. The controller
-holds one and hands it to its pumps; nothing else writes it. Observers subscribe to its typed events
-(``Controller.subscribe``); ``state_dict`` / ``load_state_dict`` are what a checkpoint stores of it.
+"""The controller's run state, with one owner: ``RunState`` holds ``T``, the data position, whether the stream is
+exhausted, the trace, the metrics rows and the evaluations. The controller holds one and hands it to its pumps;
+nothing else writes it. (The groups in flight are the buffer's pending slots; what only the rollout pump needs of
+them, the requests waiting for ``submit`` and the dispatch attempts, is the rollout pump's.) Observers subscribe to
+its typed events (``Controller.subscribe``); ``state_dict`` / ``load_state_dict`` are what a checkpoint stores of it.
 
 Invariants:
 - Every change happens under ``lock``; ``changed`` (a condition on that lock) is notified when a pump made
@@ -19,7 +20,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.data import GenerationRequest
 from asyncrl.trace import STEP, TRACE_EVENTS, StepEvent, TraceRow
 
 Event = TraceRow | StepEvent
@@ -62,9 +62,6 @@ class RunState:
     trainer_version: int = 0  # T: optimizer steps done, and the weights the generator holds
     data_position: int = 0  # prompts taken from the stream
     exhausted: bool = False  # the stream has no batch left
-    inflight: dict[int, int] = field(default_factory=dict)  # group id -> weight version at dispatch
-    unsent: list[GenerationRequest] = field(default_factory=list)  # dispatched, not yet accepted by ``submit``
-    attempts: dict[int, int] = field(default_factory=dict)  # dispatches of live groups sent more than once
     trace: list[TraceRow] = field(default_factory=list)
     metrics: list[dict] = field(default_factory=list)  # one row per optimizer step
     evaluations: list[dict] = field(default_factory=list)
@@ -146,17 +143,14 @@ class RunState:
                     "evaluations": [dict(row) for row in self.evaluations]}
 
     def load_state_dict(self, state: dict) -> None:
-        """Replace the history and counters by ``state``'s; nothing is in flight afterwards (the caller
-        re-dispatches the buffer's pending groups). Recorded rows are history: subscribers are not told."""
+        """Replace the history and counters by ``state``'s (the caller re-dispatches the buffer's pending groups).
+        Recorded rows are history: subscribers are not told."""
         with self.lock:
             self.trainer_version, self.data_position = state["trainer_version"], state["data_position"]
             self.exhausted = state["exhausted"]
             self.trace = [TraceRow(*row) for row in state["trace"]]
             self.metrics = [dict(row) for row in state["metrics"]]
             self.evaluations = [dict(row) for row in state["evaluations"]]
-            self.inflight.clear()
-            self.unsent.clear()
-            self.attempts.clear()
             self._pending.clear()
 
 

@@ -7,6 +7,12 @@ the embedding and output layers scale with it).
 ``tokenizer.encode(text)`` (``add_special_tokens=True``, the default) prepends ``<bos>``; that is how standard prompts
 are encoded. ``tokenizer.decode(ids, skip_special_tokens=True)`` turns completions back into text (``<eos>`` dropped).
 
+Padded to a real model's vocabulary (``build_tokenizer(vocab_size)``, ``model.vocab_size``): the same tokenizer
+with ids 259 to ``vocab_size - 2`` unused tokens ``<|unused_N|>`` and the last id ``<|endoftext|>`` (an unused
+token too; it is there because transformers' Qwen2 tokenizer appends it when a vocabulary lacks it, which would make
+``len(tokenizer)`` one more than the model's output layer). Text never encodes to a padding token (no merges make
+one), so prompts encode as with 259; the output layer has a real model's width (a GPU preset at a real shape).
+
 Its chat template (``CHAT_TEMPLATE``, so conversational data runs on the quickstart model) is one line per message,
 ``<bos>user: 3+4=\\n`` then ``assistant: `` for the generation prompt: short, because a CPU model's context is. The
 template writes ``<bos>`` itself; ``apply_chat_template`` does not add it again.
@@ -25,8 +31,11 @@ CHAT_TEMPLATE = (
 )
 
 
-@lru_cache(maxsize=1)
-def _backend_json() -> str:
+ENDOFTEXT = "<|endoftext|>"
+
+
+@lru_cache(maxsize=4)
+def _backend_json(vocab_size: int = VOCAB_SIZE) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
 
@@ -34,6 +43,9 @@ def _backend_json() -> str:
     byte_symbols = _bytes_to_unicode()
     vocab = {byte_symbols[b]: b for b in range(256)}
     vocab.update({PAD: PAD_ID, BOS: BOS_ID, EOS: EOS_ID})
+    if vocab_size > VOCAB_SIZE:  # unused tokens up to the real model's vocabulary (module docstring)
+        vocab.update({f"<|unused_{i}|>": i for i in range(VOCAB_SIZE, vocab_size - 1)})
+        vocab[ENDOFTEXT] = vocab_size - 1
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
@@ -58,14 +70,18 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(bs, cs)}
 
 
-def build_tokenizer():
-    """A ``transformers.PreTrainedTokenizerFast`` over bytes: vocab 259, ``pad_token_id`` 256, ``bos_token_id``
-    257, ``eos_token_id`` 258; ``encode`` prepends ``<bos>``; ``chat_template`` is ``CHAT_TEMPLATE``."""
+def build_tokenizer(vocab_size: int | None = None):
+    """A ``transformers.PreTrainedTokenizerFast`` over bytes: vocab 259 (or ``vocab_size``, padded with unused
+    tokens: module docstring), ``pad_token_id`` 256, ``bos_token_id`` 257, ``eos_token_id`` 258; ``encode``
+    prepends ``<bos>``; ``chat_template`` is ``CHAT_TEMPLATE``."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
+    size = VOCAB_SIZE if vocab_size is None else int(vocab_size)
+    if size < VOCAB_SIZE:
+        raise ValueError(f"vocab_size {vocab_size!r}: the byte tokenizer needs at least {VOCAB_SIZE} ids")
     return PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.from_str(_backend_json()),
+        tokenizer_object=Tokenizer.from_str(_backend_json(size)),
         pad_token=PAD,
         bos_token=BOS,
         eos_token=EOS,

@@ -39,7 +39,7 @@ from record import meta, save
 
 from asyncrl import Controller, load_config
 from asyncrl.algorithms import make_train_batch
-from asyncrl.backends.base import GenerationRequest, PrevLogprobsFromForward
+from asyncrl.backends.base import GenerationRequest, capabilities
 from asyncrl.backends.process import ProcessGenerator
 from asyncrl.backends.torch import TorchGenerator
 
@@ -175,7 +175,7 @@ def gil_probe(preset: str, work: dict, reps: int = 20) -> pd.DataFrame:
 
     def train():  # the train tick's compute: (old logprobs,) forward/backward, optimizer step (weights change)
         chunk = batch
-        if not isinstance(policy, PrevLogprobsFromForward):  # as Controller._train_chunk decides
+        if not capabilities(policy).prev_logprobs_from_forward:  # as TrainPump._train_chunk decides
             chunk = replace(batch, prev_logprobs=policy.logprobs(batch))
         policy.begin_train_step()
         policy.train_microbatches(chunk)

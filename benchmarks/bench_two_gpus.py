@@ -82,7 +82,6 @@ from asyncrl import Controller, cli, load_config  # noqa: E402
 from asyncrl.algorithms import GRPOLoss  # noqa: E402
 from asyncrl.config import merge_overrides  # noqa: E402
 from asyncrl.backends import GENERATORS, POLICIES, _load  # noqa: E402
-from asyncrl.backends.base import PrevLogprobsFromForward  # noqa: E402
 from asyncrl.backends.device_lock import device_lock_stats  # noqa: E402
 from asyncrl.backends.hf import load_tokenizer  # noqa: E402
 from asyncrl.backends.ray import RemoteBackend, ensure_ray, remote  # noqa: E402
@@ -143,9 +142,7 @@ class StampedPolicy:
     """Forwards to the policy; records the wall-clock time at which each optimizer step finished."""
 
     def __init__(self, policy, t0: float) -> None:
-        self._policy, self.t0, self.stamps = policy, t0, []
-        if isinstance(policy, PrevLogprobsFromForward):  # an instance attribute: Python 3.12's isinstance on a
-            self.prev_logprobs_from_forward = True  # Protocol reads members statically, not through __getattr__
+        self._policy, self.t0, self.stamps = policy, t0, []  # its capabilities are the policy's (__getattr__)
 
     def finish_train_step(self, *args, **kwargs):
         out = self._policy.finish_train_step(*args, **kwargs)
@@ -213,11 +210,16 @@ def timeline_report(timeline: Timeline, generator, policy, t0: float, t1: float,
     """Per step: milliseconds in each (lane, call), and the share of the window each lane was inside a tick or a
     GPU block; the spans of the window go to ``timeline_<mode>.csv`` and a picture of 6 steps to
     ``timeline_<mode>.png``."""
-    import ray
+    from asyncrl.backends.device_lock import device_lock_spans
 
-    for lane, backend in (("gen GPU", generator), ("train GPU", policy)):
+    local = device_lock_spans()  # colocated: both engines' blocks are this process's, named by engine class
+    for lane, backend, names in (("gen GPU", generator, GEN_ENGINE), ("train GPU", policy, TRAIN_ENGINE)):
         if isinstance(backend, RemoteBackend):
+            import ray  # only with actors: a colocated run needs no Ray
+
             timeline.add_gpu(lane, ray.get(backend.apply_remote(_gpu_spans)))
+        else:
+            timeline.add_gpu(lane, [span for span in local if span[0] in names])
     f = timeline.frame(t0, t1)
     f.assign(start=f.start - t0, end=f.end - t0).to_csv(out / f"timeline_{mode}.csv", index=False)
     table = f.groupby(["lane", "name"]).ms.agg(["count", "sum", "median", "max"])
@@ -358,6 +360,11 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     timeline = Timeline() if timeline_out is not None else None
     if timeline is not None:
         timeline.instrument(ctrl, stamped)
+    cuda = _local_cuda(policy)
+    if cuda:  # the peak over the run, warm-up included (the first step is where an OOM would happen)
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
     if warmup:
         ctrl.run(warmup, progress=False)
     g0, tr0, w0 = gen.busy(), train.busy(), gen.waited() + train.waited()
@@ -393,6 +400,12 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     }
     for part in ("receive_s", "swap_wait_s", "load_s", "reset_s"):
         row[f"sync_{part}_median"] = float(parts[part].median()) if len(parts) else float("nan")
+    if cuda:
+        import torch
+
+        row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        row["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+        row["memory_plan"] = json.dumps(getattr(policy, "memory_plan", {}) or {})
     curve = pd.DataFrame({"run": row["run"], "mode": mode, "repeat": repeat,
                           "step": ctrl.metrics.step.to_numpy(), "wall_s": stamped.stamps[:len(ctrl.metrics)],
                           "reward": ctrl.metrics.reward_mean.to_numpy()})
@@ -400,6 +413,12 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         if col in ctrl.metrics:
             curve[col] = ctrl.metrics[col].to_numpy()
     return row, curve, policy
+
+
+def _local_cuda(policy) -> bool:
+    """Whether the policy trains on a CUDA device of this process (its peak memory is this process's)."""
+    device = None if isinstance(policy, RemoteBackend) else getattr(policy, "device", None)
+    return device is not None and str(device).startswith("cuda")
 
 
 def _parameters(policy) -> int:

@@ -707,6 +707,95 @@ REPORTS: dict[str, Callable[[], str]] = {
 }
 
 
+
+# --- issue 32: a real model's shape on one H200 ----------------------------------------------------------------
+REAL_SHAPE, GEN_HEAVY_FLEX = "2026-12-02-real-shape-one-h200", "2026-12-02-gen-heavy-one-h200-flex"
+TRL_GPU, CHECKS_32 = "2026-12-02-one-h200", "2026-12-02-one-h200-issue32"
+ISSUE_32_TODAY_TFLOPS = 128  # issue 32's train_tflops at this shape on main 2b45af3 (its data was not committed)
+
+
+def real_shape_table() -> str:
+    """The gpu_real_shape preset's sync and async runs: steps/s, stage times, training rate, memory, waits."""
+    meta, rows = run("bench_two_gpus", REAL_SHAPE)
+    out = []
+    for r in rows.itertuples():
+        plan = json.loads(r.memory_plan)
+        out.append([r.mode, f"**{r.steps_per_s:.3f}**", f"{r.gen_busy_per_step_s:.2f} s / {r.train_busy_per_step_s:.2f} s",
+                    f"{r.train_tflops_median:.1f} / {r.mfu_median:.3f}", f"{r.useful_train_tflops:.1f}",
+                    f"{r.completion_tokens_per_step / 1e3:.1f}k / {r.train_padded_tokens_median / 1e3:.1f}k",
+                    f"{r.peak_allocated_gib:.1f} / {r.peak_reserved_gib:.1f}",
+                    f"{plan['micro_batch_tokens']:,} ({plan['free_gib']:.0f} GiB free)",
+                    f"{r.device_lock_wait_per_step_s:.2f} s / {r.push_wait_s_median:.2f} s"])
+    return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_two_gpus/{REAL_SHAPE}/`.\n"
+            + table(out, ["mode", "steps/s", "generation / training a step", "`train_tflops` / `mfu`",
+                          "useful train TFLOP/s", "completion tokens / positions a step",
+                          "peak GiB allocated / reserved", "micro_batch_tokens chosen",
+                          "device-lock wait / push wait a step"]))
+
+
+def real_shape_number(what: str) -> Callable[[], str]:
+    def make() -> str:
+        meta, rows = run("bench_two_gpus", REAL_SHAPE)
+        sync = rows[rows["mode"] == "sync"].iloc[0]
+        if what == "async_over_sync":
+            return f"{meta['results']['async_over_sync']:.3f}x"
+        if what == "over_today":
+            return f"{sync.train_tflops_median / ISSUE_32_TODAY_TFLOPS:.2f}x"
+        if what == "estimate":
+            plan = json.loads(sync.memory_plan)
+            return (f"{plan['per_position_mib']:.2f} MiB a position planned, "
+                    f"{sync.peak_allocated_gib:.0f} GiB allocated at the peak for a pass of "
+                    f"{sync.train_padded_tokens_median / 1e3:.1f}k positions")
+        raise KeyError(what)
+    return make
+
+
+def trl_table() -> str:
+    meta, rows = run("bench_trl_gpu", TRL_GPU)
+    out = [[f"{r.side} ({r.mode})", f"**{r.steps_per_s:.4f}**", f"{r.gen_s:.2f} s", f"{r.train_s:.2f} s",
+            f"{r.completion_tokens_per_step / 1e3:.1f}k", f"**{r.useful_train_tflops:.1f}**",
+            f"{r.peak_allocated_gib:.1f}"] for r in rows.itertuples()]
+    return (f"\n{machine(meta)}; data `benchmarks/data/bench_trl_gpu/{TRL_GPU}/` ({meta['note'].split('; ')[-1]}).\n"
+            + table(out, ["side", "steps/s", "generation a step", "training a step", "completion tokens a step",
+                          "useful train TFLOP/s", "peak GiB allocated"]))
+
+
+def trl_ratio(key: str) -> Callable[[], str]:
+    return value("bench_trl_gpu", TRL_GPU, lambda r, _: f"{r['ratios'][key]:.2f}x")
+
+
+def gen_heavy_flex_number() -> str:
+    meta, rows = run("bench_two_gpus", GEN_HEAVY_FLEX)
+    s, a = (rows[rows["mode"] == m].iloc[0] for m in ("sync", "async"))
+    return (f"sync {s.steps_per_s:.3f}, async {a.steps_per_s:.3f} steps/s ({meta['results']['async_over_sync']:.2f}x), "
+            f"with training {s.train_busy_per_step_s:.2f} s a step in the sync run against "
+            f"{a.train_busy_per_step_s:.2f} s in the async one")
+
+
+def checks_32(what: str) -> Callable[[], str]:
+    return value("gpu_checks", CHECKS_32, lambda r, _: r[what] if isinstance(r[what], str) else json.dumps(r[what]))
+
+
+REPORTS.update({
+    "real_shape_one_h200": real_shape_table,
+    "real_shape_async_over_sync": real_shape_number("async_over_sync"),
+    "real_shape_over_today": real_shape_number("over_today"),
+    "real_shape_memory_estimate": real_shape_number("estimate"),
+    "trl_one_h200": trl_table,
+    "trl_sync_steps": trl_ratio("asyncrl_sync_over_trl_steps_per_s"),
+    "trl_async_steps": trl_ratio("asyncrl_async_over_trl_steps_per_s"),
+    "trl_sync_tflops": trl_ratio("asyncrl_sync_over_trl_useful_train_tflops"),
+    "trl_async_tflops": trl_ratio("asyncrl_async_over_trl_useful_train_tflops"),
+    "gen_heavy_flex": gen_heavy_flex_number,
+    "checks_32_tests": checks_32("pytest_tests_gpu_one_process"),
+    "checks_32_notebook": checks_32("notebook_gpu_quickstart"),
+    "checks_32_flex": value("gpu_checks", CHECKS_32, lambda r, _: (lambda f, m: (
+        f"mean |logprob error| {f['flex']['logprob_err']:.5f} (unfused {f['unfused']['logprob_err']:.5f}), gradient "
+        f"relative error {f['flex']['update_rel_err']:.4f} (unfused {f['unfused']['update_rel_err']:.4f}), both "
+        f"against the fp32 unfused path; a pass of 8 x 1,024 positions kept {m['flex']:.2f} GiB against "
+        f"{m['unfused']:.2f} GiB"))(r["flex_vs_unfused"], r["pass_peak_gib"])),
+})
+
 # --- rewriting and checking ------------------------------------------------------------------------------------
 def render(text: str, where: str, problems: list[str]) -> str:
     """``text`` with every marker's body regenerated; a marker that cannot be made is left as it is and named in

@@ -2,23 +2,49 @@
 
 from __future__ import annotations
 
+from pydantic import Field
+
 from asyncrl.samplers import Admission, KnobModel, SamplerBase, Verdict
+from asyncrl.strict import check_int
 
 
-class NewestFirstSampler:
-    """A complete custom policy written without ``SamplerBase``: always admits, trains the newest ready groups
-    first, never evicts."""
+class NewestFirstKnobs(KnobModel):
+    boost: int = Field(0, ge=0, description="buffer slots needed beyond 2 x groups_per_step")
+
+
+class NewestFirstSampler(SamplerBase):
+    """A policy without a window: always admits, trains the newest ready groups first, never evicts, and asks for
+    a buffer of its own size (``2 N + boost``)."""
 
     name = "newest_first_fixture"
+    Knobs = NewestFirstKnobs
+    window_knob = None
+    gated = False
 
-    def __init__(self, buffer, boost: int = 0, is_on_policy: bool = False):
+    @classmethod
+    def capacity_needed(cls, knobs, groups_per_step):
+        return 2 * check_int("groups_per_step", groups_per_step, 1) + knobs.boost
+
+    def _candidates(self, T):
+        yield from (s for s in reversed(self.buffer.slots()) if s.ready)
+
+    def _evictable(self, T):
+        return iter(())
+
+    def _select_reason(self, slot, T):
+        return "ready, newest first"
+
+
+class NotASubclass:
+    """A complete sampler by the ``PromptGroupSampler`` Protocol that does not subclass ``SamplerBase``: refused
+    when the configuration is validated (a custom sampler subclasses it)."""
+
+    name = "not_a_subclass"
+    is_on_policy = False
+
+    def __init__(self, buffer):
         self.buffer = buffer
-        self.boost = boost
-        self.is_on_policy = is_on_policy  # an instance attribute, declared by the class-level default below
         self.dispatch_index = -1
-
-    is_on_policy: bool
-    dispatch_index: int
 
     def admit(self, trainer_version):
         self.dispatch_index += 1
@@ -38,62 +64,14 @@ class NewestFirstSampler:
         return False
 
     def explain(self, trainer_version, min_groups=1, max_groups=None):
-        return [
-            Verdict(s.group_id, s.weight_version, s.target_step, s.state, "keep", "kept", "custom policy")
-            for s in self.buffer.slots()
-        ]
+        return [Verdict(s.group_id, s.weight_version, s.target_step, s.state, "keep", "kept", "custom policy")
+                for s in self.buffer.slots()]
 
     def required_buffer_capacity(self, groups_per_step):
-        return 2 * groups_per_step + self.boost
+        return 2 * groups_per_step
 
     def set_dispatch_index(self, resume_step):
         self.dispatch_index = resume_step - 1
-
-
-class AnnotatedOnly(NewestFirstSampler):
-    """Declares ``is_on_policy`` (inherited annotation) but never sets it: passes the class check at configuration
-    time, and fails the instance check in ``build_sampler``."""
-
-    def __init__(self, buffer):
-        self.buffer = buffer
-        self.dispatch_index = -1
-
-
-class _Methods:
-    """All Protocol members except ``explain`` and ``is_on_policy``."""
-
-    name = "incomplete"
-    dispatch_index = -1
-
-    def __init__(self, buffer):
-        self.buffer = buffer
-
-    def admit(self, trainer_version): ...
-
-    def explain_admission(self, trainer_version): ...
-
-    def select(self, trainer_version, min_groups, max_groups): ...
-
-    def evict(self, trainer_version): ...
-
-    def should_abort_inflight(self, weight_version, trainer_version): ...
-
-    def required_buffer_capacity(self, groups_per_step): ...
-
-    def set_dispatch_index(self, resume_step): ...
-
-
-class MissingExplain(_Methods):
-    is_on_policy = False
-
-
-class ExplainNotCallable(_Methods):
-    is_on_policy = False
-    explain = None
-
-
-class NoIsOnPolicy(_Methods):
-    def explain(self, trainer_version, min_groups=1, max_groups=None): ...
 
 
 def not_a_class(buffer):
@@ -126,6 +104,20 @@ class WrongWindowKnob(SamplerBase):
         yield from ()
 
 
+class OwnCapacity(SamplerBase):
+    """Overrides the instance's ``required_buffer_capacity``, which the configuration never asks (it asks the
+    class: ``capacity_needed``)."""
+
+    name = "own_capacity"
+    Knobs = _Knobs
+
+    def _candidates(self, T):
+        yield from ()
+
+    def required_buffer_capacity(self, groups_per_step):
+        return 3 * groups_per_step
+
+
 class Worded(SamplerBase):
     """A complete subclass with words of its own: its verdicts (and the trace) say them."""
 
@@ -146,3 +138,14 @@ class Worded(SamplerBase):
 
     def _evict_reason(self, slot, T):
         return "worded_drop", f"worded drop of weight version {slot.weight_version} at T={T}"
+
+
+class GatedWithoutWindow(SamplerBase):
+    """Gated admission (the default) without a window to gate by."""
+
+    name = "gated_without_window"
+    Knobs = _Knobs
+    window_knob = None
+
+    def _candidates(self, T):
+        yield from ()

@@ -11,6 +11,7 @@ import torch
 
 from asyncrl.algorithms import (
     GRPOLoss,
+    chunked_logprobs,
     LossConfig,
     group_advantages,
     grpo_loss,
@@ -90,6 +91,77 @@ def test_token_logprobs_and_entropy():
     ent = token_entropy(logits)
     p = torch.softmax(logits[1, 2], -1)
     assert torch.allclose(ent[1, 3], -(p * p.log()).sum())
+
+
+def _full_logprobs(hidden, weight, targets, rows=None):
+    """The full-vocabulary reference: every logit at once, then ``token_logprobs``' and ``token_entropy``'s sums."""
+    logits = hidden @ weight[:rows].t()
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1), -(logp.exp() * logp).sum(-1)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_chunked_logprobs_equal_the_full_logits_forward_and_gradients(chunk, dtype):
+    """The chunked path computes what the full ``[positions, vocab]`` logits give, in the forward and in both
+    gradients (hidden states and output weights), entropy included, for any chunk size (one that divides the
+    positions, one that does not, one larger than them): equal up to float reassociation."""
+    g = torch.Generator().manual_seed(chunk)
+    N, H, V = 13, 8, 37
+    hidden = torch.randn(N, H, generator=g, dtype=dtype).mul(2).requires_grad_()
+    weight = torch.randn(V, H, generator=g, dtype=dtype).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    a, b = torch.randn(N, generator=g, dtype=dtype), torch.randn(N, generator=g, dtype=dtype)
+
+    lp, ent = chunked_logprobs(hidden, weight, targets, chunk, entropy=True)
+    (lp * a + ent * b).sum().backward()
+    got = lp.detach(), ent.detach(), hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_lp, ref_ent = _full_logprobs(hidden, weight, targets)
+    (ref_lp * a + ref_ent * b).sum().backward()
+    ref = ref_lp.detach(), ref_ent.detach(), hidden.grad, weight.grad
+
+    # float reassociation: |x - y| / |y| (norms) far below the precision's unit roundoff times the sums' lengths
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert lp.dtype == dtype
+    for name, x, y in zip(("logprobs", "entropy", "d hidden", "d weight"), got, ref):
+        assert float((x - y).norm() / y.norm()) < tol, name
+
+
+def test_chunked_logprobs_without_entropy_and_with_a_padded_vocabulary():
+    """Rows past ``vocab_size`` (a vocabulary padded for tensor parallelism) are left out of the softmax and get
+    no gradient; without ``entropy`` none is returned; under no_grad nothing is kept for a backward."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(9, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(12, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 10, (9,), generator=g)
+    lp, ent = chunked_logprobs(hidden, weight, targets, 4, vocab_size=10)
+    assert ent is None
+    lp.sum().backward()
+    ref_h, ref_w = hidden.grad.clone(), weight.grad.clone()
+    assert ref_w[10:].abs().max() == 0
+    hidden.grad = weight.grad = None
+    _full_logprobs(hidden, weight, targets, rows=10)[0].sum().backward()
+    torch.testing.assert_close(lp.detach().double(), _full_logprobs(hidden, weight, targets, 10)[0].detach())
+    torch.testing.assert_close(ref_h, hidden.grad)
+    torch.testing.assert_close(ref_w, weight.grad)
+    with torch.no_grad():
+        assert not chunked_logprobs(hidden, weight, targets, 4)[0].requires_grad
+    with pytest.raises(ValueError, match="chunk_tokens 0"):
+        chunked_logprobs(hidden, weight, targets, 0)
+
+
+def test_chunked_logprobs_in_bf16_round_like_the_full_path():
+    """In bf16 the logits are the output layer's bf16 product upcast to float32, as the full path's are: the two
+    agree to float32 rounding of the same bf16 logits, far inside bf16's own error."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(20, 16, generator=g).to(torch.bfloat16)
+    weight = torch.randn(50, 16, generator=g).to(torch.bfloat16)
+    targets = torch.randint(0, 50, (20,), generator=g)
+    lp, ent = chunked_logprobs(hidden, weight, targets, 6, entropy=True)
+    ref_lp, ref_ent = _full_logprobs(hidden, weight, targets)
+    torch.testing.assert_close(lp, ref_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ent, ref_ent, rtol=1e-5, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------- loss

@@ -18,6 +18,7 @@ import pandas as pd
 import pytest
 
 from asyncrl import Recording, attach
+from asyncrl.read_view import ReadView
 from asyncrl.remote import SOCKET, AttachError
 
 
@@ -66,6 +67,8 @@ def test_attach_pauses_steps_resumes_and_stops_a_live_run(tmp_path):
         assert list(verdicts.columns[:3]) == ["group_id", "weight_version", "target_step"]
         state = remote.state()
         assert state.trainer_version == rows(out) and state.sampler == "in_order"
+        assert verdicts.attrs["trainer_version"] == state.trainer_version  # one T, as for a controller
+        assert isinstance(remote, ReadView)
         assert remote.trace.event.isin(["step"]).sum() == rows(out)
         remote.resume()
         resumed_at = rows(out)

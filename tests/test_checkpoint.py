@@ -53,7 +53,7 @@ def crash_at(monkeypatch, k: int | None) -> list[str]:
 def test_a_crash_at_any_point_of_a_save_leaves_a_loadable_checkpoint(tmp_path, monkeypatch, overwrite):
     ctrl = stepped(small_config(), 2)
     directory = tmp_path / "ckpts"
-    first = checkpoint.save_periodic(ctrl, directory, keep=3)
+    first = checkpoint.save_periodic(directory, ctrl.cfg, ctrl.state_dict(), keep=3)
     while ctrl.trainer_version < 3:
         ctrl.tick()
     target = first if overwrite else directory / "step-000003"

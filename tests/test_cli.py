@@ -129,7 +129,7 @@ def test_the_closing_line_compares_the_untrained_model_the_trained_one_and_the_c
 
 
 @pytest.mark.parametrize("cls, lacks", [("NoKnobs", "`Knobs`"), ("NoCandidates", "`_candidates(T)`"),
-                                        ("MissingExplain", "['explain']")])
+                                        ("NotASubclass", "does not subclass SamplerBase")])
 def test_a_custom_sampler_mistake_is_one_line_before_anything_is_written(tmp_path, cls, lacks):
     out = tmp_path / "never"
     proc = asyncrl("run", "quickstart", "--steps", "2", "--out", str(out), *SIMULATED, "--set", "sampler.name=custom",

@@ -4,6 +4,7 @@ that explains each fault; budgets that are spent stop the run with an error that
 
 from __future__ import annotations
 
+import pandas as pd
 import pytest
 
 from tests.faults import SCENARIOS, close, flaky_controller, run_scenario, small_config
@@ -58,6 +59,17 @@ def test_faults_and_skips_say_what_and_why():
         assert dispatches.loc[new, "reason"] == f"replaces group {old}"
     faults = trace[trace.event == "fault"]
     assert faults.detail.str.contains("InjectedError").any()
+
+
+def test_a_replacement_is_dispatched_in_the_lost_groups_batch():
+    trace = run_scenario("lost_no_retry")["ctrl"].trace
+    skips = trace[trace.event == "skip"].set_index("group_id")
+    dispatches = trace[trace.event == "dispatch"].set_index("group_id")
+    replaced = skips.detail.str.extract(r"replaced by group (\d+)")[0].dropna().astype(int)
+    assert len(replaced) > 0
+    for old, new in replaced.items():  # its typed column says which batch it delivers for, as the lost one's did
+        assert dispatches.loc[new, "dispatch_index"] == dispatches.loc[old, "dispatch_index"]
+        assert not pd.isna(dispatches.loc[new, "dispatch_index"])
 
 
 def test_spent_generation_budget_names_backend_budget_and_error_and_stepping_continues():

@@ -1,5 +1,5 @@
-"""The ``gpu_quickstart`` preset validates on any machine (no CUDA, vLLM or Megatron-core needed to load it);
-running it needs the H200 path (benchmarks/bench_gpu.py, notebooks/gpu_quickstart.ipynb)."""
+"""The GPU presets validate on any machine (no CUDA, vLLM or Megatron-core needed to load them); running them needs
+the H200 path (benchmarks/bench_gpu.py, benchmarks/bench_two_gpus.py, notebooks/gpu_quickstart.ipynb)."""
 
 from __future__ import annotations
 
@@ -51,3 +51,60 @@ def test_a_vllm_device_index_is_refused_since_the_engine_would_not_use_it():
         load_config("gpu_two_devices", generation={"device": "cuda:1"})
     assert load_config("gpu_two_devices", generation={"device": "cuda:0"}).generation.device == "cuda:0"
     assert load_config("gpu_two_devices").generation.device == "cuda"
+
+
+def test_the_real_shape_preset_is_a_qwen2_5_0_5b_shaped_model_with_a_152k_vocabulary():
+    """``gpu_real_shape``: the architecture of Qwen2.5-0.5B built in code (no download), its 151,936-id output layer
+    from the byte tokenizer padded with unused ids (prompts encode as with 259), 32 x 8 long-tailed completions up
+    to 1,024 tokens that fit the context, on one GPU colocated, training without full-vocabulary logits and with
+    fused attention, the micro-batch budget left to the memory."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    from asyncrl.backends.hf import load_tokenizer
+    from asyncrl.backends.sampling import group_max_tokens
+    from asyncrl.tokenizer import ENDOFTEXT, build_tokenizer
+
+    cfg = load_config("gpu_real_shape")
+    m = cfg.model
+    assert (m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.num_key_value_heads,
+            m.intermediate_size, m.rope_theta, m.tie_word_embeddings) == (896, 24, 14, 2, 4864, 1e6, True)
+    assert m.hf_path is None and m.dtype == "bfloat16" and m.vocab_size == 151936
+    tok = load_tokenizer(m)
+    assert len(tok) == 151936 and tok.convert_ids_to_tokens(151935) == ENDOFTEXT
+    prompt = build_task(cfg.task).train_prompts[0].text
+    assert tok.encode(prompt) == build_tokenizer().encode(prompt)  # the padding ids are never produced
+    assert len(tok.encode(prompt)) + cfg.generation.max_new_tokens <= m.max_position_embeddings
+    with torch_device_meta():
+        model = AutoModelForCausalLM.from_config(m.llama_config(len(tok), tok.pad_token_id, tok.bos_token_id,
+                                                                tok.eos_token_id))
+    assert 490e6 < sum(p.numel() for p in model.parameters()) < 500e6  # Qwen2.5-0.5B: 494M
+    g = cfg.generation
+    assert (g.backend, g.device, cfg.trainer.backend, cfg.trainer.device) == ("vllm", "cuda", "megatron", "cuda")
+    assert cfg.groups_per_step == 32 and cfg.group_size == 8 and g.max_new_tokens == 1024
+    limits = [group_max_tokens(g, cfg.seed, i) for i in range(2000)]
+    assert max(limits) == 1024 and statistics.median(limits) < 200  # long-tailed: most short, a few at the cap
+    assert g.kv_cache_tokens >= 2 * 256 * (len(tok.encode(prompt)) + 1024)  # two steps in flight (W=1)
+    assert cfg.trainer.micro_batch_tokens is None and cfg.trainer.attention == "auto"
+    assert cfg.trainer.logprob_chunk_tokens * 151936 * 4 < 2 * 2**30  # one chunk's float32 logits: < 2 GiB
+    assert cfg.sampler.name == "weight_fifo" and not build_sampler(cfg.sampler, None).is_on_policy
+    assert load_config("gpu_real_shape", model={"hf_path": "/some/dir"}).model.hf_path == "/some/dir"
+
+
+def torch_device_meta():
+    import torch
+
+    return torch.device("meta")
+
+
+def test_knobs_of_the_logprob_path_and_attention_are_checked():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="logprob_chunk_tokens"):
+        load_config("gpu_real_shape", trainer={"logprob_chunk_tokens": 0})
+    with pytest.raises(ValidationError, match="attention"):
+        load_config("gpu_real_shape", trainer={"attention": "flash"})
+    with pytest.raises(ValidationError, match="vocab_size"):
+        load_config("gpu_real_shape", model={"vocab_size": 100})
+    assert load_config("quickstart").trainer.logprob_chunk_tokens == 2048

@@ -388,6 +388,71 @@ def test_packed_and_sorted_steps_equal_the_padded_step(megatron_cpu, tok, loss_c
     assert packed["train_padded_tokens"] <= 1.25 * sum(LONG_TAIL)  # 6 rows of 30 for 119 tokens, not 12
 
 
+def _policy(tok, seed=3, loss=None, **knobs):
+    cfg = MegatronTrainerConfig(device="cpu", grad_clip=None, optimizer="torch", micro_batch_tokens=64, **knobs)
+    return MegatronPolicy(ModelConfig(), cfg, GRPOLoss(loss), seed, tok)
+
+
+def test_small_logprob_chunks_give_the_whole_pass_step(megatron_cpu, tok):
+    """The output layer cut into chunks of 5 positions gives the logprobs, the step's metrics and the weight change
+    (the gradient through the chunked backward, entropy bonus included) of one chunk for the whole pass, on packed
+    rows holding several sequences."""
+    batch = long_tailed_batch(LONG_TAIL, seed=4)
+    runs = []
+    for chunk in (4096, 5):
+        policy = _policy(tok, loss=LossConfig(entropy_coef=0.05), logprob_chunk_tokens=chunk)
+        policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+        w0 = weights(policy)
+        lp = policy.logprobs(batch)
+        b = replace(batch, gen_logprobs=(lp - 0.1 * torch.cos(batch.input_ids * 0.3)) * batch.loss_mask)
+        policy.begin_train_step()
+        policy.train_microbatches(b)
+        m = policy.finish_train_step()
+        runs.append((lp, m, {k: v - w0[k] for k, v in weights(policy).items()}))
+    (lp_a, m_a, d_a), (lp_b, m_b, d_b) = runs
+    torch.testing.assert_close(lp_b, lp_a, atol=2e-6, rtol=0)
+    for key in ("loss", "grad_norm", "entropy", "tokens"):
+        assert m_b[key] == pytest.approx(m_a[key], rel=1e-5, abs=1e-7), key
+    for k in d_a:
+        torch.testing.assert_close(d_b[k], d_a[k], atol=1e-6, rtol=1e-4, msg=lambda s: f"{k}: {s}")
+
+
+def test_flex_attention_computes_what_the_unfused_path_does(megatron_cpu, tok):
+    """FlexAttention under the document mask (eager on the CPU, the function the GPU's compiled kernel computes;
+    torch has no FlexAttention backward on the CPU, so the gradients are compared on the GPU,
+    tests/gpu/test_flex_attention.py) gives the logprobs of Megatron's unfused attention on packed rows holding
+    several sequences and on length-sorted ones."""
+    pytest.importorskip("torch.nn.attention.flex_attention")
+    batch = long_tailed_batch(LONG_TAIL, seed=4)
+    for mode in ("packed", "sorted"):
+        lp = {kind: _policy(tok, attention=kind, micro_batching=mode).logprobs(batch) for kind in ("unfused", "flex")}
+        assert lp["flex"].abs().sum() > 0
+        torch.testing.assert_close(lp["flex"], lp["unfused"], atol=2e-5, rtol=0, msg=lambda s: f"{mode}: {s}")
+    assert _policy(tok).attention == "unfused"  # auto: flex on CUDA only
+
+
+def test_the_micro_batch_budget_fits_the_free_memory_or_names_the_knob():
+    """On CUDA the budget is set at the first step from the memory then free: the most that fits when the knob is
+    null, the knob when it fits, else one ValueError naming ``trainer.micro_batch_tokens`` and what fits."""
+    from asyncrl.backends.megatron_forward import activation_bytes, fit_micro_batch_tokens
+    from transformers import Qwen2Config
+
+    spec = ArchSpec(Qwen2Config(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14,
+                                num_key_value_heads=2, intermediate_size=4864, max_position_embeddings=1088))
+    flex = activation_bytes(spec, torch.bfloat16, "flex", 1088)
+    unfused = activation_bytes(spec, torch.bfloat16, "unfused", 1088)
+    assert 1.0 < flex / 2**20 < 2.5 and unfused > 2 * flex  # MiB a position: linear vs the scores' heads x W
+    gib = 2**30
+    assert fit_micro_batch_tokens(None, 140 * gib, flex, 10 * gib, 1088, "cuda:0") == 65536
+    assert fit_micro_batch_tokens(32768, 100 * gib, flex, 10 * gib, 1088, "cuda:0") == 32768
+    fits = fit_micro_batch_tokens(None, 40 * gib, flex, 10 * gib, 1088, "cuda:0")
+    assert 1088 <= fits < 32768
+    with pytest.raises(ValueError, match=f"trainer.micro_batch_tokens 32768 does not fit.*<= {fits}"):
+        fit_micro_batch_tokens(32768, 40 * gib, flex, 10 * gib, 1088, "cuda:0")
+    with pytest.raises(ValueError, match="not even one row of 1088 positions"):
+        fit_micro_batch_tokens(None, 10 * gib, unfused, 10 * gib, 1088, "cuda:0")
+
+
 def test_micro_batch_knobs_cut_a_chunk(megatron_cpu, tok):
     from asyncrl import micro_batches
 
@@ -521,13 +586,13 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
     """Megatron takes ``prev_logprobs`` from its training forward when a chunk has none (the controller then skips
     the separate pass, also through a Ray proxy): over steps of two chunks in micro-batches of 3, with generator
     logprobs off the policy's, weights and step metrics equal those of a policy given ``logprobs()``' values."""
-    from asyncrl.backends.base import PrevLogprobsFromForward
+    from asyncrl.backends.base import capabilities
     from asyncrl.backends.ray import proxy_class
 
     loss = LossConfig(entropy_coef=0.03)
     given, forward = (make_policy(tok, lr=1e-2, micro_batch_size=3, loss=loss) for _ in range(2))
-    assert isinstance(forward, PrevLogprobsFromForward)
-    assert proxy_class(MegatronPolicy).prev_logprobs_from_forward is True  # a proxy is one too, without a call
+    assert capabilities(forward).prev_logprobs_from_forward
+    assert capabilities(proxy_class(MegatronPolicy)).prev_logprobs_from_forward  # a proxy too, without a call
     for step in range(3):
         chunks = [make_batch(B=7, seed=10 * step + c) for c in range(2)]
         given.begin_train_step(), forward.begin_train_step()
@@ -540,6 +605,38 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(megatro
         assert b["is_weight_mean"] != 1.0
     wa, wb = given.export_weights(), forward.export_weights()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def _rebuild_after_teardown(rank: int, out: str) -> None:
+    """In a fresh process: a policy, its world destroyed under it (what vLLM's shutdown does to a colocated
+    process), then a new policy trains: Megatron's groups are made again on the new world."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    tok = make_tokenizer()
+    cfg = MegatronTrainerConfig(device="cpu", optimizer="torch")
+    first = MegatronPolicy(ModelConfig(), cfg, GRPOLoss(), 0, tok)
+    old_group = parallel_state.get_data_parallel_group()
+    first.close()
+    dist.destroy_process_group()
+    second = MegatronPolicy(ModelConfig(), cfg, GRPOLoss(), 0, tok)
+    group = parallel_state.get_data_parallel_group()
+    ones = torch.ones(2)
+    dist.all_reduce(ones, group=group)  # a stale group raises here
+    batch = make_batch(seed=3)
+    second.begin_train_step()
+    second.train_microbatches(with_logprobs(batch, second.logprobs(batch)))
+    m = second.finish_train_step()
+    torch.save({"fresh_group": group is not old_group, "grad_norm": m["grad_norm"]}, out)
+
+
+def test_a_policy_after_its_world_was_torn_down_makes_megatron_s_groups_again(tmp_path):
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "out.pt")
+    mp.start_processes(_rebuild_after_teardown, args=(out,), nprocs=1, start_method="spawn", join=True)
+    got = torch.load(out)
+    assert got["fresh_group"] and got["grad_norm"] > 0
 
 
 def test_the_supported_megatron_core_range_is_declared_once_and_checked_at_start():

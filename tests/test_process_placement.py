@@ -12,6 +12,7 @@ import torch
 from examples.plain_grpo import plain_grpo
 
 from asyncrl import Controller, load_config
+from asyncrl.backends.base import Capabilities, capabilities
 from asyncrl.backends.process import ProcessGenerator
 from asyncrl.backends.torch import TorchGenerator
 from asyncrl.data import GenerationRequest
@@ -86,6 +87,29 @@ def test_an_error_in_the_child_is_raised_with_its_traceback_and_the_child_serves
         child.poll()
     child.submit(requests(tokenizer, 31))
     assert len(child.poll()) == 3
+
+
+class MeteredGenerator(TorchGenerator):
+    """A generator with step metrics of its own (the child builds it: a module-level class)."""
+
+    capabilities = Capabilities(step_metrics=True)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"child_pid": float(os.getpid())}
+
+
+def test_the_child_process_passes_on_the_step_metrics_its_generator_declares(pair):
+    """A process placement answers what its generator declares, as far as it crosses the pipe: step metrics, read
+    in the child; not staged weights (shared memory) nor an actor's restart."""
+    _, child, _ = pair
+    assert capabilities(child) == Capabilities() == capabilities(TorchGenerator)
+    cfg = load_config("quickstart", seed=0)
+    metered = ProcessGenerator(MeteredGenerator, (cfg.model, cfg.generation, cfg.seed, build_tokenizer()))
+    try:
+        assert capabilities(metered) == Capabilities(step_metrics=True)
+        assert metered.step_metrics() == {"child_pid": float(metered.pid)} != {"child_pid": float(os.getpid())}
+    finally:
+        metered.close()
 
 
 def test_close_ends_the_child_a_dead_child_is_an_error_naming_it_and_sigint_is_the_parents():

@@ -109,3 +109,46 @@ def test_save_and_restore_with_backends_in_ray_actors(ray_cluster, tmp_path, bac
         assert all(torch.equal(weights[k], expected_weights[k]) for k in expected_weights)
         pd.testing.assert_frame_equal(restored.metrics[columns], expected)
         pd.testing.assert_frame_equal(restored.trace, expected_trace)
+
+
+def test_a_proxy_a_rank_group_and_a_replica_set_declare_what_they_wrap_and_a_bad_declaration_is_an_error():
+    """What a backend may do beyond its Protocol is declared (``Capabilities``) and read without a call or an actor:
+    a proxy answers its hosted class's declaration and is one actor; a rank group of a policy that takes its
+    ``prev_logprobs`` from its forward does too, and is no actor; a replica set has per-replica step metrics."""
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from asyncrl.backends.base import Capabilities, capabilities, is_dead_actor
+    from asyncrl.backends.ranks import RankGroupPolicy
+    from asyncrl.backends.ray import proxy_class
+    from asyncrl.backends.replicas import ReplicaSet
+    from asyncrl.backends.simulated import SimulatedPolicy
+    from asyncrl.backends.torch import TorchGenerator, TorchPolicy
+    from asyncrl.backends.vllm import VLLMGenerator
+
+    assert capabilities(TorchPolicy).prev_logprobs_from_forward and not capabilities(TorchPolicy).actor
+    assert capabilities(VLLMGenerator).stages_weights and capabilities(TorchGenerator) == Capabilities()
+    for cls in (TorchPolicy, TorchGenerator, VLLMGenerator, SimulatedPolicy):
+        assert capabilities(proxy_class(cls)) == replace(capabilities(cls), actor=True), cls
+    torch_ranks = RankGroupPolicy(SimpleNamespace(actors=[proxy_class(TorchPolicy)(None)] * 2))
+    simulated_ranks = RankGroupPolicy(SimpleNamespace(actors=[proxy_class(SimulatedPolicy)(None)]))
+    assert capabilities(torch_ranks) == Capabilities(prev_logprobs_from_forward=True)
+    assert capabilities(simulated_ranks) == Capabilities() == capabilities(RankGroupPolicy)
+    assert capabilities(ReplicaSet) == Capabilities(step_metrics=True)
+    assert not is_dead_actor(ray.exceptions.RayActorError(), torch_ranks)  # a group of actors is not one
+
+    class Undeclared(TorchGenerator):
+        prev_logprobs_from_forward = True  # how a backend said so before the declaration
+
+    class Missing(TorchGenerator):
+        capabilities = Capabilities(step_metrics=True)
+
+    class NotCapabilities(TorchGenerator):
+        capabilities = {"step_metrics": True}
+
+    with pytest.raises(TypeError, match=r"Undeclared sets prev_logprobs_from_forward = True; declare it instead"):
+        capabilities(Undeclared)
+    with pytest.raises(TypeError, match=r"Missing declares Capabilities\(step_metrics=True\) but has no step_metrics"):
+        proxy_class(Missing)
+    with pytest.raises(TypeError, match=r"NotCapabilities.capabilities is \{'step_metrics': True\}"):
+        capabilities(NotCapabilities)

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from asyncrl import Controller, Recording, load_config
+from asyncrl.read_view import ReadView
 from asyncrl.recording import RunFiles
 
 PATTERN = ["rollout"] * 4 + ["train"] * 3 + ["rollout", "train", "rollout", "rollout", "train", "train"]
@@ -95,6 +96,14 @@ def test_bad_scrubs_are_clear_errors(tmp_path):
     assert old.steps == steps
     for step, frame in zip(old.steps, indexed):
         pd.testing.assert_frame_equal(old.at(step).explain(), frame)
+    # a trace.csv from before the typed columns (gen_start_version, ..., dispatch_index): read, not scrubbed
+    trace = pd.read_csv(tmp_path / "trace.csv", keep_default_na=False)
+    trace.iloc[:, :9].to_csv(tmp_path / "trace.csv", index=False)
+    older = Recording(tmp_path)
+    assert older.steps == steps and len(older.trace) == len(trace) and len(older.metrics) == len(steps)
+    with pytest.raises(ValueError, match="written before asyncrl recorded gen_start_version, gen_end_version, "
+                                         "replica and dispatch_index as columns, which a view needs"):
+        older.at(0)
 
 
 CUSTOM = '''
@@ -124,6 +133,37 @@ def test_a_custom_sampler_is_imported_only_with_trust_code(tmp_path, monkeypatch
     live = [frame for seq, T, frame in seen if seq == Recording(out, trust_code=True).at(2).row.seq][-1]
     pd.testing.assert_frame_equal(Recording(out, trust_code=True).at(2).explain(), live)
     assert module in sys.modules
+
+
+WORDED = {"name": "custom", "target": "tests.custom_sampler_fixture:Worded", "max_staleness_versions": 1}
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS + [WORDED], ids=[s["name"] for s in SAMPLERS] + ["custom"])
+def test_a_views_explain_and_state_speak_of_one_T_trusted_or_not(sampler, tmp_path):
+    """At every row, ``explain()`` is about the ``T`` that ``state()`` gives: the re-judged verdicts, and for a
+    custom sampler not trusted the decisions recorded at that ``T`` (not those of the step that had just ended)."""
+    cfg = load_config("quickstart", seed=5, sampler=sampler, eval_every=None)
+    ctrl, _ = stepped(cfg, tmp_path, steps=4)
+    assert isinstance(ctrl, ReadView) and ctrl.explain().attrs["trainer_version"] == ctrl.state().trainer_version
+    recorded = 0
+    for trusted in (False, True):
+        rec = Recording(tmp_path, trust_code=trusted)
+        for step in rec.steps:
+            for event in (None, *range(rec.events(step))):
+                view = rec.at(step, event)
+                assert isinstance(view, ReadView)
+                frame, T = view.explain(), view.state().trainer_version
+                assert T == view.trainer_version == frame.attrs["trainer_version"] == (step + 1 if event is None
+                                                                                      else view.row.trainer_version)
+                assert set(frame.group_id) <= {slot.group_id for slot in view.buffer}  # groups buffered here
+                if sampler is WORDED:  # its reasons name the T they were given: "worded pick of group 3 at T=2"
+                    assert all(reason.endswith(f"at T={T}") for reason in frame.reason if "worded" in reason)
+                if view.sampler is None:
+                    assert "trust_code=True" in frame.attrs["note"] and set(frame.code) <= {"recorded"}
+                    rejudged = Recording(tmp_path, trust_code=True).at(step, event).explain()
+                    assert set(frame.group_id) <= set(rejudged.group_id)  # what the re-judge saw, decided
+                    recorded += len(frame)
+    assert (recorded > 0) == (sampler is WORDED)  # an untrusted custom view shows decisions; a built-in re-judges
 
 
 def test_skew_metrics_say_what_was_generated_trained_and_dropped():

@@ -12,7 +12,7 @@ import yaml
 
 import asyncrl
 from asyncrl import Controller, cli, load_config
-from asyncrl.recording import RunFiles
+from asyncrl.run_files import RunFiles
 from asyncrl.replay.recorded import schedule
 from asyncrl.simulate import Simulation
 from asyncrl.trace import COMMIT, TRACE_COLUMNS

@@ -25,7 +25,6 @@ from asyncrl.samplers import (
     explain_frame,
     sampler_config,
 )
-from asyncrl.samplers.custom import PROTOCOL_MEMBERS
 
 FIXTURE = "tests.custom_sampler_fixture"
 BUILT_IN = {
@@ -71,9 +70,13 @@ def test_public_names_are_importable():
         assert name in samplers.__all__
 
 
-def test_protocol_is_runtime_checkable_and_the_custom_check_knows_all_its_members():
-    attrs = getattr(PromptGroupSampler, "__protocol_attrs__", None) or typing._get_protocol_attrs(PromptGroupSampler)
-    assert set(attrs) == set(PROTOCOL_MEMBERS)
+def protocol_members() -> set[str]:
+    return set(getattr(PromptGroupSampler, "__protocol_attrs__", None)
+               or typing._get_protocol_attrs(PromptGroupSampler))
+
+
+def test_protocol_is_runtime_checkable_and_samplerbase_satisfies_it():
+    assert {"admit", "select", "evict", "explain", "is_on_policy", "required_buffer_capacity"} <= protocol_members()
     for name in BUILT_IN:
         sampler, _ = make(name)
         assert isinstance(sampler, PromptGroupSampler)
@@ -190,7 +193,7 @@ def test_custom_sampler_is_built_with_buffer_and_kwargs():
     buf = ReplayBuffer()
     sampler = build_sampler({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 3}, buf)
     assert type(sampler).__name__ == "NewestFirstSampler"
-    assert sampler.buffer is buf and sampler.boost == 3
+    assert sampler.buffer is buf and sampler.knobs.boost == 3
     assert isinstance(sampler, PromptGroupSampler)
     assert sampler.required_buffer_capacity(4) == 11
     cfg = sampler_config({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 3})
@@ -224,22 +227,70 @@ def test_custom_target_that_is_not_a_class(target, found):
         sampler_config({"name": "custom", "target": f"{FIXTURE}:{target}"})
 
 
-@pytest.mark.parametrize(
-    "cls, missing", [("MissingExplain", "explain"), ("ExplainNotCallable", "explain"), ("NoIsOnPolicy", "is_on_policy")]
-)
-def test_custom_class_that_does_not_satisfy_the_protocol(cls, missing):
-    with pytest.raises(ValidationError, match=rf"{cls}' does not satisfy PromptGroupSampler: .*\['{missing}'\]"):
-        sampler_config({"name": "custom", "target": f"{FIXTURE}:{cls}"})
+def test_a_custom_class_that_does_not_subclass_samplerbase_is_one_line_naming_it_and_what_is_required():
+    """Even one with every member of the Protocol: the pumps read what SamplerBase declares."""
+    from asyncrl import load_config
 
-
-def test_custom_instance_that_does_not_satisfy_the_protocol():
-    with pytest.raises(ValueError, match=r"AnnotatedOnly' built an object that does not satisfy .*\['is_on_policy'\]"):
-        build_sampler({"name": "custom", "target": f"{FIXTURE}:AnnotatedOnly"}, ReplayBuffer())
+    for check in (lambda: sampler_config({"name": "custom", "target": f"{FIXTURE}:NotASubclass"}),
+                  lambda: load_config("quickstart", sampler={"name": "custom", "target": f"{FIXTURE}:NotASubclass"})):
+        with pytest.raises(ValidationError) as caught:
+            check()
+        (error,) = caught.value.errors()
+        assert error["msg"] == (
+            f"Value error, custom sampler target '{FIXTURE}:NotASubclass': class NotASubclass does not subclass "
+            "SamplerBase; a custom sampler must subclass asyncrl.samplers.SamplerBase (docs/samplers.md, "
+            "'Writing your own')")
 
 
 def test_custom_kwargs_the_class_rejects():
     with pytest.raises(ValueError, match=r"rejected kwargs \{'speed': 2\}"):
         build_sampler({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "speed": 2}, ReplayBuffer())
+
+
+def test_a_custom_sampler_answers_the_configuration_through_its_class_and_knobs():
+    """No sampler and no buffer are built to validate a config: on-policy-ness and capacity are the class's."""
+    from asyncrl import load_config
+    from asyncrl.samplers import sampler_class, sampler_knobs
+
+    built = []
+    original = samplers.SamplerBase.__init__
+
+    def counting(self, buffer, **knobs):
+        built.append(type(self).__name__)
+        original(self, buffer, **knobs)
+
+    config = {"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 3}
+    samplers.SamplerBase.__init__ = counting
+    try:
+        cfg = load_config("quickstart", sampler=config, max_buffered_groups=19)
+        load_config("quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 2},
+                    loss={"importance_correction": "token"})
+    finally:
+        samplers.SamplerBase.__init__ = original
+    assert built == []
+    cls, knobs = sampler_class(cfg.sampler), sampler_knobs(cfg.sampler)
+    assert cls.__name__ == "NewestFirstSampler" and knobs.boost == 3
+    assert cls.capacity_needed(knobs, 8) == 19 and cls.trains_on_policy(knobs) is False
+    assert build_sampler(cfg.sampler, ReplayBuffer()).required_buffer_capacity(8) == 19
+    for name, (klass, knob) in BUILT_IN.items():
+        for window in (0, 2):
+            knobs = sampler_knobs({"name": name, knob: window})
+            assert sampler_class({"name": name}) is klass
+            sampler = klass(ReplayBuffer(), **{knob: window})
+            assert klass.trains_on_policy(knobs) is sampler.is_on_policy
+            assert klass.capacity_needed(knobs, 8) == sampler.required_buffer_capacity(8)
+
+
+@pytest.mark.parametrize("cls, says", [
+    ("OwnCapacity", "overrides required_buffer_capacity (override the classmethod capacity_needed(knobs, "
+                    "groups_per_step) instead)"),
+    ("GatedWithoutWindow", "lacks a `window_knob` (gated admission lets batch k go once k <= T + W"),
+])
+def test_a_subclass_that_the_configuration_could_not_ask_is_refused(cls, says):
+    with pytest.raises(ValidationError) as caught:
+        sampler_config({"name": "custom", "target": f"{FIXTURE}:{cls}"})
+    (error,) = caught.value.errors()
+    assert f"custom sampler {cls} ('{FIXTURE}:{cls}') {says}" in error["msg"] and "\n" not in error["msg"]
 
 
 @pytest.mark.parametrize("cls, lacks", [
@@ -261,15 +312,13 @@ def test_a_samplerbase_subclass_lacking_what_it_must_define_is_a_configuration_e
         assert "\n" not in error["msg"]
 
 
-def test_a_custom_samplers_kwargs_instance_and_capacity_are_checked_with_the_configuration():
+def test_a_custom_samplers_kwargs_and_capacity_are_checked_with_the_configuration():
     from asyncrl import load_config
 
-    with pytest.raises(ValidationError, match=r"rejected kwargs \{'speed': 2\}: TypeError"):
-        sampler_config({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "speed": 2})
     with pytest.raises(ValidationError, match=r"Worded' rejected kwargs \{'speed': 2\}: unknown knob\(s\) \['speed'\]"):
         sampler_config({"name": "custom", "target": f"{FIXTURE}:Worded", "speed": 2})
-    with pytest.raises(ValidationError, match=r"AnnotatedOnly' built an object that does not satisfy"):
-        sampler_config({"name": "custom", "target": f"{FIXTURE}:AnnotatedOnly"})
+    with pytest.raises(ValidationError, match=r"NewestFirstSampler' rejected kwargs \{'boost': -1\}: boost: "):
+        sampler_config({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": -1})
     with pytest.raises(ValidationError, match=r"max_buffered_groups 16 is smaller than the 19 groups sampler"):
         load_config("quickstart", max_buffered_groups=16,
                     sampler={"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 3})
@@ -328,6 +377,37 @@ def test_set_dispatch_index_on_resume(name):
     with pytest.raises(ValueError, match="resume_step must be an int >= 0, got -1"):
         sampler.set_dispatch_index(-1)
     assert sampler.dispatch_index == -1
+
+
+@pytest.mark.parametrize("name", list(BUILT_IN))
+def test_resume_schedule_counts_the_batches_a_restored_buffer_holds_as_admitted(name):
+    """Restored at T=5 over groups another sampler admitted: a stamping sampler resumes after the last stamp it
+    holds, any other after ceil(kept / N) batches; with nothing kept, both start at batch T."""
+    sampler, buf = make(name, 1)
+    for target in (5, 5, 6, None, 6):
+        add(buf, 4, target=target)
+    sampler.resume_schedule(buf.slots(), 5, 4)
+    assert sampler.dispatch_index == (6 if name == "in_order" else 4 + 2)
+    if name in GATED:
+        assert sampler.admit(5) is None and sampler.admit(6).dispatch_index == 7
+    sampler.resume_schedule([], 5, 4)
+    assert sampler.dispatch_index == 4 and sampler.admit(5) == Admission(5, 5 if name == "in_order" else None)
+    for bad, message in [((buf.slots(), -1, 4), "trainer_version must be an int >= 0, got -1"),
+                         ((buf.slots(), 5, 0), "groups_per_step must be an int >= 1, got 0")]:
+        with pytest.raises(ValueError, match=message):
+            sampler.resume_schedule(*bad)
+    assert sampler.dispatch_index == 5  # a refused call changes nothing
+
+
+def test_a_policy_without_a_window_declares_none():
+    from tests.custom_sampler_fixture import NewestFirstSampler
+
+    sampler = NewestFirstSampler(ReplayBuffer(), boost=1)
+    assert (sampler.window, sampler.lower_bound(7), sampler.admits_ahead, sampler.is_on_policy) == (None, 0, True, False)
+    assert (sampler.gated, sampler.stamps_target, sampler.required_buffer_capacity(3)) == (False, False, 7)
+    add(sampler.buffer, 0, 2)
+    add(sampler.buffer, 9, 1)
+    assert sampler.evict(9) == [] and ids(sampler.select(9, 1, 2)) == [2, 1]
 
 
 @pytest.mark.parametrize("name", list(BUILT_IN))
@@ -741,19 +821,6 @@ def test_decisions_carry_the_words_their_verdicts_give(name):
     assert sampler.select_reasoned(3, 5, 5) is None and len(buf) == 1
 
 
-def test_a_sampler_without_its_own_words_gets_its_verdicts_reasons():
-    buf = ReplayBuffer()
-    sampler = build_sampler({"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler"}, buf)
-    assert not isinstance(sampler, samplers.ReasonedDecisions)
-    add(buf, 0, 3)
-    decide = samplers.reasoned(sampler)
-    assert [(s.group_id, why) for s, why in decide.select_reasoned(0, 1, 2)] == [(2, "custom policy"),
-                                                                               (1, "custom policy")]
-    assert decide.evict_reasoned(0) == [] and len(buf) == 1
-    windowed, _ = make("windowed")
-    assert samplers.reasoned(windowed) is windowed
-
-
 def test_explain_frame_is_a_table():
     sampler, buf = mixed_buffer("weight_fifo")
     frame = explain_frame(sampler.explain(5, 1, 2))
@@ -810,12 +877,13 @@ def test_explain_admission_agrees_with_admit(name):
 
 # ------------------------------------------------------------------------- registry and custom samplers
 def test_protocol_owns_the_dispatch_index_and_one_explain_signature():
-    assert {"dispatch_index", "name", "explain_admission"} <= set(PROTOCOL_MEMBERS)
+    assert {"dispatch_index", "name", "explain_admission"} <= protocol_members()
     explain = typing.get_type_hints(PromptGroupSampler.explain)
     assert list(explain) == ["trainer_version", "min_groups", "max_groups", "return"]
     for name in BUILT_IN:
         sampler, _ = make(name)
-        assert isinstance(sampler, samplers.StalenessWindow) and sampler.name == name
+        assert sampler.window == 1 and sampler.lower_bound(3) == (0 if name == "ready_first" else 2)
+        assert sampler.name == name
 
 
 def test_every_built_in_policy_is_registered_once_by_its_name():
@@ -892,7 +960,7 @@ def test_the_notebooks_custom_sampler_is_short_and_complete(my_sampler):
     assert len(code) <= 20, len(code)  # SamplerBase carries the rest
     buf = ReplayBuffer()
     sampler = build_sampler({"name": "custom", "target": "my_sampler:NewestFirst", "max_lag": 1}, buf)
-    assert isinstance(sampler, PromptGroupSampler) and isinstance(sampler, samplers.StalenessWindow)
+    assert isinstance(sampler, PromptGroupSampler) and sampler.window == 1 and sampler.lower_bound(3) == 2
     assert sampler.required_buffer_capacity(8) == 16 and not sampler.is_on_policy
     add(buf, 0, 2)
     add(buf, 1, 1)
@@ -907,3 +975,31 @@ def test_the_notebooks_custom_sampler_is_short_and_complete(my_sampler):
     assert ids(sampler.select(2, 1, 2)) == [3, 4]
     with pytest.raises(ValueError, match=r"unknown knob\(s\) \['lag'\] for sampler 'NewestFirstKnobs'"):
         build_sampler({"name": "custom", "target": "my_sampler:NewestFirst", "lag": 1}, buf)
+
+
+@pytest.mark.parametrize("sampler", [
+    {"name": "in_order", "max_lookahead_versions": 1},
+    {"name": "windowed", "max_staleness_versions": 1},
+    {"name": "custom", "target": f"{FIXTURE}:NewestFirstSampler", "boost": 1},
+], ids=["in_order", "windowed", "custom"])
+def test_a_run_builds_its_sampler_once_in_the_controller(sampler, monkeypatch):
+    """Loading and checking the configuration builds none (with importance_correction 'none' too); the controller
+    builds the one it follows."""
+    from asyncrl import Controller, load_config
+
+    built = []
+    original = samplers.SamplerBase.__init__
+
+    def counting(self, buffer, **knobs):
+        built.append(buffer)
+        original(self, buffer, **knobs)
+
+    monkeypatch.setattr(samplers.SamplerBase, "__init__", counting)
+    loss = {"importance_correction": "none", "truncation": "none"} if sampler["name"] == "in_order" else {}
+    cfg = load_config("quickstart", sampler={**sampler, **({"max_lookahead_versions": 0} if loss else {})},
+                      loss=loss, generation={"backend": "simulated"}, trainer={"backend": "simulated"})
+    assert built == []
+    with Controller.from_config(cfg) as ctrl:
+        assert built == [ctrl.buffer] and ctrl.sampler.buffer is ctrl.buffer
+        ctrl.tick()
+    assert len(built) == 1

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch
-from asyncrl.backends.base import GenerationBackend, PolicyBackend, PrevLogprobsFromForward
+from asyncrl.backends.base import GenerationBackend, PolicyBackend, capabilities
 from asyncrl.backends.hf import build_model
 from asyncrl.backends.torch import TorchGenerator, TorchPolicy
 from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
@@ -111,6 +111,57 @@ def test_top_p_keeps_samples_inside_the_nucleus(tok):
     greedy = gen.generate_greedy([tok.encode("q=")], 1)[0]
     gen.submit(requests(tok, ["q="], n=16))
     assert all(c == greedy for c in gen.poll()[0].completion_ids)
+
+
+def test_top_k_samples_only_among_the_k_most_likely_tokens(tok):
+    from asyncrl.backends.torch import sequence_logits
+
+    policy, gen = make(tok, gen=TorchGenerationConfig(max_new_tokens=1, top_k=3, temperature=3.0))
+    prompt = tok.encode("q=")
+    gen.submit(requests(tok, ["q="], n=64))
+    drawn = {c[0] for c in gen.poll()[0].completion_ids}
+    with torch.no_grad():
+        top3 = set(sequence_logits(policy.model, torch.tensor([prompt]))[0, -1].topk(3).indices.tolist())
+    assert drawn <= top3 and len(drawn) > 1  # a hot temperature spreads the draws, top_k keeps them in three
+    _, one = make(tok, gen=TorchGenerationConfig(max_new_tokens=4, top_k=1))
+    one.submit(requests(tok, ["q=", "abc="], n=4))
+    greedy = one.generate_greedy([tok.encode("q="), tok.encode("abc=")], 4)
+    assert [g.completion_ids for g in one.poll()] == [[greedy[0]] * 4, [greedy[1]] * 4]
+
+
+def test_a_stop_string_ends_a_completion_at_the_token_that_completes_it(tok):
+    """Without the stop, the same draws (the stop never changes the sampling stream); with it, each completion is
+    cut right after the token whose decoded text first contains the string, finish reason 'stop'."""
+    cfg = dict(max_new_tokens=24, temperature=2.0)
+    _, free = make(tok, gen=TorchGenerationConfig(**cfg))
+    free.submit(requests(tok, ["abc=", "q="], n=6))
+    before = free.poll()
+    rows = [c for g in before for c in g.completion_ids]
+    # an ASCII character some completion reaches after its first token
+    long = next(c for c in rows if any(32 <= t < 127 and t not in c[:j] for j, t in enumerate(c) if j >= 1))
+    j = next(j for j, t in enumerate(long) if j >= 1 and 32 <= t < 127 and t not in long[:j])
+    stop = chr(long[j])
+    _, gen = make(tok, gen=TorchGenerationConfig(**cfg, stop=[stop]))
+    gen.submit(requests(tok, ["abc=", "q="], n=6))
+    after = gen.poll()
+    cut_any = False
+    for g0, g1 in zip(before, after):
+        for c0, c1, r0, r1, l0, l1 in zip(g0.completion_ids, g1.completion_ids, g0.finish_reasons, g1.finish_reasons,
+                                          g0.logprobs, g1.logprobs):
+            assert c0[:len(c1)] == c1 and l0[:len(l1)] == l1  # same draws, same logprobs, cut short
+            text = tok.decode(c1, skip_special_tokens=True)
+            if stop in text:
+                assert r1 == "stop" and stop not in tok.decode(c1[:-1], skip_special_tokens=True)
+                cut_any |= len(c1) < len(c0)
+            else:
+                assert (c1, r1) == (c0, r0)
+    assert cut_any
+    assert [c for g in after for c in g.completion_ids][rows.index(long)] == long[:j + 1]
+    prompts = [tok.encode(p) for p in ("abc=", "q=", "hello", "xyz>")]  # evaluation stops where sampling does
+    for g0, g1 in zip(free.generate_greedy(prompts, 24), gen.generate_greedy(prompts, 24)):
+        assert g0[:len(g1)] == g1
+        assert g1 == g0 if stop not in tok.decode(g0, skip_special_tokens=True) else (
+            stop in tok.decode(g1, skip_special_tokens=True) and stop not in tok.decode(g1[:-1], skip_special_tokens=True))
 
 
 def test_sampling_is_deterministic_for_a_seed_and_differs_across_seeds(tok):
@@ -253,7 +304,7 @@ def test_prev_logprobs_from_the_forward_train_exactly_as_a_separate_pass(tok, lo
     the separate pass's logprobs, bit for bit."""
     trainer = TorchTrainerConfig(lr=1e-2, micro_batch_size=3)
     (given, gen), (forward, _) = make(tok, loss=loss, trainer=trainer), make(tok, loss=loss, trainer=trainer)
-    assert isinstance(forward, PrevLogprobsFromForward)  # what tells the controller to skip its pass
+    assert capabilities(forward).prev_logprobs_from_forward  # what tells the controller to skip its pass
     for step in range(3):
         chunks = []
         for c in range(2):

@@ -35,11 +35,13 @@ def make_tokenizer():
 
 
 class FakeSamplingParams:
-    def __init__(self, n=1, temperature=1.0, top_p=1.0, max_tokens=16, logprobs=None, seed=None,
-                 stop_token_ids=None, detokenize=True, output_kind=None):
+    def __init__(self, n=1, temperature=1.0, top_p=1.0, top_k=0, max_tokens=16, logprobs=None, seed=None,
+                 stop=None, stop_token_ids=None, detokenize=True, output_kind=None):
         self.n, self.temperature, self.top_p, self.max_tokens = n, temperature, top_p, max_tokens
         self.logprobs, self.seed, self.stop_token_ids, self.detokenize = logprobs, seed, stop_token_ids, detokenize
-        self.output_kind = output_kind
+        self.output_kind, self.top_k, self.stop = output_kind, top_k, list(stop or [])
+        if self.stop and not detokenize:  # vLLM's own rule: it matches stop strings on the text it decodes
+            raise ValueError("stop strings are only supported when detokenize is True")
 
 
 class FakeEngine:
@@ -59,6 +61,7 @@ class FakeEngine:
         self.on_step = None
         self.fail_step = False
         self.eos_p = 0.2  # chance that a sampled token is eos
+        self.tokenizer = make_tokenizer()  # what vLLM detokenizes with, for stop strings
 
     def add_request(self, request_id, prompt, params):
         assert isinstance(request_id, str) and request_id not in self.requests
@@ -103,6 +106,8 @@ class FakeEngine:
                 s["lps"].append({t: SimpleNamespace(logprob=-self.llm.scale, rank=1)})
                 if p.stop_token_ids and t in p.stop_token_ids:
                     s["reason"] = "stop"
+                elif p.stop and any(x in self.tokenizer.decode(s["tokens"], skip_special_tokens=True) for x in p.stop):
+                    s["reason"] = "stop"  # as vLLM: the token that completes a stop string ends the sequence
                 elif len(s["tokens"]) >= p.max_tokens:
                     s["reason"] = "length"
             if all(s["reason"] is not None for s in req["samples"]):
@@ -229,6 +234,43 @@ def test_sampling_params_of_a_group():
     assert (p.n, p.temperature, p.top_p, p.max_tokens, p.logprobs) == (4, 0.9, 0.95, 6, 0)
     assert p.stop_token_ids == [EOS] and p.seed == group_seed(3, 7) and gen._params(req(8)).seed == group_seed(3, 8)
     assert p.detokenize is False and p.output_kind == "final_only"
+    assert p.top_k == 0 and p.stop == []  # off: vLLM's defaults, not passed
+
+
+def test_top_k_and_stop_strings_reach_vllm_and_a_stop_ends_the_completion_at_its_token():
+    """``generation.top_k`` and ``generation.stop`` become vLLM's ``top_k`` and ``stop`` (which vLLM matches on
+    the text it detokenizes, so detokenizing is on exactly then); the group comes back cut at the stop."""
+    tok = make_tokenizer()
+    plain, llm = make_gen(seed=4, max_new_tokens=40)
+    llm.llm_engine.eos_p = 0.02
+    plain.submit([req(3, n=4)])
+    (free,) = plain.poll()
+    long = max(free.completion_ids, key=len)
+    # an ASCII character that first appears after the completion's second token
+    j = next(j for j, t in enumerate(long) if j >= 2 and 32 <= t < 127 and t not in long[:j])
+    stop = chr(long[j])
+    gen, llm = make_gen(seed=4, max_new_tokens=40, top_k=5, stop=[stop])
+    llm.llm_engine.eos_p = 0.02
+    p = gen._params(req(3, n=4))
+    assert (p.top_k, p.stop, p.detokenize) == (5, [stop], True)
+    gen.submit([req(3, n=4)])
+    (cut,) = gen.poll()
+    for before, after, reason in zip(free.completion_ids, cut.completion_ids, cut.finish_reasons):
+        assert before[:len(after)] == after  # the same draws, cut short
+        if reason == "stop" and after[-1] != EOS:
+            assert stop in tok.decode(after, skip_special_tokens=True)
+            assert stop not in tok.decode(after[:-1], skip_special_tokens=True)
+        else:
+            assert after == before and stop not in tok.decode(after, skip_special_tokens=True)
+    i = free.completion_ids.index(long)
+    assert cut.completion_ids[i] == long[:j + 1] and cut.finish_reasons[i] == "stop"
+    from asyncrl.backends.vllm_requests import greedy_params
+
+    # evaluation's requests carry the stop strings too (and detokenize: vLLM refuses them otherwise)
+    greedy = greedy_params(FakeSamplingParams, 40, EOS, "final_only", [stop])
+    assert (greedy.stop, greedy.detokenize, greedy.temperature) == ([stop], True, 0.0)
+    (ids,) = gen.generate_greedy([[257, 49, 50]], 40)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
 
 
 def test_samples_are_returned_in_index_order_and_depend_only_on_the_group():
@@ -850,3 +892,31 @@ def test_real_vllm_abort_and_greedy(real):
     prompts = [tok.encode("7="), tok.encode("xyz")]
     a, b = gen.generate_greedy(prompts, 6), gen.generate_greedy(prompts, 6)
     assert a == b and all(1 <= len(c) <= 6 for c in a)
+
+
+@pytest.mark.gpu
+def test_real_vllm_loads_an_exported_policy_and_samples_its_logprobs(tmp_path):
+    """``save_pretrained``'s directory as ``model.hf_path``: vLLM loads it and samples the exported weights."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("vllm")
+    from asyncrl.algorithms import GRPOLoss
+    from asyncrl.backends.hf import export_pretrained
+    from asyncrl.backends.torch import TorchPolicy
+    from asyncrl.config import TorchTrainerConfig
+
+    tok = make_tokenizer()
+    model_cfg = ModelConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=2, max_position_embeddings=128)
+    policy = TorchPolicy(model_cfg, TorchTrainerConfig(), GRPOLoss(), 5, tok)
+    with torch.no_grad():  # weights no seed gives: the directory, not a fresh init, is what vLLM must serve
+        for p in policy.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    path = export_pretrained(policy, model_cfg, tok, tmp_path / "hf")
+    gen = VLLMGenerator(ModelConfig(hf_path=str(path)), VLLMGenerationConfig(max_new_tokens=8,
+                                                                             gpu_memory_utilization=0.2), 0, tok)
+    try:
+        gen.submit([GenerationRequest(0, tok.encode("7="), 4)])
+        got, ref = _hf_sampled_logprobs(policy.model.cuda(), gen.poll())
+        assert (got - ref).abs().mean() < 1e-2
+    finally:
+        gen.close()

@@ -185,7 +185,7 @@ def test_custom_sampler_without_window_renders():
 # ----------------------------------------------------------------------------------------------- boundaries
 def test_asyncrl_does_not_import_widgets_and_widgets_imports_ipywidgets_lazily():
     code = (
-        "import sys, asyncrl, asyncrl.controller, asyncrl.samplers\n"
+        "import sys, asyncrl, asyncrl.controller, asyncrl.samplers, asyncrl.plots, asyncrl.cli, asyncrl.recording\n"
         "assert 'widgets' not in sys.modules and 'ipywidgets' not in sys.modules, 'asyncrl imported jupyter'\n"
         "import widgets\n"
         "assert 'ipywidgets' not in sys.modules, 'plain renderings imported ipywidgets'\n"
@@ -195,9 +195,24 @@ def test_asyncrl_does_not_import_widgets_and_widgets_imports_ipywidgets_lazily()
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env={**os.environ, "MPLBACKEND": "Agg"})
 
 
+def test_the_plain_renderings_live_in_the_package_and_widgets_re_exports_them():
+    """``asyncrl.plots`` draws without Jupyter packages (the CLI uses it); ``widgets.buffer_figure`` & co. are the
+    same functions, so notebooks and scripts that use the widgets' names do not change."""
+    import asyncrl.plots
+    from widgets import render
+
+    names = ["buffer_figure", "buffer_table", "verdict_table", "metrics_figure", "lag_table", "bias_figure",
+             "skew_table", "replay_figure", "draw_buffer", "draw_lags", "draw_reward", "draw_throughput", "draw_bias",
+             "step_events"]
+    assert set(names) <= set(widgets.__all__)
+    for name in names:
+        assert getattr(widgets, name) is getattr(asyncrl.plots, name) is getattr(render, name), name
+
+
 def test_widgets_use_only_the_controller_public_api():
-    """No ``ctrl._private`` access, and the buffer only through ``state()`` (its ``summary()``)."""
-    for path in (ROOT / "widgets").glob("*.py"):
+    """No ``ctrl._private`` access, and the buffer only through ``state()`` (its ``summary()``): the views and the
+    plots they draw (``asyncrl/plots``)."""
+    for path in [*(ROOT / "widgets").glob("*.py"), *(ROOT / "asyncrl" / "plots").glob("*.py")]:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):

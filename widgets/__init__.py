@@ -1,7 +1,8 @@
 """Notebook views of an ``asyncrl.Controller``: step it, watch its buffer by weight version, read its sampler's
 verdicts, and plot its metrics.
 
-Plain renderings (pandas DataFrames and matplotlib Figures, for static notebooks and scripts)::
+Plain renderings (pandas DataFrames and matplotlib Figures, for static notebooks and scripts; they live in
+``asyncrl.plots``, which needs no Jupyter package, and are re-exported here)::
 
     widgets.buffer_figure(ctrl)    widgets.buffer_table(ctrl)
     widgets.verdict_table(ctrl, action="evict")

@@ -17,7 +17,7 @@ import ipywidgets as W
 
 from asyncrl.metrics import LAG_MEAN, REWARD_MEAN
 from asyncrl.trace import STEP
-from widgets import render
+from asyncrl import plots
 
 
 TABLE_CSS = (
@@ -187,7 +187,7 @@ class StepControls(W.VBox):
 
 class BufferView(W.VBox):
     """Slot counts by weight version, stacked ready / ready but evicted by the next train tick / pending /
-    selected / evicted (in the step ``render.step_events`` shows), with ``T`` and the sampler's window marked."""
+    selected / evicted (in the step ``plots.step_events`` shows), with ``T`` and the sampler's window marked."""
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
@@ -198,7 +198,7 @@ class BufferView(W.VBox):
         self.refresh()
 
     def refresh(self, verdicts=None) -> None:
-        self.image.value = render.png(render.buffer_figure(self.ctrl, verdicts=verdicts), dpi=88)
+        self.image.value = plots.png(plots.buffer_figure(self.ctrl, verdicts=verdicts), dpi=88)
 
 
 class VerdictTable(W.VBox):
@@ -217,7 +217,7 @@ class VerdictTable(W.VBox):
         self.refresh()
 
     def refresh(self) -> None:
-        self._verdicts = render.verdict_table(self.ctrl)  # once per refresh; the filter only slices it
+        self._verdicts = plots.verdict_table(self.ctrl)  # once per refresh; the filter only slices it
         counts = self._verdicts.action.value_counts()
         options = [(f"all ({int(counts.sum())})", "all")]
         options += [(f"{a} ({int(counts.get(a, 0))})", a) for a in ("select", "evict", "keep")]
@@ -253,7 +253,7 @@ class MetricsView(W.VBox):
         self.refresh()
 
     def refresh(self) -> None:
-        self.image.value = render.png(render.metrics_figure(self.ctrl))
+        self.image.value = plots.png(plots.metrics_figure(self.ctrl))
 
 
 class Dashboard(W.VBox):
@@ -279,7 +279,7 @@ class Dashboard(W.VBox):
 class Replay(W.VBox):
     """Scrub a recording (``asyncrl.Recording``): a slider over its finished steps and one over the trace rows of
     the chosen step (the last row is the step itself, ``rec.at(step)``); each move redraws the buffer by weight
-    version and the lag to that point (``render.replay_figure``) and the sampler's verdicts there
+    version and the lag to that point (``plots.replay_figure``) and the sampler's verdicts there
     (``view.explain()``). ``view`` is the ``RecordedView`` shown."""
 
     def __init__(self, rec, step: int | None = None, event: int | None = None):
@@ -320,7 +320,7 @@ class Replay(W.VBox):
         self.view = self.rec.at(self.step.value, event=self.event.value)
         verdicts = self.view.explain()
         self.caption.value = f"<code>{html.escape(repr(self.view))}</code>"
-        self.image.value = render.png(render.replay_figure(self.view, verdicts=verdicts
+        self.image.value = plots.png(plots.replay_figure(self.view, verdicts=verdicts
                                                            if "note" not in verdicts.attrs else None), dpi=80)
         if verdicts.empty:
             self.table.value = f"<p>T={self.view.trainer_version}: no buffered groups</p>"

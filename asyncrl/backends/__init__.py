@@ -43,9 +43,15 @@ def build_backends(cfg, loss: Loss | None = None):
     """``(policy, generator, tokenizer)`` for a ``Config``; the policy trains with ``loss`` (default
     ``GRPOLoss(cfg.loss)``)."""
     from asyncrl.algorithms import GRPOLoss
-    from asyncrl.backends.hf import load_tokenizer
+    from asyncrl.backends.hf import check_model, load_tokenizer
 
     tokenizer = load_tokenizer(cfg.model)
+    if "simulated" not in (cfg.trainer.backend, cfg.generation.backend):  # the simulated engines build no model
+        check_model(cfg.model, tokenizer)  # a bad model directory or architecture: one line, before any engine starts
+    if cfg.trainer.backend != "simulated":
+        from asyncrl.backends.lr_schedule import check_schedule
+
+        check_schedule(cfg.trainer)
     policy_cls, generator_cls = engine(cfg.trainer), engine(cfg.generation)
     policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss) if loss is None else loss, cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)

@@ -1,4 +1,5 @@
-"""The backend Protocols (the two a backend implements, and the optional ones): everything the controller (and its weight sync, evaluation and checkpoints) calls.
+"""The backend Protocols (the two a backend implements) and ``Capabilities`` (what else it declares): everything the
+controller (and its weight sync, evaluation and checkpoints) calls.
 
 A generation backend turns prompt token ids into ``G`` sampled completions with per-token logprobs, under the
 weights of its current ``version``. A policy backend computes logprobs and trains, one optimizer step per RL step.
@@ -6,7 +7,9 @@ Both are small ``typing.Protocol``s, so the controller runs any implementation (
 vLLM on GPUs, a simulator), in-process or behind a Ray proxy that exposes exactly the same methods.
 
 The data crossing them (``GenerationRequest``, ``GroupRollouts``, ``TrainBatch``) lives in ``asyncrl.data``.
-Each method says when the controller calls it.
+Each method says when the controller calls it. Whatever a backend has beyond them is declared (``Capabilities``)
+and read with ``capabilities(backend)``: nothing asks a backend with ``isinstance`` what it can do (a wrapper
+answers for what it wraps, which a structural check of its members cannot see).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 
@@ -76,8 +79,8 @@ class GenerationBackend(Protocol):
 class PolicyBackend(Protocol):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights (0 off ``loss_mask``), no grad. Called
-        on every chunk before it is trained, unless the policy is a ``PrevLogprobsFromForward``: these are the
-        loss's ``prev_logprobs``."""
+        on every chunk before it is trained, unless the policy declares ``prev_logprobs_from_forward``
+        (``Capabilities``): these are the loss's ``prev_logprobs``."""
         ...
 
     def begin_train_step(self) -> None:
@@ -114,54 +117,44 @@ class PolicyBackend(Protocol):
         ...
 
 
-@runtime_checkable
-class StepMetrics(Protocol):
-    """Optional for a generation backend: more columns for each step's row of ``Controller.metrics`` (a replica
-    set's tokens and busy seconds per replica: asyncrl/backends/replicas.py)."""
-
-    def step_metrics(self) -> dict[str, float]:
-        """After each optimizer step: the columns, measured since the previous call."""
-        ...
-
-
-@runtime_checkable
-class StagesWeights(Protocol):
-    """Optional for a generation backend whose engine keeps running while weights arrive (vLLM): the collective
-    weight sync hands it the weights to swap in between two engine steps instead of loading them now
-    (asyncrl/backends/weight_sync.py)."""
-
-    def stage_weights(self, weights: Mapping[str, torch.Tensor], version: int, fill: Any = None) -> None:
-        """``fill()`` (if given) writes ``weights`` first; the backend swaps them in as ``version`` between two
-        engine steps. ``weights`` stay untouched by the caller until the next call."""
-        ...
-
-
-@runtime_checkable
-class PrevLogprobsFromForward(Protocol):
-    """Optional for a policy backend: it fills a chunk's ``prev_logprobs`` itself, from its training forward's
-    detached logprobs, when the batch comes without them, so the controller skips the separate ``logprobs`` pass.
-    Only right for an engine whose weights do not change within an RL step (one optimizer step, in
-    ``finish_train_step``) and whose training forward computes what ``logprobs`` does (``TorchPolicy``, and
-    ``MegatronPolicy`` with its dropout off). A Ray proxy of such a class and a rank group of its actors are ones
-    too (``asyncrl/backends/ray.py``, ``ranks.py``): the marker is a class constant, read without a call."""
-
-    prev_logprobs_from_forward: Literal[True]
-
-
 @dataclass(frozen=True)
 class Capabilities:
-    """What a backend class declares about how it may be hosted, read off the class without building it
-    (``capabilities = Capabilities(...)``; a class that declares none has the defaults).
+    """What a backend declares beyond the two Protocols: how it may be hosted, and which optional members it has.
+    A class declares it (``capabilities = Capabilities(...)``; one that declares none has the defaults) and it is
+    read off the class without building it, or off the object, with ``capabilities(backend)``: never by probing
+    for the members. A backend that wraps others answers for what it wraps, on the instance where that depends on
+    it: a Ray proxy declares its hosted class's and ``actor``, a child process and a rank group what they pass on,
+    a replica set ``step_metrics`` (``ray.py``, ``process.py``, ``ranks.py``, ``replicas.py``).
 
-    ``ray_pipelined``: methods whose result no caller waits for; through a Ray proxy they return at once and the
-    proxy's next call waits for them (``asyncrl/backends/ray.py``: the policies' ``begin_train_step`` and
-    ``train_microbatches``). ``ray_max_concurrency``: calls its Ray actor may serve at once (the vLLM generator: 2, a
-    weight receive runs during a poll); pipelining needs 1. ``needs_process_group``: built only once its actor
-    joined the rank group's process group (Megatron, ``asyncrl/backends/ranks.py``)."""
+    Hosting. ``ray_pipelined``: methods whose result no caller waits for; through a Ray proxy they return at once
+    and the proxy's next call waits for them (``asyncrl/backends/ray.py``: the policies' ``begin_train_step`` and
+    ``train_microbatches``). ``ray_max_concurrency``: calls its Ray actor may serve at once (the vLLM generator: 2,
+    a weight receive runs during a poll); pipelining needs 1. ``needs_process_group``: built only once its actor
+    joined the rank group's process group (Megatron, ``asyncrl/backends/ranks.py``).
+
+    Optional members (a declared one must exist: ``capabilities`` says which is missing).
+    ``prev_logprobs_from_forward`` (a policy): it fills a chunk's ``prev_logprobs`` itself, from its training
+    forward's detached logprobs, when the batch comes without them, so the controller skips the separate
+    ``logprobs`` pass. Only right for an engine whose weights do not change within an RL step (one optimizer step,
+    in ``finish_train_step``) and whose training forward computes what ``logprobs`` does (``TorchPolicy``, and
+    ``MegatronPolicy`` with its dropout off).
+    ``stages_weights`` (a generator whose engine keeps running while weights arrive, vLLM): it has
+    ``stage_weights(weights, version, fill=None)``: ``fill()`` (if given) writes ``weights`` first, and the backend
+    swaps them in as ``version`` between two engine steps; ``weights`` stay untouched by the caller until the next
+    call. The collective weight sync hands it the weights that way instead of loading them now (``weight_sync.py``).
+    ``step_metrics`` (a generator): it has ``step_metrics() -> dict[str, float]``, more columns for each step's row
+    of ``Controller.metrics``, measured since the previous call (a replica set's tokens and busy seconds per replica).
+    ``actor``: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``), with ``actor_id`` (hex, as
+    ``ray.exceptions.RayActorError.actor_id`` names a dead one) and ``restart()`` (a fresh actor built the same way,
+    from its constructor's state). Only such a backend can die as an actor and be restarted."""
 
     ray_pipelined: frozenset[str] = frozenset()
     ray_max_concurrency: int = 1
     needs_process_group: bool = False
+    prev_logprobs_from_forward: bool = False
+    stages_weights: bool = False
+    step_metrics: bool = False
+    actor: bool = False
 
     def __post_init__(self) -> None:
         if self.ray_pipelined and self.ray_max_concurrency != 1:
@@ -169,42 +162,38 @@ class Capabilities:
                              f"ray_max_concurrency={self.ray_max_concurrency}")
 
 
-@runtime_checkable
-class DeclaresCapabilities(Protocol):
-    """Optional for a backend class: its ``Capabilities``."""
-
-    capabilities: Capabilities
+DEFAULTS = Capabilities()
+MEMBERS = {"stages_weights": ("stage_weights",), "step_metrics": ("step_metrics",), "actor": ("actor_id", "restart")}
 
 
-def capabilities(cls: type) -> Capabilities:
-    """The ``Capabilities`` backend class ``cls`` declares, or the defaults."""
-    return cls.capabilities if isinstance(cls, DeclaresCapabilities) else Capabilities()
-
-
-@runtime_checkable
-class ActorBackend(Protocol):
-    """Optional for a backend: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``). Only such a
-    backend can die as an actor and be restarted; in-process, child-process, replica-set and rank-group backends
-    are not one actor and do not have these members."""
-
-    @property
-    def actor_id(self) -> str:
-        """The actor's id (hex), as ``ray.exceptions.RayActorError.actor_id`` names a dead one."""
-        ...
-
-    def restart(self) -> None:
-        """Replace the dead actor with a fresh one built the same way (it starts from its constructor's state)."""
-        ...
+def capabilities(backend: object) -> Capabilities:
+    """The ``Capabilities`` that ``backend`` (a backend class or object) declares, or the defaults. A declaration
+    missing a member it promises, or a ``prev_logprobs_from_forward = True`` marker left undeclared (how a backend
+    said so before), is a ``TypeError`` naming it."""
+    declared = getattr(backend, "capabilities", DEFAULTS)
+    name = getattr(backend, "__name__", type(backend).__name__)
+    if not isinstance(declared, Capabilities):
+        raise TypeError(f"{name}.capabilities is {declared!r}; declare a Capabilities(...)")
+    for flag, members in MEMBERS.items():
+        # the class first: an object's property (a proxy's actor_id) is not run to learn that it exists
+        missing = [m for m in members if getattr(declared, flag)
+                   and not (hasattr(type(backend), m) or hasattr(backend, m))]
+        if missing:
+            raise TypeError(f"{name} declares Capabilities({flag}=True) but has no {' or '.join(missing)}")
+    if getattr(backend, "prev_logprobs_from_forward", False) is True and not declared.prev_logprobs_from_forward:
+        raise TypeError(f"{name} sets prev_logprobs_from_forward = True; declare it instead: capabilities = "
+                        "Capabilities(prev_logprobs_from_forward=True, ...)")
+    return declared
 
 
 def is_dead_actor(exc: BaseException, backend: object) -> bool:
     """Is ``exc`` Ray saying that ``backend``'s actor died? (False without Ray or for a backend that is not one
     actor.)"""
     errors = sys.modules.get("ray.exceptions")
-    if errors is None or not isinstance(backend, ActorBackend) or not isinstance(exc, errors.RayActorError):
+    if errors is None or not capabilities(backend).actor or not isinstance(exc, errors.RayActorError):
         return False
     return exc.actor_id in (None, backend.actor_id)
 
 
-__all__ = ["ActorBackend", "Capabilities", "DeclaresCapabilities", "capabilities", "is_dead_actor", "GenerationBackend", "PolicyBackend", "PrevLogprobsFromForward", "StepMetrics", "StagesWeights",
-           "GenerationRequest", "GroupRollouts", "TrainBatch"]
+__all__ = ["Capabilities", "capabilities", "is_dead_actor", "GenerationBackend", "PolicyBackend", "GenerationRequest",
+           "GroupRollouts", "TrainBatch"]

@@ -21,18 +21,20 @@
   DDP, or ``DataParallel`` with the torch optimizer) and their step totals (``DataParallel``), so every rank takes
   the same step; ``export_weights`` gathers tensor-parallel shards into full HF tensors.
 
-- Previous-policy logprobs come from the training forward (``PrevLogprobsFromForward``): a chunk without
+- Previous-policy logprobs come from the training forward (``prev_logprobs_from_forward``): a chunk without
   ``prev_logprobs`` gets its forward's own, detached. Exact for the reason ``TorchPolicy`` gives (one optimizer step
   per RL step, in ``finish_train_step``), and because dropout is off (``hidden_dropout``/``attention_dropout`` 0), so
   train mode computes what ``logprobs``' eval mode does. It saves a forward pass and a call: on two H200s the
   separate pass was 14 of an asynchronous step's 59 ms on the trainer's side (benchmarks/README.md).
 - Micro-batches (``asyncrl/micro_batches.py``, its invariants there): by default ``packed``, the chunk's sequences
-  packed into rows as wide as its longest one under a block-diagonal causal mask (the local layer spec's
-  ``DotProductAttention`` takes a ``[rows, 1, W, W]`` mask; rotary embeddings are relative, so no per-sequence
-  positions are needed), ``micro_batch_tokens`` positions a pass: padding costs almost nothing and a step is one or
-  two large passes. ``sorted`` pads each length-sorted micro-batch to its own longest, ``rows`` (with
-  ``micro_batch_size``) is the old fixed-size cut. The chunk goes to the device once, the loss's values come back
-  once a chunk (no sync per micro-batch); ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
+  packed into rows as wide as its longest one, each seeing only itself (rotary embeddings are relative, so no
+  per-sequence positions are needed), ``micro_batch_tokens`` positions a pass (on CUDA by default the most that fit
+  the memory free at the first step). ``sorted`` pads each length-sorted micro-batch to its own longest, ``rows``
+  (with ``micro_batch_size``) is the old fixed-size cut. The chunk goes to the device once, the loss's values come
+  back once a chunk; ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
+- The forward (``megatron_forward``): the last hidden states, never the full-vocabulary logits (token logprobs
+  and entropy from ``algorithms.chunked_logprobs``, ``logprob_chunk_tokens`` positions at a time, only where the
+  loss mask is), and FlexAttention under a document mask on CUDA (``trainer.attention``).
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
@@ -45,22 +47,24 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from asyncrl import micro_batches
-from asyncrl.algorithms import Loss, token_entropy, token_logprobs
+from asyncrl.algorithms import Loss, chunked_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
+from asyncrl.backends.lr_schedule import set_lr
+from asyncrl.backends.megatron_forward import (attention_kind, final_hidden, layer_spec, output_weight, pass_mask,
+                                               resolve_budget)
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
 from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
-
 __all__ = ["MEGATRON_CORE", "MegatronPolicy", "check_megatron_core"]
 
 # The megatron-core releases this backend is run against: 0.16.1 in CI (Python 3.11, CPU), 0.19.2 on the H200s
@@ -95,11 +99,11 @@ def check_megatron_core(version: str | None = None) -> str:
 class MegatronPolicy:
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
-    prev_logprobs_from_forward: Literal[True] = True  # module docstring: exact with dropout off
-    # A Ray rank group builds it only after its actor joined torch.distributed's default group (ranks.py). Through
-    # a Ray proxy the pipelined calls return at once and the proxy's next call waits for them
-    # (asyncrl/backends/ray.py): nothing reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(needs_process_group=True,
+    # prev_logprobs_from_forward: exact with dropout off (module docstring). A Ray rank group builds it only after
+    # its actor joined torch.distributed's default group (ranks.py). Through a Ray proxy the pipelined calls return
+    # at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing reads what they return,
+    # and a step's calls reach the actor back to back.
+    capabilities = Capabilities(prev_logprobs_from_forward=True, needs_process_group=True,
                                 ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,
@@ -114,6 +118,7 @@ class MegatronPolicy:
         self.dtype = torch.bfloat16 if model_cfg.dtype == "bfloat16" else torch.float32
         self.tp = trainer_cfg.tensor_parallel
         self.dp = trainer_cfg.data_parallel
+        self.attention = attention_kind(trainer_cfg.attention, self.device)
         init_parallel(self.tp, self.dp, self.device, seed)
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank()
         self.dp_rank = parallel_state.get_data_parallel_rank()
@@ -137,6 +142,8 @@ class MegatronPolicy:
         self._build_optimizer()
         self.steps = 0
         self._masks: dict[int, torch.Tensor] = {}
+        self._budget: int | None = None  # micro_batch_tokens, resolved at the first pass (_fit_budget), and why:
+        self.memory_plan: dict[str, Any] = {}
         self._step = Accumulator(loss.metrics + ENGINE_METRICS)
         self._in_step = False
 
@@ -159,7 +166,7 @@ class MegatronPolicy:
             gated_linear_unit=True,
             activation_func=F.silu,
             add_bias_linear=False,
-            add_qkv_bias=s.qkv_bias,
+            add_qkv_bias=s.qkv_bias, qk_layernorm=s.qk_norm,  # Qwen3's per-head q/k RMSNorm
             hidden_dropout=0.0,
             attention_dropout=0.0,
             init_method_std=s.initializer_range,
@@ -186,12 +193,12 @@ class MegatronPolicy:
         self.transformer_config = self._transformer_config()
         model = GPTModel(
             config=self.transformer_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=self.spec.qk_norm), self.attention),
             vocab_size=self.padded_vocab,
             max_sequence_length=self.spec.max_position_embeddings,
             share_embeddings_and_output_weights=self.spec.tie_word_embeddings,
             position_embedding_type="rope",
-            rotary_base=self.spec.rope_theta,
+            rotary_base=self.spec.rope_theta, **self.spec.rope_kwargs,  # Llama 3's rope scaling
         )
         # Torch's norm fallback keeps fp32 parameters: cast the whole model (FACTS: megatron-core on GPU).
         model = model.to(device=self.device, dtype=self.dtype)
@@ -333,44 +340,41 @@ class MegatronPolicy:
 
     # ---- forward -----------------------------------------------------------------------------------------------
 
-    def _causal_mask(self, S: int) -> torch.Tensor:
-        mask = self._masks.get(S)
-        if mask is None:
-            mask = torch.triu(torch.ones(S, S, dtype=torch.bool, device=self.device), 1).view(1, 1, S, S)
-            self._masks[S] = mask
-        return mask
+    def _fit_budget(self) -> None:
+        """Resolve ``micro_batch_tokens`` once, before the first pass (``megatron_forward.resolve_budget``)."""
+        moments = 8.0 * self.num_parameters if self.steps == 0 else 0.0  # Adam's fp32 moments, made at step 1
+        self._budget, self.memory_plan = resolve_budget(self.trainer_cfg, self.spec, self.dtype, self.attention,
+                                                        self.tp, self.device, moments)
 
-    def _logits(self, input_ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """[B, S, V] logits (full vocabulary on every TP rank). Right padding needs no mask beyond causal; a packed
-        micro-batch brings its block-diagonal one (``micro_batches.block_causal_mask``)."""
-        B, S = input_ids.shape
-        pos = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        mask = self._causal_mask(S) if mask is None else mask
-        logits = self._forward_module(input_ids, pos, mask, runtime_gather_output=True)
-        return logits[..., : self.spec.vocab_size]
+    def _passes(self, batch: TrainBatch, entropy: bool):
+        """``(micro-batch, its sequences [n, width], logprobs [n, width], entropy [n, width] or None)`` for every
+        micro-batch of ``batch`` (moved to the device once; the plan is ``micro_batches.plan``'s, so ``logprobs``
+        and training cut a chunk alike). Values only under the loss mask (0 elsewhere): the output layer runs on
+        those positions alone, ``logprob_chunk_tokens`` at a time."""
+        from megatron.core import parallel_state
 
-    def _passes(self, batch: TrainBatch):
-        """``(micro-batch, its sequences [n, width], its logits)`` for every micro-batch of ``batch`` (moved to the
-        device once; the plan is ``micro_batches.plan``'s, so ``logprobs`` and training cut a chunk alike). The
-        logits of a packed micro-batch are returned with the ids they belong to: ``_per_sequence`` unpacks."""
         tc = self.trainer_cfg
-        plans = micro_batches.plan(batch, tc.micro_batching, tc.micro_batch_size, tc.micro_batch_tokens)
-        on_device = self._to_device(batch)
+        if self._budget is None and self.device.type == "cuda":
+            self._fit_budget()
+        budget = self._budget if self.device.type == "cuda" else tc.micro_batch_tokens
+        plans = micro_batches.plan(batch, tc.micro_batching, tc.micro_batch_size, budget)
+        on_device = batch.map(lambda t: t.to(self.device, non_blocking=True))
+        weight = output_weight(self.model)
+        group = parallel_state.get_tensor_model_parallel_group() if self.tp > 1 else None
         for mb in plans:
             mb = mb.to(self.device)
             seqs = micro_batches.take(on_device, mb)
-            if mb.packed is None:
-                yield mb, seqs, seqs.input_ids, self._logits(seqs.input_ids)
-            else:
-                ids = micro_batches.packed_ids(on_device, mb)
-                yield mb, seqs, ids, self._logits(ids, micro_batches.block_causal_mask(mb))
-
-    @staticmethod
-    def _per_sequence(mb, values: torch.Tensor) -> torch.Tensor:
-        return values if mb.packed is None else micro_batches.unpack(mb, values)
-
-    def _to_device(self, batch: TrainBatch) -> TrainBatch:
-        return batch.map(lambda t: t.to(self.device, non_blocking=True))
+            ids = seqs.input_ids if mb.packed is None else micro_batches.packed_ids(on_device, mb)
+            rows, width = ids.shape
+            mask = pass_mask(self.attention, mb, rows, width, self.device, self._masks)
+            hidden = final_hidden(self.model, self._forward_module, ids, mask)
+            src, dst, targets = micro_batches.predicting_positions(mb, seqs, rows, width, seq_first=True)
+            lp, ent = chunked_logprobs(hidden.reshape(rows * width, -1)[src], weight, targets,
+                                       tc.logprob_chunk_tokens, entropy, self.spec.vocab_size,
+                                       self.tp_rank * weight.shape[0], group)
+            shape = tuple(seqs.loss_mask.shape)
+            yield (mb, seqs, micro_batches.scatter_positions(lp, dst, shape),
+                   None if ent is None else micro_batches.scatter_positions(ent, dst, shape))
 
     @holds_device
     @torch.no_grad()
@@ -379,15 +383,16 @@ class MegatronPolicy:
         is given (under torchrun every DP rank gets and computes the whole batch)."""
         self.model.eval()
         out = torch.zeros(batch.input_ids.shape, dtype=torch.float32, device=self.device)
-        for mb, seqs, ids, logits in self._passes(batch):
-            lp = self._per_sequence(mb, token_logprobs(logits, ids).float())
-            out[mb.rows, :mb.width] = lp * seqs.loss_mask
+        for mb, seqs, lp, _ in self._passes(batch, entropy=False):
+            out[mb.rows, :mb.width] = lp.float() * seqs.loss_mask
         return out.cpu()
 
     # ---- the split train step ------------------------------------------------------------------------------------
 
     @holds_device
     def begin_train_step(self) -> None:
+        if self._budget is None and self.device.type == "cuda":  # before the first pass: fits, or names the knob
+            self._fit_budget()
         if self.ddp is not None:
             self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -415,16 +420,11 @@ class MegatronPolicy:
         if local.num_sequences == 0:
             return {"loss_sum": 0.0, "normaliser": 0.0, "sequences": 0.0}
         parts = []  # every micro-batch's contributions, on the device: one transfer at the end of the chunk
-        for mb, seqs, ids, logits in self._passes(local):
-            lp = self._per_sequence(mb, token_logprobs(logits, ids))
+        for mb, seqs, lp, entropy in self._passes(local, self.loss.entropy_grad or self.compute_entropy):
             if seqs.prev_logprobs is None:  # this step's weights are the previous policy (module docstring)
                 seqs = replace(seqs, prev_logprobs=lp.detach() * seqs.loss_mask)
-            entropy = None
-            if self.loss.entropy_grad:
-                entropy = self._per_sequence(mb, token_entropy(logits))
-            elif self.compute_entropy:
-                with torch.no_grad():
-                    entropy = self._per_sequence(mb, token_entropy(logits.detach()))
+            if entropy is not None and not self.loss.entropy_grad:
+                entropy = entropy.detach()
             loss_sum, normaliser, contributions = self.loss(lp, seqs, entropy)
             loss_sum.backward()
             parts.append({**contributions, "loss": loss_sum.detach(), "normaliser": normaliser,
@@ -444,7 +444,7 @@ class MegatronPolicy:
             self.data_parallel.reduce_step(self._step)
         normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps)  # trainer.lr_schedule at this step
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             self.ddp.scale_gradients(scale)

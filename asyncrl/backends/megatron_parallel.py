@@ -3,7 +3,14 @@ did yet (a lone process gets a world of one on a free local port), and the train
 
 Who makes the process group: ``torchrun`` (``RANK``/``WORLD_SIZE`` in the environment, one controller per rank),
 a Ray rank group (``asyncrl/backends/ranks.py`` joins every rank actor into one group before it builds the
-policy), or, for a single rank, ``init_parallel`` itself."""
+policy), or, for a single rank, ``init_parallel`` itself.
+
+Groups outlive whoever tore their world down: vLLM's engine, colocated in the same process, destroys the default
+process group when it shuts down (``cleanup_dist_env_and_memory``: ``destroy_process_group()``, every group and its
+NCCL communicators with it), while Megatron's ``parallel_state`` still holds its groups. A later policy in that
+process would train on aborted communicators (``NCCL communicator was aborted`` in DDP's gradient sync, as
+``pytest tests/gpu`` in one process did). So ``init_parallel`` remembers the default group it made Megatron's groups
+under and makes them again when that group is gone; groups someone else made are left as they are."""
 
 from __future__ import annotations
 
@@ -13,6 +20,8 @@ import socket
 import torch
 
 __all__ = ["init_parallel", "resolve_device"]
+
+_MADE_UNDER: list = []  # the default process group init_parallel made Megatron's groups under (module docstring)
 
 
 def _free_port() -> int:
@@ -49,8 +58,11 @@ def init_parallel(tensor_parallel: int, data_parallel: int, device: torch.device
             f"tensor_parallel {tensor_parallel} x data_parallel {data_parallel} != world size {world}"
             " (pipeline parallelism is not supported)"
         )
+    if parallel_state.model_parallel_is_initialized() and _MADE_UNDER and _MADE_UNDER[0] is not dist.group.WORLD:
+        parallel_state.destroy_model_parallel()  # made under a world that was torn down since: stale
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+        _MADE_UNDER[:] = [dist.group.WORLD]
     have_tp = parallel_state.get_tensor_model_parallel_world_size()
     have_dp = parallel_state.get_data_parallel_world_size()
     if (have_tp, have_dp) != (tensor_parallel, data_parallel):

@@ -1,10 +1,19 @@
-"""Megatron-core's weight map: Hugging Face Llama/Qwen2 tensors <-> Megatron ``GPTModel`` tensors, and their
-tensor-parallel sharding. Pure tensor code (no Megatron import), used by ``MegatronPolicy`` and the tests.
+"""Megatron-core's weight map: Hugging Face Llama (2 and 3) / Qwen2 / Qwen3 / Mistral tensors <-> Megatron
+``GPTModel`` tensors, and their tensor-parallel sharding. Pure tensor code (no Megatron import), used by
+``MegatronPolicy`` and the tests.
 
 - HF's separate q/k/v projections become Megatron's fused ``linear_qkv`` with the per-group interleaving GQA needs
-  (for each KV group: its query heads, then its key head, then its value head);
+  (for each KV group: its query heads, then its key head, then its value head); the head size is the config's
+  ``head_dim`` when it has one (Qwen3's is not hidden / heads), so the projections are ``heads x head_dim`` wide;
+- Qwen3's per-head q/k RMSNorms (``q_norm`` / ``k_norm``) are Megatron's ``q_layernorm`` / ``k_layernorm``
+  (``ArchSpec.qk_norm``: the model is built with ``qk_layernorm``), replicated over TP ranks;
 - HF's gate/up projections become the fused SwiGLU ``linear_fc1`` (``[gate; up]``, per tensor-parallel shard);
 - the vocabulary is padded to a multiple of the TP size on the Megatron side and cut back on the way out.
+
+``ArchSpec`` reads the shape facts from a HF config and refuses, in one line naming the field, what the Megatron
+model would compute differently (another activation, biases Megatron's layer has no place for, sliding windows,
+a rope scaling other than Llama 3's). Llama 3's ``rope_type: llama3`` is Megatron's ``rope_scaling`` with its
+factor; Megatron fixes the other three parameters at Llama 3's values, so other values are refused.
 """
 
 from __future__ import annotations
@@ -20,14 +29,19 @@ __all__ = ["ArchSpec", "hf_to_megatron", "megatron_to_hf", "partition_dim", "sha
 
 
 
+# Megatron's rope scaling (RotaryEmbedding._apply_scaling) takes only the factor; these are its fixed values.
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
 class ArchSpec:
     """The shape facts the weight mapping needs, read from a HF config."""
 
     def __init__(self, hf_config: Any):
         c = hf_config
         model_type = getattr(c, "model_type", "llama")
-        if model_type not in ("llama", "qwen2", "mistral"):
-            raise ValueError(f"MegatronPolicy supports Llama/Qwen2-style models, not model_type={model_type!r}")
+        if model_type not in MODEL_TYPES:
+            raise ValueError(f"MegatronPolicy supports {'/'.join(MODEL_TYPES)} models, not model_type={model_type!r}")
         self.model_type = model_type
         self.vocab_size = int(c.vocab_size)
         self.hidden_size = int(c.hidden_size)
@@ -41,26 +55,50 @@ class ArchSpec:
         self.max_position_embeddings = int(getattr(c, "max_position_embeddings", 2048))
         self.initializer_range = float(getattr(c, "initializer_range", 0.02))
         rope = getattr(c, "rope_parameters", None) or getattr(c, "rope_scaling", None) or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
-        if rope_type not in ("default", None):
-            raise ValueError(f"rope_type {rope_type!r} is not supported (only plain rotary embeddings)")
-        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        rope = rope if isinstance(rope, dict) else {}
+        rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+        self.rope_scaling_factor: float | None = None  # Llama 3's: Megatron's rope_scaling with this factor
+        if rope_type == "llama3":
+            other = {k: rope.get(k) for k in LLAMA3_ROPE if float(rope.get(k, LLAMA3_ROPE[k])) != LLAMA3_ROPE[k]}
+            if other:
+                raise ValueError(f"rope_scaling {other} is not supported: Megatron's Llama 3 rope scaling fixes "
+                                 f"{LLAMA3_ROPE}")
+            self.rope_scaling_factor = float(rope["factor"])
+        elif rope_type != "default":
+            raise ValueError(f"rope_type {rope_type!r} is not supported (plain rotary embeddings, or Llama 3's "
+                             "'llama3' scaling)")
+        theta = rope.get("rope_theta")
         self.rope_theta = float(theta if theta is not None else getattr(c, "rope_theta", 10000.0))
         act = getattr(c, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act {act!r} is not supported (SwiGLU needs 'silu')")
-        # Qwen2 has q/k/v biases; Llama has them (and an o_proj bias) only with attention_bias.
+        # Qwen2 has q/k/v biases; Llama and Qwen3 have them (and an o_proj bias) only with attention_bias.
         self.qkv_bias = model_type == "qwen2" or bool(getattr(c, "attention_bias", False))
-        if model_type == "llama" and getattr(c, "attention_bias", False):
-            raise ValueError("Llama attention_bias=True (an o_proj bias) is not supported")
+        if model_type in ("llama", "qwen3") and getattr(c, "attention_bias", False):
+            raise ValueError(f"{model_type} attention_bias=True (an o_proj bias) is not supported")
+        self.qk_norm = model_type == "qwen3"  # per-head RMSNorm of queries and keys, before rope
+        if getattr(c, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported (Megatron's layer attends to the whole row)")
         if getattr(c, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of {self.num_kv_heads}")
 
     @property
+    def rope_kwargs(self) -> dict[str, Any]:
+        """``GPTModel``'s rope-scaling arguments: Llama 3's scaling, or none."""
+        if self.rope_scaling_factor is None:
+            return {}
+        return {"rope_scaling": True, "rope_scaling_factor": self.rope_scaling_factor}
+
+    @property
     def heads_per_group(self) -> int:
         return self.num_heads // self.num_kv_heads
+
+
+def _qk_norm_names(i: int) -> dict[str, str]:
+    hf, mg = f"model.layers.{i}.self_attn.", f"decoder.layers.{i}.self_attention."
+    return {hf + "q_norm.weight": mg + "q_layernorm.weight", hf + "k_norm.weight": mg + "k_layernorm.weight"}
 
 
 def _layer_names(i: int) -> dict[str, str]:
@@ -82,6 +120,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], spec: ArchSpec) -> dict[str, 
         for h, m in _layer_names(i).items():
             out[m] = hf[h]
         p, mp = f"model.layers.{i}.", f"decoder.layers.{i}."
+        if spec.qk_norm:
+            for h, m in _qk_norm_names(i).items():
+                out[m] = hf[h]
         for kind in ("weight", "bias") if spec.qkv_bias else ("weight",):
             q = hf[p + f"self_attn.q_proj.{kind}"]
             k = hf[p + f"self_attn.k_proj.{kind}"]
@@ -113,6 +154,8 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], spec: ArchSpec) -> dict[str, 
             out[p + f"self_attn.v_proj.{kind}"] = v.reshape(ng * d, *tail)
         names = _layer_names(i)
         out[p + "self_attn.o_proj.weight"] = mg[names[p + "self_attn.o_proj.weight"]]
+        if spec.qk_norm:
+            out.update({h: mg[m] for h, m in _qk_norm_names(i).items()})
         gate, up = mg[mp + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[p + "mlp.gate_proj.weight"] = gate
         out[p + "mlp.up_proj.weight"] = up
@@ -125,7 +168,7 @@ def megatron_to_hf(mg: Mapping[str, torch.Tensor], spec: ArchSpec) -> dict[str, 
 
 
 def _hf_order(sd: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Tensor]:
-    """The order ``LlamaForCausalLM.state_dict()`` uses (keys are what matters; order helps people reading)."""
+    """The order ``*ForCausalLM.state_dict()`` uses (keys are what matters; order helps people reading)."""
     keys = ["model.embed_tokens.weight"]
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -133,7 +176,10 @@ def _hf_order(sd: dict[str, torch.Tensor], spec: ArchSpec) -> dict[str, torch.Te
             keys.append(p + f"self_attn.{proj}_proj.weight")
             if spec.qkv_bias:
                 keys.append(p + f"self_attn.{proj}_proj.bias")
-        keys += [p + "self_attn.o_proj.weight", p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
+        keys.append(p + "self_attn.o_proj.weight")
+        if spec.qk_norm:
+            keys += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        keys += [p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight",
                  p + "mlp.down_proj.weight", p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
     keys += ["model.norm.weight", "lm_head.weight"]
     return {k: sd[k] for k in keys}

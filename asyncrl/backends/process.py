@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.backends.base import Capabilities, capabilities
 from asyncrl.backends.submit_queue import SubmitQueue
 
 START_TIMEOUT_S = 300.0  # building the backend in the child (imports + model) must finish within this
@@ -124,9 +125,14 @@ class _Channel:
 class ProcessGenerator:
     """A :class:`~asyncrl.backends.base.GenerationBackend` whose ``cls(*args)`` lives in a child process (see the
     module docstring). Besides the protocol it forwards ``generate_greedy`` (evaluation), ``state_dict`` and
-    ``load_state_dict`` (save/restore) over the control pipe."""
+    ``load_state_dict`` (save/restore), and ``step_metrics`` when ``cls`` declares it, over the control pipe."""
+
+    capabilities = Capabilities()  # the instance's: what it passes on of what ``cls`` declares
 
     def __init__(self, cls: type, args: tuple, threads: int | None = None) -> None:
+        # Of what ``cls`` declares, step_metrics crosses the pipe like any call. Not staged weights (a load goes
+        # through shared memory, between generations) and not an actor (a dead child is an error, not a restart).
+        self.capabilities = Capabilities(step_metrics=capabilities(cls).step_metrics)
         ctx = torch.multiprocessing.get_context("spawn")  # torch's pickler shares tensors through shared memory
         gen_parent, gen_child = ctx.Pipe()
         ctl_parent, ctl_child = ctx.Pipe()
@@ -240,6 +246,10 @@ class ProcessGenerator:
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list:
         return self._call(self._ctl, "call", "generate_greedy", (prompts, max_new_tokens))
+
+    def step_metrics(self) -> dict[str, float]:
+        """The hosted generator's ``step_metrics()`` (read only when it declares them: ``capabilities``)."""
+        return self._call(self._ctl, "call", "step_metrics", ())
 
     def state_dict(self) -> dict[str, Any]:
         return self._call(self._ctl, "call", "state_dict", ())

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.backends.base import capabilities
+from asyncrl.backends.base import Capabilities, capabilities
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.data import TrainBatch
 from asyncrl.faults import TrainerFailed, describe
@@ -115,6 +115,8 @@ class RankGroupPolicy:
     """The ``PolicyBackend`` over the rank actors (see the module docstring). ``layout[i]`` is actor ``i``'s
     (data-parallel rank, tensor-parallel rank)."""
 
+    capabilities = Capabilities()  # the instance's says what its ranks declare (not actor: a group of them)
+
     def __init__(self, group: Any, layout: list[tuple[int, int]] | None = None) -> None:
         self._group = group  # an ActorGroup (asyncrl/backends/ray.py): starts, closes, releases the actors
         self.ranks = ranks = group.actors
@@ -122,8 +124,8 @@ class RankGroupPolicy:
         self.data_parallel = 1 + max(d for d, _ in self.layout)
         self.tensor_parallel = 1 + max(t for _, t in self.layout)
         self._ended: str | None = None  # why the group ended (a rank died), once it did
-        if getattr(ranks[0], "prev_logprobs_from_forward", False):  # each rank takes its rows' from its forward
-            self.prev_logprobs_from_forward = True  # PrevLogprobsFromForward: the controller skips logprobs
+        # Each rank takes its rows' prev_logprobs from its forward when its class does: the controller skips logprobs.
+        self.capabilities = Capabilities(prev_logprobs_from_forward=capabilities(ranks[0]).prev_logprobs_from_forward)
 
     @classmethod
     def start(cls, policy_cls: type, args: tuple, cfg: Any) -> RankGroupPolicy:

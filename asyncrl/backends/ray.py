@@ -29,9 +29,10 @@ import os
 import threading
 import time
 from collections import defaultdict
+from dataclasses import replace
 from typing import Any
 
-from asyncrl.backends.base import capabilities
+from asyncrl.backends.base import Capabilities, capabilities
 
 PLACEMENT_TIMEOUT_S = 120.0
 # Ray gives a new local node's raylet a fixed 30 s to register with its GCS; on a loaded machine it can miss that
@@ -85,9 +86,11 @@ class _Host:
 class RemoteBackend:
     """Base of the proxies ``proxy_class`` makes: ``proxy.method(...)`` is
     ``ray.get(actor.call.remote("method", ...))`` and ``proxy.prop`` reads the property in the actor. Its own
-    members (``apply_remote``, ``call_times``, ``close``, ``restart``, ``actor_id``) are about the actor."""
+    members (``apply_remote``, ``call_times``, ``close``, ``restart``, ``actor_id``) are about the actor: it
+    declares ``Capabilities(actor=True)``, with the hosted class's capabilities besides (``proxy_class``)."""
 
     hosted: type = object  # the backend class in the actor
+    capabilities = Capabilities(actor=True)
 
     def __init__(self, actor: Any, start: Any = None) -> None:
         self._actor = actor
@@ -180,12 +183,14 @@ def _remote_property(name: str, doc: str | None) -> property:
 
 
 def proxy_class(cls: type) -> type[RemoteBackend]:
-    """A ``RemoteBackend`` subclass with one member per public method or property of ``cls``, and its public class
-    constants (bool, int, str: markers such as ``prev_logprobs_from_forward``, so an optional Protocol that ``cls``
-    satisfies holds for the proxy too, read without a call). Nothing else: public data attributes set in
-    ``__init__`` are not part of a backend's contract."""
-    namespace: dict[str, Any] = {"hosted": cls, "__doc__": f"Ray proxy of {cls.__qualname__}."}
-    pipelined = capabilities(cls).ray_pipelined  # Capabilities checks it goes with one call at a time
+    """A ``RemoteBackend`` subclass with one member per public method or property of ``cls``, its public class
+    constants (bool, int, str), and ``cls``'s ``Capabilities`` with ``actor`` (read without a call: the proxy has
+    every member they promise, and it is one actor). Nothing else: public data attributes set in ``__init__`` are
+    not part of a backend's contract."""
+    declared = capabilities(cls)
+    namespace: dict[str, Any] = {"hosted": cls, "__doc__": f"Ray proxy of {cls.__qualname__}.",
+                                 "capabilities": replace(declared, actor=True)}
+    pipelined = declared.ray_pipelined  # Capabilities checks it goes with one call at a time
     for name, member in inspect.getmembers(cls):
         if name.startswith("_") or name in vars(RemoteBackend):
             continue  # the proxy's own (close closes the hosted backend, then the actor)

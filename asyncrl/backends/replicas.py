@@ -40,6 +40,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from asyncrl.backends.base import Capabilities
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.faults import describe
 
@@ -56,6 +57,10 @@ def _ids(ids: list[int]) -> str:
 
 class ReplicaSet:
     """The ``GenerationBackend`` over K generation actors (see the module docstring)."""
+
+    # Columns per replica (step_metrics). Not one actor (it restarts its replicas itself), and no stage_weights: the
+    # collective weight sync is between two actors.
+    capabilities = Capabilities(step_metrics=True)
 
     def __init__(self, group: Any, version: int = 0, restarts: int = 0) -> None:
         self._group = group  # an ActorGroup (asyncrl/backends/ray.py): starts, closes, releases the actors

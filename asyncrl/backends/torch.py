@@ -32,17 +32,18 @@ import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from asyncrl import micro_batches
-from asyncrl.algorithms import Loss, token_logprobs
+from asyncrl.algorithms import Loss, chunked_logprobs
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.hf import build_model, special_ids
+from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.sampling import group_max_tokens
 from asyncrl.backends.submit_queue import SubmitQueue
-from asyncrl.backends.torch_decode import _sample_from, decode, greedy_completions
+from asyncrl.backends.torch_decode import _sample_from, decode, greedy_completions, stop_strings
 from asyncrl.config import ModelConfig, TorchGenerationConfig, TorchTrainerConfig
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 from asyncrl.metrics import ENGINE_METRICS, Accumulator, peak_flops
@@ -62,14 +63,48 @@ def sequence_logits(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 
 
 def _logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, entropy_grad: bool):
-    """``token_logprobs`` and ``token_entropy`` from one log-softmax; the entropy is detached unless
-    ``entropy_grad``."""
+    """``token_logprobs`` and ``token_entropy`` from one full log-softmax (for a model whose output layer is not a
+    plain bias-free linear map, see ``policy_logprobs``); the entropy is detached unless ``entropy_grad``."""
     logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
     picked = logp_all.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
     src = logp_all if entropy_grad else logp_all.detach()
     entropy = -(src.exp() * src).sum(-1)
     pad = torch.nn.functional.pad
     return pad(picked, (1, 0)), pad(entropy, (1, 0))
+
+
+def _chunkable(model) -> bool:
+    """Whether the logits are ``last hidden state @ output weight.T`` and nothing more (Llama, Qwen, Mistral)."""
+    head = model.get_output_embeddings()
+    cfg = model.config
+    return (isinstance(head, torch.nn.Linear) and head.bias is None and not getattr(cfg, "final_logit_softcapping", None)
+            and getattr(cfg, "logit_scale", None) in (None, 1.0))
+
+
+def policy_logprobs(model, seqs: TrainBatch, mb, chunk_tokens: int, entropy: str | None):
+    """``(logprobs, entropy or None)`` [n, width] of a micro-batch's sequences (values under the loss mask, 0
+    elsewhere): from the last hidden states through ``algorithms.chunked_logprobs``, ``chunk_tokens`` positions at
+    a time, never the whole pass's full-vocabulary logits. ``entropy``: None, ``"detached"`` or ``"grad"``. A model
+    whose logits are more than that product (a bias, a soft cap, a scale) takes the full-logits path."""
+    if not _chunkable(model):
+        logits = sequence_logits(model, seqs.input_ids, seqs.attention_mask)
+        lp, ent = _logprobs_and_entropy(logits, seqs.input_ids, entropy == "grad")
+        return lp * seqs.loss_mask, None if entropy is None else ent * seqs.loss_mask
+    kwargs: dict[str, Any] = {"use_cache": False}
+    mask = seqs.attention_mask
+    if mask is not None and not bool(mask[:, 0].all()):  # left padding (sequence_logits' rule)
+        kwargs["attention_mask"] = mask
+        kwargs["position_ids"] = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = model.base_model(input_ids=seqs.input_ids, **kwargs).last_hidden_state
+    n, width, _ = hidden.shape
+    src, dst, targets = micro_batches.predicting_positions(mb, seqs, n, width)
+    lp, ent = chunked_logprobs(hidden.reshape(n * width, -1)[src], model.get_output_embeddings().weight, targets,
+                               chunk_tokens, entropy is not None)
+    if ent is not None and entropy != "grad":
+        ent = ent.detach()
+    shape = (n, width)
+    return (micro_batches.scatter_positions(lp, dst, shape),
+            None if ent is None else micro_batches.scatter_positions(ent, dst, shape))
 
 
 # --- policy --------------------------------------------------------------------------------------------------------
@@ -86,7 +121,7 @@ class TorchPolicy:
     order). The loss is the ``Loss`` object given at construction; its metrics and ``ENGINE_METRICS`` are
     reduced over the step by one ``Accumulator``.
 
-    Previous-policy logprobs: a ``PrevLogprobsFromForward`` (``asyncrl/backends/base.py``): the controller leaves
+    Previous-policy logprobs: it declares ``prev_logprobs_from_forward`` (``Capabilities``): the controller leaves
     a chunk's ``prev_logprobs`` unset and ``train_microbatches`` takes them from its own forward (detached, 0 off
     the mask). That is exact: the weights change only in ``finish_train_step`` (one AdamW step per RL step, never
     between a step's chunks), so during a step the current weights *are* the policy before this step's update, and
@@ -101,10 +136,11 @@ class TorchPolicy:
     is public too).
     """
 
-    prev_logprobs_from_forward: Literal[True] = True  # one optimizer step per RL step makes it exact (docstring)
-    # Through a Ray proxy these return at once and the proxy's next call waits for them (asyncrl/backends/ray.py):
-    # nothing reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
+    # prev_logprobs_from_forward: one optimizer step per RL step makes it exact (docstring). Through a Ray proxy the
+    # pipelined calls return at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing
+    # reads what they return, and a step's calls reach the actor back to back.
+    capabilities = Capabilities(prev_logprobs_from_forward=True,
+                                ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
         self.model_cfg, self.trainer_cfg, self.loss = model_cfg, trainer_cfg, loss
@@ -149,15 +185,12 @@ class TorchPolicy:
     def _logprobs_with(self, model, batch: TrainBatch) -> torch.Tensor:
         plans = self._plan(batch)  # the training forward's micro-batches: the same numbers (class docstring)
         batch = self._to_device(batch)
-        if len(plans) == 1 and isinstance(plans[0].rows, slice) and plans[0].positions == batch.input_ids.numel():
-            logits = sequence_logits(model, batch.input_ids, batch.attention_mask)
-            return (token_logprobs(logits, batch.input_ids) * batch.loss_mask).cpu()
         out = torch.zeros(batch.input_ids.shape, device=self.device)
         for mb in plans:
             mb = mb.to(self.device)
             seqs = micro_batches.take(batch, mb)
-            logits = sequence_logits(model, seqs.input_ids, seqs.attention_mask)
-            out[mb.rows, :mb.width] = token_logprobs(logits, seqs.input_ids) * seqs.loss_mask
+            lp, _ = policy_logprobs(model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens, None)
+            out[mb.rows, :mb.width] = lp * seqs.loss_mask
         return out.cpu()
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
@@ -188,8 +221,8 @@ class TorchPolicy:
         for mb in plans:
             mb = mb.to(self.device)
             seqs = micro_batches.take(batch, mb)
-            logits = sequence_logits(self.model, seqs.input_ids, seqs.attention_mask)
-            logp, entropy = _logprobs_and_entropy(logits, seqs.input_ids, self.loss.entropy_grad)
+            logp, entropy = policy_logprobs(self.model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens,
+                                            "grad" if self.loss.entropy_grad else "detached")
             if seqs.prev_logprobs is None:  # the weights before this step's update are these (class docstring)
                 seqs = replace(seqs, prev_logprobs=logp.detach() * seqs.loss_mask)
             loss_sum, normaliser, contributions = self.loss(logp, seqs, entropy)
@@ -217,9 +250,10 @@ class TorchPolicy:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
         else:
             grad_norm = 0.0
+        lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps_done)  # trainer.lr_schedule
         self.optimizer.step()
         self.steps_done += 1
-        self._step.add({"grad_norm": grad_norm, "lr": float(self.optimizer.param_groups[0]["lr"])})
+        self._step.add({"grad_norm": grad_norm, "lr": lr})
         metrics = self._step.result()
         self._step.reset()
         self._in_step = False
@@ -286,6 +320,7 @@ class TorchGenerator:
             p.requires_grad_(False)
         self._rng = torch.Generator(device=self.device)
         self._rng.manual_seed(seed)
+        self._stop = stop_strings(gen_cfg.stop, tokenizer)  # generation.stop (None: only eos and limits end one)
         self._version = 0
         self._queue = SubmitQueue()
         self._done: list[GroupRollouts] = []  # generated by a weight load's drain, not yet polled
@@ -322,8 +357,8 @@ class TorchGenerator:
         if self.gen_cfg.min_new_tokens_tail is not None:
             limits = [group_max_tokens(self.gen_cfg, self.seed, r.group_id) for r in requests for _ in range(r.n)]
         version = self._version
-        completions, logprobs, reasons = decode(
-            self.model, prompts, self.gen_cfg.max_new_tokens, self._choose, self.eos_id, self.pad_id, limits)
+        completions, logprobs, reasons = decode(self.model, prompts, self.gen_cfg.max_new_tokens, self._choose,
+                                                self.eos_id, self.pad_id, limits, self._stop)
         out, row = [], 0
         for r in requests:
             out.append(GroupRollouts(
@@ -335,13 +370,13 @@ class TorchGenerator:
         return out
 
     def _choose(self, logits: torch.Tensor) -> torch.Tensor:
-        return _sample_from(logits, self.gen_cfg.temperature, self.gen_cfg.top_p, self._rng)
+        return _sample_from(logits, self.gen_cfg.temperature, self.gen_cfg.top_p, self._rng, self.gen_cfg.top_k)
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list[list[int]]:
         """Greedy completions under the generator's current weights; draws no randomness."""
         with self._model_lock:
             return greedy_completions(self.model, prompts, max_new_tokens or self.gen_cfg.max_new_tokens,
-                                      self.eos_id, self.pad_id)
+                                      self.eos_id, self.pad_id, self._stop)  # evaluation stops as sampling does
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` (HF names, as ``TorchPolicy.export_weights`` gives) into this generator's own model,

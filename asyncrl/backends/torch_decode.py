@@ -51,10 +51,15 @@ def _new_cache(model):
         return DynamicCache()
 
 
-def _sample_from(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator) -> torch.Tensor:
-    """One token per row from ``softmax(logits / temperature)`` restricted to the top-p nucleus."""
+def _sample_from(logits: torch.Tensor, temperature: float, top_p: float, rng: torch.Generator,
+                 top_k: int = 0) -> torch.Tensor:
+    """One token per row from ``softmax(logits / temperature)`` restricted to the ``top_k`` most likely tokens
+    (0: all), then to the top-p nucleus of what is left (vLLM's order). Off, neither changes a draw."""
     if temperature != 1.0:
         logits = logits / temperature
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
@@ -73,13 +78,15 @@ def decode(
     eos_id: int = EOS_ID,
     pad_id: int = PAD_ID,
     limits: Sequence[int] | None = None,
+    stop: Callable[[list[int]], bool] | None = None,
 ) -> tuple[list[list[int]], list[list[float]], list[str]]:
     """Decode every prompt row at once with a KV cache: ``choose(logits[B, V]) -> tokens[B]`` picks the next
     tokens. Returns per row the completion ids (up to and including ``eos``), the temperature-1 logprob of each,
     and the finish reason (``"stop"`` at eos, else ``"length"``). Prompts of unequal lengths are left-padded
     with an attention mask and shifted position ids. ``limits``: a token limit per row (at most
     ``max_new_tokens``); a row past its limit is finished, but ``choose`` still draws for it, so every row's
-    completion is the prefix of the one it gets without limits."""
+    completion is the prefix of the one it gets without limits. ``stop(completion so far) -> bool`` (stop
+    strings): a row it says yes to ends with that token, finish reason ``"stop"`` (draws go on as for limits)."""
     device = next(model.parameters()).device
     cache_kw, keep_kw = _kw()
     B = len(prompts)
@@ -101,6 +108,8 @@ def decode(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     limit = None if limits is None else torch.tensor(limits, device=device)
     tokens, logps = [], []
+    so_far: list[list[int]] = [[] for _ in range(B)]  # with ``stop``: each row's completion, to test it
+    stopped: list[int | None] = [None] * B  # the length at which ``stop`` ended a row
     step_input = input_ids
     for t in range(max_new_tokens):
         kwargs: dict[str, Any] = {cache_kw: cache, "use_cache": True}
@@ -115,6 +124,13 @@ def decode(
         nxt = nxt.masked_fill(finished, pad_id)
         tokens.append(nxt)
         logps.append(logp)
+        if stop is not None:
+            for i, (tok, done) in enumerate(zip(nxt.tolist(), finished.tolist())):
+                if not done and tok != eos_id:
+                    so_far[i].append(tok)
+                    if stop(so_far[i]):
+                        stopped[i] = t + 1
+            finished = finished | torch.tensor([n is not None for n in stopped], device=device)
         finished = finished | (nxt == eos_id)
         if limit is not None:
             finished = finished | (limit <= t + 1)
@@ -130,7 +146,11 @@ def decode(
     for row, (toks, lps) in enumerate(zip(tok_rows, lp_rows)):
         if limits is not None:
             toks, lps = toks[:limits[row]], lps[:limits[row]]
-        if eos_id in toks:
+        if stopped[row] is not None:
+            completions.append(toks[:stopped[row]])
+            logprobs.append(lps[:stopped[row]])
+            reasons.append("stop")
+        elif eos_id in toks:
             n = toks.index(eos_id) + 1
             completions.append(toks[:n])
             logprobs.append(lps[:n])
@@ -142,15 +162,31 @@ def decode(
     return completions, logprobs, reasons
 
 
+def stop_strings(stops: Sequence[str], tokenizer: Any) -> Callable[[list[int]], bool] | None:
+    """``decode``'s ``stop`` for stop strings: whether a completion's decoded text (special tokens skipped, as
+    vLLM decodes) contains one of ``stops``. Only its tail is decoded: a string newly completed by the last token
+    lies within its last ``len(bytes)`` tokens, and the window is wider than that (every token is a byte or more)."""
+    if not stops:
+        return None
+    if tokenizer is None:
+        from asyncrl.tokenizer import build_tokenizer
+
+        tokenizer = build_tokenizer()
+    window = 2 * max(len(s.encode()) for s in stops) + 8
+    return lambda ids: any(s in tokenizer.decode(ids[-window:], skip_special_tokens=True) for s in stops)
+
+
 def greedy_completions(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, eos_id: int = EOS_ID,
-                       pad_id: int = PAD_ID) -> list[list[int]]:
-    """Greedy (argmax) completions of ``prompts`` under ``model``; no randomness is drawn."""
+                       pad_id: int = PAD_ID, stop: Callable[[list[int]], bool] | None = None) -> list[list[int]]:
+    """Greedy (argmax) completions of ``prompts`` under ``model`` (ended by ``stop`` as in ``decode``); no
+    randomness is drawn."""
     if not prompts:
         return []
     was_training = model.training
     model.eval()
     try:
-        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id)
+        completions, _, _ = decode(model, prompts, max_new_tokens, lambda lg: lg.argmax(-1), eos_id, pad_id,
+                                   stop=stop)
     finally:
         model.train(was_training)
     return completions

@@ -101,8 +101,9 @@ class VLLMGenerator:
     ``has_unfinished_requests``; ``llm.collective_rpc``, ``llm.apply_model``, ``llm.reset_prefix_cache``)."""
 
     # Ray may serve two calls of this actor at once (asyncrl.backends.ray): a weight receive runs during a poll.
-    # Safe: every engine use holds ``_engine`` and staged weights ``_staging`` (module docstring).
-    capabilities = Capabilities(ray_max_concurrency=2)
+    # Safe: every engine use holds ``_engine`` and staged weights ``_staging`` (module docstring). The collective
+    # weight sync stages weights into it (``stage_weights``) while the engine runs.
+    capabilities = Capabilities(ray_max_concurrency=2, stages_weights=True)
 
     def __init__(self, model_cfg: ModelConfig, gen_cfg: VLLMGenerationConfig, seed: int = 0, tokenizer: Any = None, *,
                  llm: Any = None, sampling_params_cls: Any = None):
@@ -273,7 +274,7 @@ class VLLMGenerator:
         if not prompts:
             return []
         params = greedy_params(self._sp, max_new_tokens or self.gen_cfg.max_new_tokens, self.eos_id,
-                               self._final_only)
+                               self._final_only, self.gen_cfg.stop)
         with self._engine_turn():
             if self._staged is not None:
                 if self.gen_cfg.weight_update == "drain":

@@ -34,24 +34,28 @@ def eos_token_id(model_cfg: Any, tokenizer: Any) -> int | None:
 
 def sampling_params(sp_cls: Any, gen_cfg: Any, seed: int, request: GenerationRequest, eos_id: int | None,
                     output_kind: Any, per_group_seed: bool) -> Any:
-    """The ``SamplingParams`` of one group's request (``per_group_seed``: seeded from the seed and group id)."""
+    """The ``SamplingParams`` of one group's request (``per_group_seed``: seeded from the seed and group id).
+    ``top_k`` is passed only when set (vLLM releases disagree on what "off" is: -1 or 0)."""
+    stop = {"stop": list(gen_cfg.stop)} if gen_cfg.stop else {}
     return sp_cls(
         n=request.n,
         temperature=gen_cfg.temperature,
         top_p=gen_cfg.top_p,
+        **({"top_k": gen_cfg.top_k} if gen_cfg.top_k > 0 else {}),
         max_tokens=group_max_tokens(gen_cfg, seed, request.group_id),
         logprobs=0,  # the sampled token's logprob only
         seed=group_seed(seed, request.group_id) if per_group_seed else None,
         stop_token_ids=[eos_id] if eos_id is not None else None,
-        detokenize=False,  # the controller decodes with its own tokenizer
+        **stop,  # vLLM matches stop strings on the text it decodes: only then does it detokenize
+        detokenize=bool(stop),  # otherwise the controller decodes with its own tokenizer
         output_kind=output_kind,  # one output per group, when its last completion ended
     )
 
 
-def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind: Any) -> Any:
-    """The ``SamplingParams`` of one greedy (evaluation) request."""
-    return sp_cls(n=1, temperature=0.0, max_tokens=max_tokens,
-                  stop_token_ids=[eos_id] if eos_id is not None else None, detokenize=False, output_kind=output_kind)
+def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind: Any, stop: list[str]) -> Any:
+    """The ``SamplingParams`` of one greedy (evaluation) request; it stops at the run's stop strings too."""
+    return sp_cls(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos_id] if eos_id is not None else None,
+                  **({"stop": list(stop)} if stop else {}), detokenize=bool(stop), output_kind=output_kind)
 
 
 def sampled_logprob(entry: Any, token_id: int) -> float:

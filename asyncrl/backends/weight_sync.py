@@ -56,7 +56,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.backends.base import StagesWeights
+from asyncrl.backends.base import capabilities
 from asyncrl.backends.ray import NO_MULTICAST_ENV, RemoteBackend
 
 GROUP_TIMEOUT_S = 300.0  # a broadcast waits at most this long for the other side
@@ -239,7 +239,7 @@ def _receive(host: Any, version: int) -> float:
             raise RuntimeError(
                 f"weight sync: the policy sent version {sent_version}, the controller asked for {version}")
 
-    if isinstance(host.obj, StagesWeights):
+    if capabilities(host.obj).stages_weights:
         host.obj.stage_weights(ep.buffers, version, fill)
     else:
         fill()

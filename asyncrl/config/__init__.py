@@ -2,12 +2,14 @@
 ``load_config(preset_or_path, **overrides)``.
 
 Where a section lives (each module opens with its invariants):
-- ``asyncrl.config.backends``: ``model:``, ``generation:``, ``trainer:``, ``ray:`` and the backend registry
-  (``GENERATION_CONFIGS``, ``TRAINER_CONFIGS``), and the rules that join generation to trainer;
+- ``asyncrl.config.backends``: ``model:`` and the backend registry (``GENERATION_CONFIGS``, ``TRAINER_CONFIGS``);
+- ``asyncrl.config.generation``, ``asyncrl.config.training``: one ``generation:`` / ``trainer:`` section per engine;
+- ``asyncrl.config.placement``: where engines run (what every engine's section has), ``ray:``, and the rules that
+  join generation to trainer;
 - ``asyncrl.config.sampling``: the sampler's glue (``sampler:`` itself is typed in ``asyncrl.samplers``);
 - ``asyncrl.config.tasks``: ``task:``, and the sections that say what is trained on and how it is scored;
-- ``loss:``, ``faults:`` and ``tracking:`` are typed next to what they configure (asyncrl/algorithms.py,
-  asyncrl/faults.py, asyncrl/tracking.py).
+- ``loss:``, ``faults:``, ``tracking:`` and ``reward:`` are typed next to what they configure
+  (asyncrl/algorithms.py, asyncrl/faults.py, asyncrl/tracking.py, asyncrl/rewards).
 A new section is a model in the module it belongs to, a field of ``Config`` and, where it is imported from
 ``asyncrl.config``, a name below.
 
@@ -26,30 +28,22 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
-from asyncrl.config.backends import (
-    GENERATION_CONFIGS,
-    TRAINER_CONFIGS,
-    GenerationConfig,
-    MegatronTrainerConfig,
-    ModelConfig,
-    RayConfig,
+from asyncrl.config.backends import GENERATION_CONFIGS, TRAINER_CONFIGS, GenerationConfig, ModelConfig, TrainerConfig
+from asyncrl.config.generation import (
     SimulatedGeneration,
     SimulatedGenerationConfig,
-    SimulatedTrainerConfig,
-    SimulatedTraining,
     TorchGenerationConfig,
-    TorchTrainerConfig,
-    TrainerConfig,
     VLLMGenerationConfig,
-    check_placement,
 )
+from asyncrl.config.placement import RayConfig, check_placement
 from asyncrl.config.sampling import (
-    check_importance_correction,
     check_sampler_config,
     check_sampler_fits,
     check_stale_sampler_correction,
+    required_buffer_capacity,
 )
 from asyncrl.config.tasks import TaskConfig
+from asyncrl.config.training import MegatronTrainerConfig, SimulatedTrainerConfig, SimulatedTraining, TorchTrainerConfig
 from asyncrl.faults import FaultsConfig
 from asyncrl.presets import PRESETS, presets
 from asyncrl.rewards import RewardConfig
@@ -64,7 +58,7 @@ __all__ = [
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
-    "check_sampler_fits", "check_importance_correction",
+    "check_sampler_fits", "required_buffer_capacity",
     # importable from asyncrl.config since before the split into a package; their homes are asyncrl.samplers
     # and asyncrl.tasks
     "CustomConfig", "InOrderConfig", "build_custom", "build_sampler", "build_task",

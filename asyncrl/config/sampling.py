@@ -3,7 +3,9 @@ the buffer's size.
 
 Invariants:
 - A sampler that may train on stale data needs an importance-sampling correction in the loss.
-- The buffer holds at least the sampler's ``required_buffer_capacity(groups_per_step)``, or the run deadlocks.
+- The buffer holds at least the sampler's required capacity for ``groups_per_step``, or the run deadlocks.
+- Both are facts of the sampler's class and knobs, asked without building a sampler or a buffer (a custom
+  target's class is imported, as validating its config already did); the controller builds the one sampler.
 - Each rule raises one ``ValueError`` naming both sides; none changes the configuration.
 """
 
@@ -11,41 +13,45 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.samplers import CustomConfig, build_custom, build_sampler
+from asyncrl.samplers import sampler_class, sampler_knobs
 
 
 def check_stale_sampler_correction(sampler_config: Any, importance_correction: Any) -> None:
     """Before the loss section's own checks: a stale sampler with ``importance_correction: none`` is reported as
     the cause (the sampler rule), not as a truncation that has nothing to correct."""
-    if importance_correction == "none" and sampler_config is not None and not isinstance(sampler_config, CustomConfig):
-        check_importance_correction(build_sampler(sampler_config, None), importance_correction)
+    if importance_correction == "none" and sampler_config is not None:
+        cls, knobs = sampler_class(sampler_config), sampler_knobs(sampler_config)
+        _check_correction(cls.trains_on_policy(knobs), cls.describe(knobs), importance_correction)
 
 
 def check_sampler_config(cfg: Any) -> None:
-    """The sampler of ``cfg`` against the rest of ``cfg`` (asyncrl.config.Config)."""
-    if isinstance(cfg.sampler, CustomConfig):  # built on an empty buffer, as its config validation did
-        from asyncrl.buffer import ReplayBuffer
+    """The sampler of ``cfg`` (asyncrl.config.Config) against the rest of ``cfg``."""
+    cls, knobs = sampler_class(cfg.sampler), sampler_knobs(cfg.sampler)
+    _check_fit(cls.trains_on_policy(knobs), cls.capacity_needed(knobs, cfg.groups_per_step), cls.describe(knobs), cfg)
 
-        sampler = build_custom(cfg.sampler, ReplayBuffer())
-    else:
-        sampler = build_sampler(cfg.sampler, None)
-    check_sampler_fits(sampler, cfg)
+
+def required_buffer_capacity(sampler_config: Any, groups_per_step: int) -> int | None:
+    """The buffer size the configured sampler needs to never deadlock (None: no fixed bound)."""
+    return sampler_class(sampler_config).capacity_needed(sampler_knobs(sampler_config), groups_per_step)
 
 
 def check_sampler_fits(sampler: Any, cfg: Any) -> None:
-    """Reject a sampler the rest of the config cannot serve (raises ValueError naming both sides)."""
-    check_importance_correction(sampler, cfg.loss.importance_correction)
-    required = sampler.required_buffer_capacity(cfg.groups_per_step)
+    """A sampler built by hand (not from ``cfg.sampler``) against ``cfg``: the same rules, asked of it."""
+    _check_fit(sampler.is_on_policy, sampler.required_buffer_capacity(cfg.groups_per_step), repr(sampler), cfg)
+
+
+def _check_fit(on_policy: bool, required: int | None, sampler: str, cfg: Any) -> None:
+    _check_correction(on_policy, sampler, cfg.loss.importance_correction)
     if required is not None and cfg.max_buffered_groups is not None and cfg.max_buffered_groups < required:
         raise ValueError(
             f"max_buffered_groups {cfg.max_buffered_groups} is smaller than the {required} groups sampler "
-            f"{sampler!r} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
+            f"{sampler} needs with groups_per_step {cfg.groups_per_step}; it would deadlock"
         )
 
 
-def check_importance_correction(sampler: Any, importance_correction: str) -> None:
-    if not sampler.is_on_policy and importance_correction == "none":
+def _check_correction(on_policy: bool, sampler: str, importance_correction: str) -> None:
+    if not on_policy and importance_correction == "none":
         raise ValueError(
-            f"sampler {sampler!r} may train on stale data, so the loss needs an importance-sampling correction: "
+            f"sampler {sampler} may train on stale data, so the loss needs an importance-sampling correction: "
             "set loss.importance_correction to 'token' or 'sequence' (got 'none')"
         )

@@ -119,7 +119,7 @@ class Comparison:
         return pd.concat(frames, ignore_index=True)
 
     def figure(self):
-        from asyncrl.replay.figure import comparison_figure
+        from asyncrl.plots.comparison import comparison_figure
 
         return comparison_figure(self)
 

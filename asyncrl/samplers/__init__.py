@@ -17,16 +17,10 @@ from pydantic import Field, TypeAdapter
 
 from asyncrl.samplers.base import (
     Admission,
-    AdmitsAhead,
-    GatedAdmission,
     KnobModel,
     PromptGroupSampler,
-    ReasonedDecisions,
     SamplerBase,
-    StalenessWindow,
-    TargetStamping,
     Verdict,
-    reasoned,
 )
 from asyncrl.samplers.custom import CustomConfig, build_custom
 from asyncrl.samplers.in_order import InOrderConfig, InOrderSampler
@@ -56,11 +50,25 @@ def sampler_config(config: Any) -> Any:
     return _adapter.validate_python(config)
 
 
-def build_sampler(config: Any, buffer) -> PromptGroupSampler:
+def build_sampler(config: Any, buffer) -> SamplerBase:
+    """The sampler a config names, on ``buffer``: the controller builds its one sampler here."""
     cfg = sampler_config(config)
     if isinstance(cfg, CustomConfig):
         return build_custom(cfg, buffer)
     return SAMPLERS[cfg.name](buffer, **cfg.model_dump(exclude={"name"}))
+
+
+def sampler_class(config: Any) -> type[SamplerBase]:
+    """The class a sampler config names (a custom target is imported, as validating its config already did)."""
+    cfg = sampler_config(config)
+    return cfg.sampler_class if isinstance(cfg, CustomConfig) else SAMPLERS[cfg.name]
+
+
+def sampler_knobs(config: Any) -> KnobModel:
+    """The knobs a sampler config builds its class with; with ``sampler_class`` they answer, without a sampler or
+    a buffer, what the configuration asks: ``cls.trains_on_policy(knobs)``, ``cls.capacity_needed(knobs, N)``."""
+    cfg = sampler_config(config)
+    return cfg.knobs if isinstance(cfg, CustomConfig) else cfg
 
 
 def explain_frame(verdicts: list[Verdict]):
@@ -74,8 +82,8 @@ def explain_frame(verdicts: list[Verdict]):
 
 
 __all__ = [
-    "Admission", "AdmitsAhead", "GatedAdmission", "PromptGroupSampler", "ReasonedDecisions", "reasoned", "StalenessWindow",
-    "TargetStamping", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
-    "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_config", "explain_frame", "CustomConfig",
+    "Admission", "PromptGroupSampler", "Verdict", "SamplerBase", "KnobModel", "SamplerConfig",
+    "SAMPLERS", "BUILT_IN", "build_sampler", "sampler_class", "sampler_knobs", "sampler_config", "explain_frame",
+    "CustomConfig",
     *(cls.__name__ for cls in BUILT_IN), *(cls.Knobs.__name__ for cls in BUILT_IN),
 ]

@@ -10,6 +10,9 @@ Invariants:
   trace says what ``explain`` said.
 - Candidates are produced lazily from the buffer's indexes, so a decision costs O(selected + evicted + versions),
   not O(buffer).
+- What the pumps read off a sampler besides the Protocol is declared on ``SamplerBase`` with a default, never
+  probed; ``is_on_policy`` and the required capacity are facts of the class and its knobs (``trains_on_policy``,
+  ``capacity_needed``), so the configuration asks them without building a sampler.
 - Gated admission with window ``W``: batch ``k`` (the dispatch index after admission) is admitted once
   ``k <= T + W``; at most ``W + 1`` batches are ever admitted and not yet due, so the buffer needs
   ``groups_per_step * (W + 1)`` slots.
@@ -63,7 +66,9 @@ class Verdict:
 class PromptGroupSampler(Protocol):
     """The policy that decides which prompt groups are admitted, trained, kept or dropped (docs/samplers.md).
 
-    The pumps follow it and encode no policy of their own. ``dispatch_index`` is saved in checkpoints.
+    The pumps follow it and encode no policy of their own. ``dispatch_index`` is saved in checkpoints. Every
+    sampler is a ``SamplerBase``, which satisfies it and declares, with defaults, what else the pumps, restores and
+    views read (``gated``, ``stamps_target``, ``window``, ``admits_ahead``, the reasoned decisions).
     """
 
     name: str  # the policy's name, as configurations and reasons write it
@@ -99,90 +104,6 @@ class PromptGroupSampler(Protocol):
         """On resume: ``dispatch_index = resume_step - 1``. Negative: ``ValueError``."""
 
 
-@runtime_checkable
-class ReasonedDecisions(Protocol):
-    """Optional: a sampler that words each decision as it makes it, in the words its ``explain`` gives that slot,
-    so the trace's select, evict and abort rows say them (``SamplerBase`` provides it; ``reasoned`` adapts any
-    other sampler)."""
-
-    def select_reasoned(self, trainer_version: int, min_groups: int,
-                        max_groups: int) -> list[tuple[Slot, str]] | None:
-        """``select``, each slot with the reason of its ``selected`` verdict."""
-
-    def evict_reasoned(self, trainer_version: int) -> list[tuple[Slot, str]]:
-        """``evict``, each slot with the reason of its eviction verdict."""
-
-    def abort_reason(self, slot: Slot, trainer_version: int) -> str:
-        """Why an in-flight group that ``should_abort_inflight`` let go is cancelled."""
-
-
-def reasoned(sampler: PromptGroupSampler) -> ReasonedDecisions:
-    """``sampler`` itself when it words its decisions; else an adapter that takes the words from its ``explain``."""
-    return sampler if isinstance(sampler, ReasonedDecisions) else _ExplainedDecisions(sampler)
-
-
-class _ExplainedDecisions:
-    """A sampler without ``ReasonedDecisions``: its verdicts are asked for just before it decides (a pass over the
-    buffer per decision, which a sampler that words its own decisions avoids)."""
-
-    def __init__(self, sampler: PromptGroupSampler) -> None:
-        self.sampler = sampler
-
-    def _words(self, T: int, min_groups: int = 1, max_groups: int | None = None) -> dict[int, str]:
-        return {v.group_id: v.reason for v in self.sampler.explain(T, min_groups, max_groups)}
-
-    def select_reasoned(self, trainer_version, min_groups, max_groups):
-        words = self._words(trainer_version, min_groups, max_groups)
-        chunk = self.sampler.select(trainer_version, min_groups, max_groups)
-        return None if chunk is None else [(s, words.get(s.group_id, f"{self.sampler.name} selected it"))
-                                           for s in chunk]
-
-    def evict_reasoned(self, trainer_version):
-        words = self._words(trainer_version)
-        return [(s, words.get(s.group_id, f"{self.sampler.name} dropped it"))
-                for s in self.sampler.evict(trainer_version)]
-
-    def abort_reason(self, slot, trainer_version):
-        return (f"{self.sampler.name}: should_abort_inflight({slot.weight_version}, {trainer_version}) let it go "
-                "while in flight")
-
-
-@runtime_checkable
-class StalenessWindow(Protocol):
-    """Optional: a sampler with a window of weight versions. The buffer view shades ``[lower_bound(T), T]``."""
-
-    window: int
-
-    def lower_bound(self, trainer_version: int) -> int: ...
-
-
-@runtime_checkable
-class TargetStamping(Protocol):
-    """Optional: whether the sampler's admissions stamp ``target_step`` (``in_order``: batch ``k`` is for step
-    ``k``, and only groups stamped ``T`` train at ``T``). A restore under another sampler reads it: unstamped
-    groups cannot be trained by a stamping sampler, and its dispatch index follows the stamps. Without it: False."""
-
-    stamps_target: bool
-
-
-@runtime_checkable
-class AdmitsAhead(Protocol):
-    """Optional: whether the sampler may admit a batch before the step it feeds has started. False (``in_order``
-    with ``max_lookahead_versions: 0``, any gated sampler with a window of 0) means generation can never run ahead
-    of training, so a run drives both pumps in lockstep on one thread (``asyncrl/run_loop.py``). Without it: True."""
-
-    admits_ahead: bool
-
-
-@runtime_checkable
-class GatedAdmission(Protocol):
-    """Optional: whether the sampler's gate admits batch ``k`` only once ``k <= T + W`` (``SamplerBase.gated``).
-    The section that moves ``T`` then admits every batch still due at the old ``T`` before the weight sync, so a
-    batch's weight version never depends on how fast the rollout pump is (docs/samplers.md). Without it: False."""
-
-    gated: bool
-
-
 class KnobModel(StrictModel):
     """Base of the per-policy config models: unknown keys are errors (naming the policy's knobs); frozen."""
 
@@ -196,20 +117,33 @@ class KnobModel(StrictModel):
 
 
 class SamplerBase:
-    """The mechanics every built-in policy shares; subclass it to write your own (docs/samplers.md).
+    """The mechanics every sampler shares; a sampler of your own subclasses it (docs/samplers.md).
 
     A subclass sets ``name`` and ``Knobs`` (a ``KnobModel`` whose fields are its keyword arguments), names the knob
     that is its window in ``window_knob``, and implements ``_candidates`` (the slots ``select`` may take, in order)
     and, when it drops differently from the default, ``_evictable``. ``select``, ``evict`` and ``explain`` are
     derived from those generators, so they cannot disagree; ``_select_reason``, ``_evict_reason``, ``_keep`` and
-    ``_wait_hint`` word the verdicts. ``gated`` and ``stamps_target`` choose the admission rule.
+    ``_wait_hint`` word the verdicts.
+
+    What the controller, restores and views read off a sampler is declared here, each with its default, and read
+    off the class where it is a fact of the knobs (``trains_on_policy``, ``capacity_needed``: the configuration asks
+    them before any sampler or buffer exists):
+    - ``gated``: batch ``k`` is admitted only once ``k <= T + W``; the section that moves ``T`` then admits every
+      batch still due at the old ``T`` before the weight sync, so a batch's weight version never depends on how
+      fast the rollout pump is. ``False``: always admit (capacity ``None``).
+    - ``stamps_target``: admissions carry ``target_step = dispatch index`` (``in_order``). A restore under such a
+      sampler skips unstamped groups, and ``resume_schedule`` follows the stamps.
+    - ``window_knob``: the knob that is the window ``W``; ``None``: the policy has none (``window`` is None, nothing
+      is too stale, the buffer view shades no window); a gated sampler needs one.
+    - ``admits_ahead``: whether a batch may be admitted before its step starts; not when gated with ``W = 0``,
+      and then a run drives both pumps in lockstep on one thread (``asyncrl/run_loop.py``).
     """
 
     name: ClassVar[str]
     Knobs: ClassVar[type[KnobModel]]
-    window_knob: ClassVar[str] = "max_staleness_versions"
-    stamps_target: ClassVar[bool] = False  # admissions carry target_step = dispatch index (in_order)
-    gated: ClassVar[bool] = True  # admit while dispatch_index < T + window; False: always admit
+    window_knob: ClassVar[str | None] = "max_staleness_versions"
+    stamps_target: ClassVar[bool] = False
+    gated: ClassVar[bool] = True
     buffer: ReplayBuffer
     knobs: KnobModel
     dispatch_index: int
@@ -219,14 +153,40 @@ class SamplerBase:
         self.knobs = self.Knobs(**knobs)
         self.dispatch_index = -1
 
+    # ------------------------------------------------------------- facts of the knobs, asked of the class
+    @classmethod
+    def window_of(cls, knobs: KnobModel) -> int | None:
+        """``W`` for these knobs (None without a ``window_knob``)."""
+        return None if cls.window_knob is None else getattr(knobs, cls.window_knob)
+
+    @classmethod
+    def trains_on_policy(cls, knobs: KnobModel) -> bool:
+        """``is_on_policy`` for these knobs: ``W == 0`` (a policy without a window may train on stale data)."""
+        return cls.window_of(knobs) == 0
+
+    @classmethod
+    def capacity_needed(cls, knobs: KnobModel, groups_per_step: int) -> int | None:
+        """``required_buffer_capacity(groups_per_step)`` for these knobs: ``N (W + 1)`` when gated, else None."""
+        groups_per_step = check_int("groups_per_step", groups_per_step, 1)
+        return groups_per_step * (cls.window_of(knobs) + 1) if cls.gated else None
+
+    @classmethod
+    def describe(cls, knobs: KnobModel) -> str:
+        """The policy and its knobs, as errors name it: ``WeightFifoSampler(max_staleness_versions=1)``."""
+        return f"{cls.__name__}({_knob_words(knobs)})"
+
+    # ------------------------------------------------------------------------------ the same, of this one
     @property
-    def window(self) -> int:
+    def window(self) -> int | None:
         """``W``: bounds gated admission (batches ahead of ``T``) and, for most policies, staleness."""
-        return getattr(self.knobs, self.window_knob)
+        return self.window_of(self.knobs)
 
     @property
     def is_on_policy(self) -> bool:
-        return self.window == 0
+        return self.trains_on_policy(self.knobs)
+
+    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
+        return self.capacity_needed(self.knobs, groups_per_step)
 
     @property
     def admits_ahead(self) -> bool:
@@ -234,8 +194,9 @@ class SamplerBase:
         return not self.gated or self.window > 0
 
     def lower_bound(self, trainer_version: int) -> int:
-        """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on."""
-        return max(0, trainer_version - self.window)
+        """``max(0, T - W)``: the oldest weight version a policy with a staleness window may train on (0 without
+        a window)."""
+        return 0 if self.window is None else max(0, trainer_version - self.window)
 
     # ------------------------------------------------------------------------------------------- admission
     def _gate_open(self, T: int) -> bool:
@@ -260,12 +221,19 @@ class SamplerBase:
             return f"{rule}: {batch} may go at T={T}"
         return f"{rule}: {batch} waits for T >= {k - W}"
 
-    def required_buffer_capacity(self, groups_per_step: int) -> int | None:
-        groups_per_step = check_int("groups_per_step", groups_per_step, 1)
-        return groups_per_step * (self.window + 1) if self.gated else None
-
     def set_dispatch_index(self, resume_step: int) -> None:
         self.dispatch_index = check_int("resume_step", resume_step) - 1
+
+    def resume_schedule(self, kept: list[Slot], trainer_version: int, groups_per_step: int) -> None:
+        """Restored at step ``T`` over a buffer another sampler filled (``kept``: the slots this one keeps): the
+        batches it holds count as admitted. A stamping sampler resumes after the last stamp it holds (``T - 1``
+        when none is ahead); any other after ``ceil(len(kept) / N)`` batches past ``T - 1``."""
+        T = check_int("trainer_version", trainer_version)
+        N = check_int("groups_per_step", groups_per_step, 1)
+        if self.stamps_target:
+            self.dispatch_index = max([T - 1] + [s.target_step for s in kept if s.target_step is not None])
+        else:
+            self.dispatch_index = T - 1 + -(-len(kept) // N)
 
     def should_abort_inflight(self, weight_version: int, trainer_version: int) -> bool:
         return False
@@ -393,8 +361,11 @@ class SamplerBase:
         return "kept", "kept by the policy"
 
     def __repr__(self) -> str:
-        knobs = ", ".join(f"{k}={v!r}" for k, v in self.knobs.model_dump().items())
-        return f"{type(self).__name__}({knobs}, dispatch_index={self.dispatch_index})"
+        return f"{type(self).__name__}({_knob_words(self.knobs)}, dispatch_index={self.dispatch_index})"
+
+
+def _knob_words(knobs: KnobModel) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in knobs.model_dump().items())
 
 
 def _plural(n: int, word: str) -> str:

@@ -1,11 +1,11 @@
-"""``custom``: a sampler class of your own, named ``"package.module:ClassName"``.
+"""``custom``: a sampler class of your own, named ``"package.module:ClassName"``, a subclass of ``SamplerBase``.
 
-When the configuration is validated (before anything is built or written) the class is imported, checked
-against the ``PromptGroupSampler`` Protocol (and, for a ``SamplerBase`` subclass, for what a subclass must define:
-``name``, ``Knobs``, ``_candidates``), and built once on an empty buffer with its kwargs, so a mistake is one line
-naming the class and what it lacks. ``build_sampler`` then constructs it as ``ClassName(buffer, **kwargs)``. Its
-``required_buffer_capacity`` is honoured like a built-in's. The short way to write one is to subclass
-``SamplerBase`` (see ``docs/samplers.md`` and ``notebooks/my_sampler.py``).
+When the configuration is validated (before anything is built or written) the class is imported and checked for
+what a subclass must define (``name``, ``Knobs``, ``_candidates``, the knob ``window_knob`` names), and its kwargs
+are validated by its ``Knobs``, so a mistake is one line naming the class and what it lacks. No sampler is built
+then: what the configuration needs of it (``trains_on_policy``, ``capacity_needed``) is asked of the class and
+its knobs. ``build_sampler`` constructs it once, as ``ClassName(buffer, **kwargs)``, for the controller. See
+``docs/samplers.md`` and ``notebooks/my_sampler.py``.
 """
 
 from __future__ import annotations
@@ -15,22 +15,12 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, ValidationError, field_validator, model_validator
 
-from asyncrl.samplers.base import KnobModel, PromptGroupSampler, SamplerBase
+from asyncrl.samplers.base import KnobModel, SamplerBase
 
-# The Protocol's members, read off the Protocol itself; checked on the class so a bad target fails at configuration
-# time. Attributes may be class attributes, properties, or at least annotations on the class (set per instance).
-PROTOCOL_ATTRIBUTES = tuple(PromptGroupSampler.__annotations__)
-PROTOCOL_METHODS = tuple(
-    name for name, value in vars(PromptGroupSampler).items() if callable(value) and not name.startswith("_")
-)
-PROTOCOL_MEMBERS = PROTOCOL_METHODS + PROTOCOL_ATTRIBUTES
+REQUIRED = "subclass asyncrl.samplers.SamplerBase (docs/samplers.md, 'Writing your own')"
 
 
-def _declares(cls: type, name: str) -> bool:
-    return hasattr(cls, name) or any(name in vars(k).get("__annotations__", {}) for k in cls.__mro__)
-
-
-def load_target(target: str) -> type:
+def load_target(target: str) -> type[SamplerBase]:
     if not isinstance(target, str) or target.count(":") != 1 or not all(target.split(":")):
         raise ValueError(f"custom sampler target must look like 'package.module:ClassName', got {target!r}")
     module_name, class_name = target.split(":")
@@ -47,20 +37,23 @@ def load_target(target: str) -> type:
         raise ValueError(
             f"custom sampler target {target!r}: module {module_name!r} has no class {class_name!r} (found {found})"
         )
-    missing = [m for m in PROTOCOL_METHODS if not callable(getattr(cls, m, None))]
-    missing += [m for m in PROTOCOL_ATTRIBUTES if not _declares(cls, m)]
-    if missing:
-        raise ValueError(
-            f"custom sampler target {target!r} does not satisfy PromptGroupSampler: missing or not callable "
-            f"{missing} (required: methods {list(PROTOCOL_METHODS)} and attributes {list(PROTOCOL_ATTRIBUTES)}, an "
-            "attribute set in __init__ declared on the class, e.g. `dispatch_index: int`; subclassing "
-            "asyncrl.samplers.SamplerBase provides all of them)"
-        )
-    lacks = _subclass_lacks(cls) if issubclass(cls, SamplerBase) else []
+    if not issubclass(cls, SamplerBase):
+        raise ValueError(f"custom sampler target {target!r}: class {class_name} does not subclass SamplerBase; a "
+                         f"custom sampler must {REQUIRED}")
+    lacks = _subclass_lacks(cls)
     if lacks:
         raise ValueError(
             f"custom sampler {cls.__name__} ({target!r}) lacks {'; '.join(lacks)}: a SamplerBase subclass defines "
             "name, Knobs and _candidates (docs/samplers.md, 'Writing your own')"
+        )
+    overridden = [f"{member} (override the classmethod {instead} instead)"
+                  for member, instead in (("is_on_policy", "trains_on_policy(knobs)"),
+                                          ("required_buffer_capacity", "capacity_needed(knobs, groups_per_step)"))
+                  if getattr(cls, member) is not getattr(SamplerBase, member)]
+    if overridden:
+        raise ValueError(
+            f"custom sampler {cls.__name__} ({target!r}) overrides {'; '.join(overridden)}: the configuration asks "
+            "the class and its knobs before any sampler is built"
         )
     return cls
 
@@ -73,7 +66,10 @@ def _subclass_lacks(cls: type[SamplerBase]) -> list[str]:
     knobs = getattr(cls, "Knobs", None)
     if not (isinstance(knobs, type) and issubclass(knobs, KnobModel)):
         lacks.append("`Knobs` (a KnobModel subclass: the pydantic model of its keyword arguments)")
-    elif cls.window_knob not in knobs.model_fields:
+    elif cls.window_knob is None and cls.gated:
+        lacks.append("a `window_knob` (gated admission lets batch k go once k <= T + W; a policy without a window "
+                     "sets gated = False)")
+    elif cls.window_knob is not None and cls.window_knob not in knobs.model_fields:
         lacks.append(f"a knob {cls.window_knob!r} in its Knobs, which window_knob names as its window "
                      f"(its knobs: {list(knobs.model_fields)})")
     if cls._candidates is SamplerBase._candidates:
@@ -96,33 +92,38 @@ class CustomConfig(KnobModel):
         return target
 
     @model_validator(mode="after")
-    def _builds(self) -> CustomConfig:
-        """Built once on an empty buffer: its kwargs, its ``__init__`` and the instance are checked before a run."""
-        from asyncrl.buffer import ReplayBuffer
-
-        build_custom(self, ReplayBuffer())
+    def _knobs_fit(self) -> CustomConfig:
+        """Its kwargs are checked by its ``Knobs`` before a run (no sampler is built)."""
+        self.knobs  # noqa: B018 (raises naming the kwargs it rejects)
         return self
 
     @property
     def kwargs(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
+    @property
+    def sampler_class(self) -> type[SamplerBase]:
+        return load_target(self.target)
 
-def build_custom(config: CustomConfig, buffer) -> PromptGroupSampler:
+    @property
+    def knobs(self) -> KnobModel:
+        """The class's ``Knobs`` with these kwargs: what its ``trains_on_policy`` and ``capacity_needed`` read."""
+        return _rejecting(self, lambda: self.sampler_class.Knobs(**self.kwargs))
+
+
+def build_custom(config: CustomConfig, buffer) -> SamplerBase:
     cls = load_target(config.target)
+    return _rejecting(config, lambda: cls(buffer, **config.kwargs))
+
+
+def _rejecting(config: CustomConfig, make):
+    """``make()``, or one line naming the target and the kwargs it rejected."""
     try:
-        sampler = cls(buffer, **config.kwargs)
-    except ValidationError as exc:  # a SamplerBase's Knobs model: one line per knob
+        return make()
+    except ValidationError as exc:  # its Knobs model: one line per knob
         errors = "; ".join(e["msg"].removeprefix("Value error, ") if not e["loc"] else
                            f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors(include_url=False))
         raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: {errors}") from exc
-    except Exception as exc:  # a plain class's signature, or any error of its own __init__
+    except Exception as exc:  # any error of its own __init__
         raise ValueError(f"custom sampler {config.target!r} rejected kwargs {config.kwargs}: "
                          f"{type(exc).__name__}: {exc}") from exc
-    if not isinstance(sampler, PromptGroupSampler):
-        missing = [m for m in PROTOCOL_MEMBERS if not hasattr(sampler, m)]
-        raise ValueError(
-            f"custom sampler {config.target!r} built an object that does not satisfy PromptGroupSampler: "
-            f"missing {missing}"
-        )
-    return sampler

@@ -142,7 +142,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
             g.rewards = [float(i % 2) for i in range(len(g.completion_ids))]
         batch = make_train_batch(groups, config.loss, ctrl.tokenizer.pad_token_id)
 
-        def train():  # what Controller._train_chunk and the step's end ask of the policy
+        def train():  # what TrainPump._train_chunk and the step's end ask of the policy
             chunk = batch
             if not isinstance(policy, PrevLogprobsFromForward):
                 chunk = dataclasses.replace(batch, prev_logprobs=policy.logprobs(batch))

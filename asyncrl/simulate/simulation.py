@@ -318,7 +318,7 @@ class Simulation:
         self.trace.to_csv(out / "trace.csv", index=False)
         (out / "summary.json").write_text(json.dumps(self.summary(), indent=2) + "\n")
         if plots:
-            from asyncrl.simulate_plots import plot_simulation
+            from asyncrl.plots.simulation import plot_simulation
 
             plot_simulation(self).savefig(out / "simulation.png", dpi=110)
         return out

@@ -1,5 +1,5 @@
-"""The comparison's figure: a column per run (the recording first, then each replay), the same panels in each row,
-on shared axes so the columns read against each other.
+"""The figure of a replay comparison (``asyncrl.replay.compare(...).figure()``): a column per run (the recording
+first, then each replay), the same panels in each row, on shared axes so the columns read against each other.
 
 Rows: the lag of the trained groups; the groups dropped, by their lag at the drop and how (evicted, aborted,
 skipped); what the sampler skews (the mean completion length, then the mean reward, of what was generated, trained

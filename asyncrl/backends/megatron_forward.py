@@ -1,0 +1,246 @@
+"""Megatron's training forward without full-vocabulary logits or a materialised score matrix, and the memory a
+pass of it needs.
+
+- **The last hidden states, not the logits.** ``final_hidden`` runs ``GPTModel`` with its output layer left out
+  (``post_process`` off for the call: the decoder, built with its final norm, still applies it) and returns the
+  ``[S, B, H]`` hidden states; ``micro_batches.predicting_positions`` says which of them predict a token under the
+  loss mask, and
+  ``asyncrl.algorithms.chunked_logprobs`` turns those into logprobs and entropy ``logprob_chunk_tokens`` at a time
+  (vocabulary-parallel under tensor parallelism). Only positions under the loss mask get a logit at all: a
+  prompt's positions and padding cost nothing in the output layer. Every value the loss reads is what the full
+  logits gave, up to float reassociation (tests/test_megatron_backend.py against transformers).
+- **Fused attention for packed sequences** (``trainer.attention``): ``flex`` replaces the local layer spec's
+  ``DotProductAttention`` by ``FlexAttention`` under a block mask built once a micro-batch (``block_mask``: causal,
+  and within a packed row each position sees its own sequence only). The kernel skips blocks the mask empties and
+  never materialises the ``[rows, heads, W, W]`` scores, so its memory is linear in the positions. ``unfused`` (and
+  ``auto`` off CUDA) keeps Megatron's matmul-softmax-matmul with the boolean mask of ``micro_batches``; both see
+  the same masks, so they compute the same function (tests/gpu/test_flex_attention.py on a GPU; the CPU tests run
+  the unfused path and the flex one in eager mode). On CUDA the kernel is ``torch.compile``'d once, with dynamic
+  shapes (a pass's rows and width change every step).
+- **Memory** (``activation_bytes``, ``fit_micro_batch_tokens``): what a pass of P positions keeps for its backward
+  is counted from the architecture (per layer and position: the norms', projections' and MLP's saved inputs, plus
+  ``heads x W`` scores per position unfused) plus one output-layer chunk's workspace; at the first step the budget
+  is the most that fits the memory then free (the generator's pool and this policy's weights, gradients and master
+  weights already allocated, Adam's moments reserved), or, when ``micro_batch_tokens`` is set above that, a
+  ValueError naming it, before any pass runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+__all__ = ["attention_kind", "layer_spec", "block_mask", "pass_mask", "final_hidden", "output_weight",
+           "activation_bytes", "fit_micro_batch_tokens", "resolve_budget"]
+
+SAFETY = 0.85  # of the free memory a budget may plan on: the allocator's fragmentation and what is not counted
+MAX_AUTO_TOKENS = 65536  # an auto budget never plans passes larger than this (no gain past a few 10k positions)
+
+
+def attention_kind(choice: str, device: torch.device) -> str:
+    """``trainer.attention`` resolved: 'flex' or 'unfused'."""
+    if choice == "auto":
+        return "flex" if device.type == "cuda" and _flex_available() else "unfused"
+    if choice == "flex" and not _flex_available():
+        raise ValueError("trainer.attention 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    return choice
+
+
+def _flex_available() -> bool:
+    try:
+        from torch.nn.attention import flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# ---- fused attention ---------------------------------------------------------------------------------------------
+
+_FLEX: dict[str, Any] = {}
+
+
+def _flex_fn(device: torch.device):
+    """flex_attention, compiled once on CUDA (dynamic shapes); eager elsewhere (materialises the scores: tests)."""
+    key = device.type
+    if key not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        if device.type == "cuda":
+            # one compiled kernel family for every pass shape; past dynamo's recompile limit (8: dtypes, grad and
+            # no-grad, a row count of 1) a call would fall back to eager flex, which materialises the scores
+            import torch._dynamo.config as dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(dynamo, name):
+                    setattr(dynamo, name, max(getattr(dynamo, name), 64))
+            _FLEX[key] = torch.compile(flex_attention, dynamic=True)
+        else:
+            _FLEX[key] = flex_attention
+    return _FLEX[key]
+
+
+def _flex_core_attention():
+    """The core-attention module class: Megatron's ``DotProductAttention`` (same constructor, so any megatron-core
+    of the supported range builds it), whose forward takes a FlexAttention ``BlockMask`` where the unfused one
+    takes a boolean mask."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from torch.nn.attention.flex_attention import BlockMask
+
+    class FlexCoreAttention(DotProductAttention):
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if not isinstance(attention_mask, BlockMask):
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+            if attention_bias is not None or packed_seq_params is not None:
+                raise ValueError("FlexCoreAttention takes neither an attention bias nor packed_seq_params")
+            q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [s, b, h, d] -> [b, h, s, d]
+            out = _flex_fn(q.device)(q, k, v, block_mask=attention_mask, scale=self.softmax_scale,
+                                     enable_gqa=q.shape[1] != k.shape[1])
+            return out.permute(2, 0, 1, 3).reshape(out.shape[2], out.shape[0], -1)  # [s, b, h * d]
+
+    return FlexCoreAttention
+
+
+def layer_spec(spec: Any, attention: str) -> Any:
+    """The local layer spec with its core attention swapped for ``FlexCoreAttention`` when ``attention`` is flex."""
+    if attention != "flex":
+        return spec
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = _flex_core_attention()
+    return spec
+
+
+def block_mask(segments: torch.Tensor | None, rows: int, width: int, device: torch.device):
+    """The FlexAttention mask of a pass: causal; with ``segments`` [R, W] (a packed micro-batch's sequence of each
+    position, -1 for padding) also within each sequence only, the rule ``micro_batches.block_causal_mask`` gives
+    as a boolean matrix."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if segments is None:
+        def causal(b, h, q, kv):
+            return q >= kv
+
+        return create_block_mask(causal, None, None, width, width, device=device)
+    seg = segments
+
+    def document(b, h, q, kv):
+        return (seg[b, q] == seg[b, kv]) & (q >= kv)
+
+    return create_block_mask(document, rows, None, width, width, device=device)
+
+
+def pass_mask(attention: str, mb, rows: int, width: int, device: torch.device, cache: dict) -> Any:
+    """A pass's attention mask: FlexAttention's block mask, or Megatron's boolean one (True: masked; the causal
+    one of each width cached in ``cache``)."""
+    if attention == "flex":
+        return block_mask(mb.segments, rows, width, device)
+    if mb.packed is not None:
+        from asyncrl.micro_batches import block_causal_mask
+
+        return block_causal_mask(mb)
+    if width not in cache:
+        causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), 1)
+        cache[width] = causal.view(1, 1, width, width)
+    return cache[width]
+
+
+# ---- hidden states and the positions that predict a token -------------------------------------------------------
+
+@contextmanager
+def _without_output_layer(model):
+    saved = model.post_process
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = saved
+
+
+def final_hidden(model, forward_module, input_ids: torch.Tensor, mask: Any) -> torch.Tensor:
+    """[S, B, H] hidden states after the final norm (what the output layer would multiply), through
+    ``forward_module`` (the model or its DDP wrapper)."""
+    B, S = input_ids.shape
+    pos = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
+    with _without_output_layer(model):
+        return forward_module(input_ids, pos, mask)
+
+
+def output_weight(model) -> torch.Tensor:
+    """This rank's vocabulary rows of the output layer (the embedding when the two are tied)."""
+    if model.share_embeddings_and_output_weights:
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+# ---- memory ------------------------------------------------------------------------------------------------------
+
+def activation_bytes(spec: Any, dtype: torch.dtype, attention: str, width: int, tp: int = 1) -> float:
+    """Bytes a pass keeps for its backward per position (``spec``: ``megatron_weights.ArchSpec``). Per layer: the
+    two norms' inputs and outputs (4H each, as the torch fallback's decomposed ops save), the projections' inputs
+    (qkv, attention output, fc1, fc2) and rotated q/k, the attention kernel's q/k/v/output, the MLP's gate and up
+    halves and their product; unfused attention adds the fp32 softmax and the bf16 probabilities and scores of
+    ``heads x width`` per position. Sharded parts divide by ``tp``. An upper estimate, checked against the peak
+    measured on the H200 (benchmarks/README.md)."""
+    b = torch.finfo(dtype).bits // 8
+    H, inter = spec.hidden_size, spec.intermediate_size
+    q = spec.num_heads * spec.head_dim
+    kv = spec.num_kv_heads * spec.head_dim
+    per_layer = 13 * H + (2 * q + 4 * kv + 4 * inter) / tp
+    if attention == "unfused":
+        per_layer += spec.num_heads / tp * width * (4 + 2 * b) / b
+    return float(spec.num_layers * per_layer * b)
+
+
+def output_layer_bytes(spec: Any, dtype: torch.dtype, chunk: int, tp: int = 1) -> float:
+    """One output-layer chunk's workspace (fp32 logits and their exp, the bf16 product, the gradient) and the
+    float32 accumulator of the output weight's gradient."""
+    b = torch.finfo(dtype).bits // 8
+    rows = math.ceil(spec.vocab_size / tp)
+    return float(chunk * rows * (3 * 4 + 2 * b) + rows * spec.hidden_size * (4 + b))
+
+
+def fit_micro_batch_tokens(knob: int | None, free_bytes: float, per_position: float, fixed: float,
+                           width: int, device: Any) -> int:
+    """The micro-batch budget (positions a pass) for ``free_bytes`` of memory: ``knob`` when it fits (else a
+    ValueError naming it and what fits), or with ``knob`` None the most that fits (at most ``MAX_AUTO_TOKENS``).
+    A budget smaller than one row of ``width`` positions cannot fit any pass: an error either way."""
+    room = free_bytes * SAFETY - fixed
+    fits = int(room // per_position) if room > 0 else 0
+    gib = 2 ** 30
+    if fits < width:
+        raise ValueError(
+            f"trainer.micro_batch_tokens: not even one row of {width} positions fits on {device}: "
+            f"{free_bytes / gib:.1f} GiB free at the first step, ~{per_position * width / gib:.2f} GiB a row of "
+            f"activations and {fixed / gib:.1f} GiB for the optimizer's moments and the output layer's chunk "
+            "(lower trainer.logprob_chunk_tokens, the generator's memory, or the completion length)")
+    if knob is None:
+        return min(fits, MAX_AUTO_TOKENS)
+    if knob > fits:
+        raise ValueError(
+            f"trainer.micro_batch_tokens {knob} does not fit on {device}: a pass of that many positions keeps "
+            f"~{knob * per_position / gib:.1f} GiB of activations and {free_bytes / gib:.1f} GiB are free at the "
+            f"first step (the generator and this policy's weights in; {fixed / gib:.1f} GiB more for the optimizer's "
+            f"moments and the output layer); set trainer.micro_batch_tokens <= {fits}, or null for the most that fits")
+    return knob
+
+
+def resolve_budget(tc: Any, spec: Any, dtype: torch.dtype, attention: str, tp: int, device: torch.device,
+                   reserve: float) -> tuple[int | None, dict]:
+    """A trainer's micro-batch budget and the plan behind it: on CUDA (``sorted`` / ``packed``) the
+    ``fit_micro_batch_tokens`` of the memory free now (the driver's free memory plus what torch's allocator holds
+    unused) less ``reserve`` (what is still to be allocated, e.g. Adam's moments); elsewhere the knob as given."""
+    if device.type != "cuda" or tc.micro_batching == "rows":
+        return tc.micro_batch_tokens, {}
+    free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
+            - torch.cuda.memory_allocated(device))
+    width = spec.max_position_embeddings
+    per = activation_bytes(spec, dtype, attention, width, tp)
+    fixed = output_layer_bytes(spec, dtype, tc.logprob_chunk_tokens, tp) + reserve
+    budget = fit_micro_batch_tokens(tc.micro_batch_tokens, free, per, fixed, width, device)
+    return budget, {"free_gib": free / 2**30, "per_position_mib": per / 2**20, "fixed_gib": fixed / 2**30,
+                    "micro_batch_tokens": budget, "attention": attention}

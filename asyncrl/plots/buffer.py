@@ -1,0 +1,125 @@
+"""The buffer by weight version (counts by state, the staleness window and ``T`` marked) and the sampler's verdicts,
+from the read API only (``state()``, ``trace``, ``explain()``): a controller, a recorded view or an attached run.
+
+Figures are built with ``matplotlib.figure.Figure`` (not pyplot): nothing is kept in pyplot's global registry, so a
+figure shows exactly once when it is a cell's value, and never leaks. Metric names are read from ``asyncrl.metrics``
+when a figure is drawn: a column the frame lacks is a ``KeyError`` naming it, not a blank panel.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from asyncrl.trace import ABORT, EVICT, SELECT
+
+# Colours of the buffer states (stack order, bottom to top). "doomed": ready groups the next train tick evicts.
+STATES = {
+    "ready": "#4C72B0",
+    "doomed": "#F4D4D5",
+    "pending": "#B0C4DE",
+    "selected": "#55A868",
+    "evicted": "#C44E52",
+}
+LABELS = {  # {step}: the step whose events are shown (see step_events)
+    "ready": "ready",
+    "doomed": "ready, evicted by the next train tick",
+    "pending": "pending",
+    "selected": "selected for step {step}",
+    "evicted": "evicted / aborted in step {step}",
+}
+
+
+def _shown_step(ctrl) -> tuple[int, pd.DataFrame]:
+    trace = ctrl.trace
+    events = trace[trace.event.isin([SELECT, EVICT, ABORT])]
+    T = ctrl.trainer_version
+    # select/evict are stamped with the T they ran at; an abort happens just after T += 1, so it counts for T - 1.
+    step = events.trainer_version - (events.event == ABORT).astype(int)
+    current = events[step == T]
+    return (T, current) if not current.empty else (T - 1, events[step == T - 1])
+
+
+def step_events(ctrl) -> pd.DataFrame:
+    """The select, evict and abort events of the current step ``T``, or, when it has none yet (it just started),
+    those of step ``T - 1``, the one that just finished. The buffer view labels them with that step's number."""
+    return _shown_step(ctrl)[1]
+
+
+def buffer_table(ctrl, verdicts: pd.DataFrame | None = None) -> pd.DataFrame:
+    """Slot counts by weight version: ``pending`` and ``ready`` (in the buffer now; ``doomed`` are the ready ones
+    the next train tick will evict, by ``explain()``) and ``selected`` / ``evicted`` (taken out in the step
+    ``step_events`` shows; evicted includes aborted), one row per version. ``verdicts``: ``explain()`` when the
+    caller has it already (it costs a pass over the buffer)."""
+    summary = ctrl.state().buffer
+    verdicts = ctrl.explain() if verdicts is None else verdicts
+    table = pd.DataFrame(
+        {"pending": summary["pending"], "ready": summary["ready"]}, index=summary.index, dtype="int64"
+    )
+    doomed = verdicts[(verdicts.action == "evict") & (verdicts.state == "ready")].weight_version.astype(int)
+    table["doomed"] = doomed.value_counts().reindex(table.index, fill_value=0).astype("int64")
+    table["ready"] -= table["doomed"]
+    events = step_events(ctrl)
+    for column, kinds in (("selected", [SELECT]), ("evicted", [EVICT, ABORT])):
+        counts = events[events.event.isin(kinds)].weight_version.astype(int).value_counts()
+        table = table.reindex(table.index.union(counts.index), fill_value=0)
+        table[column] = counts.reindex(table.index, fill_value=0).astype("int64")
+    table.index.name = "weight_version"
+    return table[list(STATES)]
+
+
+def draw_buffer(ctrl, ax, verdicts: pd.DataFrame | None = None) -> None:
+    """The buffer view on a matplotlib Axes: stacked bars by weight version, ``T`` and the window marked."""
+    state = ctrl.state()
+    table = buffer_table(ctrl, verdicts)
+    shown = _shown_step(ctrl)[0]
+    T, lo = state.trainer_version, state.lower_bound
+    versions = list(table.index) + [T] + ([lo] if lo is not None else [])
+    x0, x1 = min(versions), max(versions)
+    if lo is not None:
+        ax.axvspan(lo - 0.45, T + 0.45, color="#F2C14E", alpha=0.25, lw=0, label=f"window [{lo}, {T}]")
+    bottom = pd.Series(0, index=table.index)
+    for column, colour in STATES.items():
+        if table[column].any():
+            doomed = column == "doomed"  # hatched in the eviction colour: still in the buffer, not for long
+            ax.bar(table.index, table[column], bottom=bottom, color=colour, width=0.7,
+                   label=LABELS[column].format(step=shown), hatch="///" if doomed else None,
+                   edgecolor=STATES["evicted"] if doomed else None, lw=0)
+            bottom = bottom + table[column]
+    spanning = state.buffer["spanning"] if "spanning" in state.buffer else pd.Series(dtype="int64")
+    spanning = spanning[spanning > 0]
+    if len(spanning):  # in-flight weight updates: ready groups whose tokens came from more than one version
+        ax.bar(spanning.index, spanning, bottom=0, width=0.7, fill=False, hatch="xx", edgecolor="#222222", lw=0.6,
+               label="ready, generated by several versions")
+    ax.axvline(T, color="#333333", ls="--", lw=1.2, label=f"T = {T}")
+    ax.set_xlim(x0 - 0.6, x1 + 0.6)
+    ax.set_xticks(range(x0, x1 + 1))
+    top = max(int(bottom.max()) if len(bottom) else 0, 1)
+    ax.set_ylim(0, top * 1.1)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("weight version")
+    ax.set_ylabel("prompt groups")
+    held = int(table["pending"].sum() + table["ready"].sum())
+    ax.set_title(
+        f"{state.sampler}: T={T}, generator at {state.generation_version}, "
+        f"{held}/{state.capacity} slots, {state.inflight} in flight",
+        fontsize=10,
+    )
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+
+
+def buffer_figure(ctrl, figsize=(7.2, 3.4), verdicts: pd.DataFrame | None = None) -> Figure:
+    """The buffer view as a Figure (see ``draw_buffer``)."""
+    fig = Figure(figsize=figsize, layout="constrained")
+    draw_buffer(ctrl, fig.add_subplot(), verdicts)
+    return fig
+
+
+def verdict_table(ctrl, action: str | None = None) -> pd.DataFrame:
+    """The sampler's verdicts for the current buffer (``ctrl.explain()``), optionally only one ``action``
+    (``select``, ``evict`` or ``keep``)."""
+    verdicts = ctrl.explain()
+    if action is not None:
+        verdicts = verdicts[verdicts.action == action]
+    return verdicts.reset_index(drop=True)

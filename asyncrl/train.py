@@ -1,0 +1,204 @@
+"""The train pump, top to bottom: evict, select, train a chunk, and when the step's groups are all trained, the
+optimizer step and the end of the step (``T += 1`` with the weight sync, aborts, the metrics row). ``Controller``
+builds one from the parts it uses and calls ``tick`` from its ``train_tick``; it asks the rollout pump
+(``asyncrl/rollout.py``) for what touches generation: ``sync_generator``, ``abort``, ``check_shortfall``, ``fault``.
+
+Invariants:
+- The pump never encodes a policy: evict, select and abort are the sampler's decisions, with the reasons its
+  verdicts give (``select_reasoned``, ``evict_reasoned``, ``abort_reason``), written to the trace.
+- One RL step is exactly one optimizer step: ``begin_train_step`` with the step's first chunk, ``train_microbatches``
+  per chunk, ``finish_train_step`` once its ``groups_per_step`` groups are trained. The step's accumulator (``step``)
+  and the policy are this pump's alone, so training and the optimizer step run outside the lock.
+- ``T`` and the generator's weights move together, under the lock (``_finish_step``): the rollout pump never sees
+  ``T + 1`` while the generator holds weights ``T``. Before the sync, the batches a gated sampler admits at the old
+  ``T`` are admitted (``RolloutPump.admit_due``), so with a gated sampler the schedule does not depend on timing.
+- A training error is a ``fault`` row with ``FaultContainment.trainer_error``'s verdict, then raised.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from asyncrl import metrics as M
+from asyncrl.algorithms import make_train_batch
+from asyncrl.backends.base import capabilities, is_dead_actor
+from asyncrl.buffer import ReplayBuffer, Slot
+from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
+from asyncrl.metrics import StepAccumulator
+from asyncrl.reports import TickReport
+from asyncrl.state import RunState
+from asyncrl.trace import ABORT, EVICT, SELECT, SYNC, TRAIN
+
+if TYPE_CHECKING:
+    from asyncrl.backends.base import GenerationBackend, PolicyBackend
+    from asyncrl.config import Config
+    from asyncrl.rollout import RolloutPump
+    from asyncrl.samplers import SamplerBase
+    from asyncrl.tasks import Task
+
+
+class TrainPump:
+    """The train half of a controller, built from the parts it uses: ``state`` is the controller's run state,
+    ``rollout`` the rollout pump it hands generation to, ``clock`` the step timer's (active time only),
+    ``save_checkpoint()`` what ``checkpoint_every`` calls at the end of a step, under the lock."""
+
+    def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
+                 policy: PolicyBackend, generator: GenerationBackend, task: Task, tokenizer: Any,
+                 rollout: RolloutPump, faults: FaultContainment, clock: Callable[[], float],
+                 save_checkpoint: Callable[[], Any]):
+        self.cfg, self.state, self.buffer, self.sampler = cfg, state, buffer, sampler
+        self.policy, self.generator, self.task, self.tokenizer = policy, generator, task, tokenizer
+        self.rollout, self.faults, self.clock, self.save_checkpoint = rollout, faults, clock, save_checkpoint
+        self.step = StepAccumulator(clock)  # the step in progress (STEP_METRICS); reset when it finishes
+
+    # ------------------------------------------------------------------------------------------------ a tick
+    def tick(self) -> TickReport:
+        """Evict; select a chunk; train on it; when the step's groups are all trained, finish the step."""
+        N, state = self.cfg.groups_per_step, self.state
+        with state.lock:
+            T = state.trainer_version
+            if T == 0 and self.cfg.eval_every and not state.evaluations:
+                self.evaluate()  # the untrained model: where the held-out curve starts
+            report = TickReport("train", T)
+            for slot, reason in self.sampler.evict_reasoned(T):  # each with the words its verdict gives
+                report.evicted.append(slot.group_id)
+                self.step.add({"groups_evicted": 1, **M.skew("drop", [slot.rollouts])})
+                state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                             "", reason)
+            remaining = N - self.step.groups
+            lo, hi = self.cfg.chunk_bounds
+            chosen = self.sampler.select_reasoned(T, min(lo, remaining), min(hi, remaining))
+            if chosen is None:
+                self.rollout.check_shortfall(T, self.step.groups)
+                report.note = (
+                    f"select waits: {self.buffer.num_ready} ready, {self.buffer.num_pending} pending, "
+                    f"needs {min(lo, remaining)}"
+                )
+                return report
+            chunk = [slot for slot, _ in chosen]
+            for slot, reason in chosen:
+                report.selected.append(slot.group_id)
+                state.record(SELECT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                             "", reason)
+        try:
+            self._train_chunk(chunk, T)
+            finished = self.step.groups == N
+            # The optimizer step runs outside the lock (only this pump touches the policy; the rollout pump needs it
+            # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
+            # reload the trainer's weights as T under the lock (a restart in the rollout pump): never mid-update or
+            # ahead of T.
+            restartable = self.cfg.faults.restart_generator and capabilities(self.generator).actor
+            update = self._optimizer_step() if finished and not restartable else None
+            with state.changed:
+                if finished:
+                    self._finish_step(report, update if update is not None else self._optimizer_step())
+                    every = self.cfg.checkpoint_every
+                    if every and state.trainer_version % every == 0:
+                        self.save_checkpoint()
+                state.changed.notify_all()
+        except (GenerationFailed, StepShortfall):
+            raise
+        except Exception as exc:
+            verdict = self.faults.trainer_error(exc, T, is_dead_actor(exc, self.policy))
+            self.rollout.fault(None, describe(exc), verdict.reason)
+            if verdict.error is not None:
+                raise verdict.error from exc
+            raise
+        report.skipped.extend(self.rollout.take_skipped())
+        report.trainer_version = state.trainer_version
+        return report
+
+    def _train_chunk(self, chunk: list[Slot], T: int) -> None:
+        train_start = time.perf_counter()
+        groups = [slot.rollouts for slot in chunk]
+        batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
+        if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
+            batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
+        if not self.step.started:
+            self.policy.begin_train_step()
+            self.step.started = True
+        self.policy.train_microbatches(batch)
+        rewards = [r for g in groups for r in g.rewards]
+        lags = [T - slot.weight_version for slot in chunk]
+        chunk_index = int(self.step.total("chunks"))
+        self.step.add({
+            "reward_mean": sum(rewards), "completions": len(rewards), "lag_mean": sum(lags), "lag_max": max(lags),
+            "groups": len(chunk), "chunks": 1, "completion_tokens": sum(g.num_tokens for g in groups),
+            "train_time_s": time.perf_counter() - train_start, **M.skew("train", groups),
+        })
+        self.state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
+                          reason=f"chunk {chunk_index} of step {T}")
+
+    def _optimizer_step(self) -> dict[str, float]:
+        """``policy.finish_train_step()`` (normalise, clip, one optimizer step): the policy's step metrics."""
+        train_start = time.perf_counter()
+        out = self.policy.finish_train_step()
+        self.step.add({"train_time_s": time.perf_counter() - train_start})  # what a simulation calibrates on
+        return out
+
+    def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
+        """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row."""
+        state, rollout = self.state, self.rollout
+        T = state.trainer_version + 1
+        sync_start = time.perf_counter()
+        rollout.sync_generator(T, report)  # first admits the batches due at the old T (admit_due)
+        sync_s = time.perf_counter() - sync_start
+        state.trainer_version = T
+        state.record(SYNC, None, T, reason=f"generator now holds weights {T}")  # no timings: traces replay
+        doomed = [slot.group_id for slot in self.buffer.pending_slots()
+                  if self.sampler.should_abort_inflight(slot.weight_version, T)]
+        for slot in rollout.abort(doomed):
+            w = slot.weight_version
+            report.aborted.append(slot.group_id)
+            self.step.add({"groups_aborted": 1})
+            state.record(ABORT, slot.group_id, w, slot.target_step, T - w, "",
+                         self.sampler.abort_reason(slot, T))
+        elapsed = self.clock() - self.step.start  # active time only: not a person's pause between hand ticks
+        row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
+            M.STEP.name: T - 1,
+            M.TRAINER_VERSION.name: T,
+            **self.step.result(), **rollout.take_skew(),  # M.GEN_METRICS: committed this step
+            M.STEP_TIME_S.name: elapsed,
+            M.TOKENS_PER_S.name: self.step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
+            M.SYNC_TIME_S.name: sync_s,
+            M.BUFFERED.name: len(self.buffer),
+            M.INFLIGHT.name: self.buffer.num_pending,
+        }
+        row.update({k: v for k, v in out.items() if k not in row})  # the policy's: its Loss's and ENGINE_METRICS
+        row.update(M.throughput(out, self.step.total(M.TRAIN_TIME_S.name)))  # train_tflops, mfu
+        gen_tokens, gen_s = rollout.take_generation_counts()
+        row[M.GEN_TOKENS_PER_S.name] = gen_tokens / gen_s if gen_s > 0 else math.nan
+        if capabilities(self.generator).step_metrics:  # e.g. a replica set's tokens and busy time per replica
+            row.update(self.generator.step_metrics())
+        if self.cfg.eval_every and T % self.cfg.eval_every == 0:
+            ev = self.evaluate()
+            row[M.EVAL_REWARD.name] = ev[M.HELD_OUT_REWARD.name]
+            row[M.EVAL_ACCURACY.name] = ev[M.HELD_OUT_ACCURACY.name]
+        state.finish_step(row, f"loss={row['loss']:.4f} reward={row[M.REWARD_MEAN.name]:.3f}",
+                          f"optimizer step {T - 1} done")
+        report.step_finished = True
+        self.step.reset()
+
+    # ------------------------------------------------------------------------------------- evaluation, state
+    def evaluate(self) -> dict[str, float]:
+        """Greedy completions on the held-out prompts: ``reward_mean``, ``accuracy`` (also in ``evaluations``)."""
+        from asyncrl.tasks import evaluate
+
+        version = self.generator.version
+        ev = evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
+        with self.state.lock:
+            self.state.evaluations.append({M.EVALUATED_VERSION.name: version,
+                                           **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)}})
+        return ev
+
+    def step_state(self) -> dict:
+        """What this pump counted towards the next step (evictions before a select that waited): a checkpoint keeps
+        it, so the resumed step's metrics row counts them too."""
+        return dict(self.step.totals)
+
+    def resume(self, in_step: dict | None) -> None:
+        self.step.totals = dict((in_step or {}).get("train", {}))  # a checkpoint older than ``in_step``: nothing
