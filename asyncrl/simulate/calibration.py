@@ -123,7 +123,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
     import threading
 
     from asyncrl.algorithms import make_train_batch
-    from asyncrl.backends.base import PrevLogprobsFromForward
+    from asyncrl.backends.base import capabilities
     from asyncrl.data import GenerationRequest
 
     ctrl = Controller.from_config(config)
@@ -144,7 +144,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
 
         def train():  # what TrainPump._train_chunk and the step's end ask of the policy
             chunk = batch
-            if not isinstance(policy, PrevLogprobsFromForward):
+            if not capabilities(policy).prev_logprobs_from_forward:
                 chunk = dataclasses.replace(batch, prev_logprobs=policy.logprobs(batch))
             policy.begin_train_step()
             policy.train_microbatches(chunk)
