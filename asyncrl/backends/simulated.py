@@ -205,7 +205,7 @@ class SimulatedGenerator:
         for f in self._flights.values():
             mine[f.replica].append(f)
         for rep, flights in zip(self._replicas, mine):
-            started = [f for f in flights if f.start <= now]
+            started = [f for f in flights if f.start <= now < f.finish]  # a finished group holds no slot
             waiting = [f for f in flights if f.start > now]
             base = math.inf if rep.draining else max(now, rep.free_at)
             if self.model.admission == "streaming":
@@ -306,8 +306,8 @@ class SimulatedGenerator:
             while True:
                 self._advance()
                 now = self.clock.now
-                done = [] if self.hold else sorted((f for f in self._flights.values() if f.finish <= now),
-                                                   key=lambda f: (f.finish, f.request.group_id))
+                done = sorted((f for f in self._flights.values() if f.finish <= now),
+                              key=lambda f: (f.finish, f.request.group_id))
                 if done or not self._flights or not isinstance(self.clock, WallClock):
                     break
                 wait = min(f.finish for f in self._flights.values()) - now
@@ -316,11 +316,14 @@ class SimulatedGenerator:
                 if wait <= 0:
                     break
                 self._lock.wait(wait)
+            for r in {f.replica for f in done}:  # their replicas are free now, held or not: a drain loads
+                self._drained(r, max(f.finish for f in done if f.replica == r))
+            if self.hold:  # asyncrl.simulate: they stay in flight until the train tick's end
+                self._schedule()
+                return []
             for f in done:
                 del self._flights[f.request.group_id]
                 self.busy.append((f.start, f.finish, f.replica))
-            for r in {f.replica for f in done}:
-                self._drained(r, max(f.finish for f in done if f.replica == r))
             if done:
                 self._schedule()
             return [self._rollouts(f) for f in done]
