@@ -258,6 +258,15 @@ def check_shapes(saved: dict[str, list[int]], current: dict[str, list[int]], whe
         raise CheckpointError(f"checkpoint {where} holds another model shape: {'; '.join(diff[:5])}")
 
 
+def check_data(saved: dict | None, task: Any, where: str) -> None:
+    """The restoring run's data is the data the checkpoint trained on (``asyncrl.datasets.data_changed``)."""
+    from asyncrl.datasets import data_changed
+
+    problem = data_changed(saved, task)
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {where}: {problem}")
+
+
 def shapes(policy_state: dict) -> dict[str, list[int]]:
     """Parameter shapes of a policy state (its ``model`` tensors), the model-shape fingerprint."""
     model = policy_state.get("model", {}) if isinstance(policy_state, dict) else {}
@@ -286,6 +295,7 @@ def save(path: str | Path, config: Any, state: dict) -> Path:
         "model": config.model.shape_dump(),
         "shapes": shapes(state["policy"]),
         **{key: state[key] for key in META_KEYS},
+        **({"data": state["data"]} if state.get("data") else {}),  # a dataset task's sources and content hashes
     }
     files = {key: buffer if key == "buffer" else state[key] for key in STATE_KEYS}
     if not any(files["in_step"].values()):  # nothing counted: the files are those of the format before in_step
@@ -323,7 +333,7 @@ def state_dict(ckpt: Checkpoint) -> dict:
     from asyncrl.tasks import Prompt
 
     state = {**{key: ckpt.meta[key] for key in META_KEYS}, **{key: ckpt.state.get(key) for key in STATE_KEYS},
-             **{key: ckpt.tensors[key] for key in TENSOR_KEYS}}
+             **{key: ckpt.tensors[key] for key in TENSOR_KEYS}, "data": ckpt.meta.get("data")}
     for row in state["buffer"]["slots"]:
         row["prompt"] = Prompt(**row["prompt"]) if row["prompt"] is not None else None
         row["rollouts"] = GroupRollouts(**row["rollouts"]) if row["rollouts"] is not None else None

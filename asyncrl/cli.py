@@ -2,6 +2,8 @@
 ``asyncrl simulate PRESET --steps N --out DIR``: the same on a virtual clock with the simulated backends (seconds);
 ``--sweep KEY=V1,V2`` (repeatable) and ``--gpus G`` simulate a grid instead: ``sweep.csv``, ``sweep.png``.
 ``asyncrl export RUN_OR_CHECKPOINT DIR``: the trained policy of a checkpoint as a Hugging Face model directory.
+``asyncrl replay RUN --sampler S [--sampler S ...] --out DIR``: a recorded run replayed under other samplers
+(``asyncrl/replay/command.py``).
 
 Overrides use dotted keys: ``--set seed=1 --set sampler.name=weight_fifo --set sampler.max_staleness_versions=2``.
 Checkpoints: ``--checkpoint-every K`` writes ``DIR/checkpoints/step-XXXXXX`` every K steps; ``--resume DIR``
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.presets import presets  # the rest is imported where it is used: `asyncrl --help` loads no torch
+from asyncrl.replay import command as replay_command
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -366,11 +369,14 @@ def main(argv: list[str] | None = None) -> int:
                        "(config, safetensors, tokenizer) that transformers and vLLM load")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
     p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
+    replay_command.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         return simulate(args)
     if args.command == "export":
         return export(args)
+    if args.command == "replay":
+        return replay_command.main(args)
     args.set += [f"tracking.{key}={value}" for key, value in
                  (("tensorboard_dir", args.tensorboard), ("wandb_project", args.wandb)) if value is not None]
     return run(args)

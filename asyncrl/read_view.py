@@ -103,7 +103,7 @@ def snapshot(*, cfg, sampler, buffer, trainer_version: int, generation_version: 
 
 def evaluations_from_metrics(metrics: pd.DataFrame) -> pd.DataFrame:
     """The held-out evaluations in a run's metrics rows (``eval_*`` columns), by the weight version they judged."""
-    columns = [c.name for c in M.EVALUATION_COLUMNS]
+    columns = [c.name for c in (M.EVALUATED_VERSION, M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)]  # eval_every's
     if M.EVAL_REWARD.name not in metrics:
         return pd.DataFrame(columns=columns)
     done = metrics.dropna(subset=[M.EVAL_REWARD.name])

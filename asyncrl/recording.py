@@ -265,6 +265,14 @@ class Recording:
             return self.source.completions_count(group_id)
         return self._completions.count(group_id)
 
+    def replay(self, sampler, steps: int | None = None, **options):
+        """This run replayed under ``sampler`` (a sampler config or mapping) on the simulated clock, its own
+        completions served to it, for ``steps`` steps (None: as many as recorded): a ``ReplayedRun``, read like a
+        controller. It predicts schedules and data, not learning (``asyncrl/replay/replayed.py``)."""
+        from asyncrl.replay import replay
+
+        return replay(self, sampler, steps, **options)
+
     def close(self) -> None:
         """Stop following a live controller."""
         if self._subscription is not None:

@@ -33,7 +33,6 @@ from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.completions import CompletionsLog
 from asyncrl.data import GenerationRequest, GroupRollouts
-from asyncrl.datasets import DatasetTask, check_reward_columns
 from asyncrl.faults import FaultContainment, StepShortfall, describe
 from asyncrl.metrics import GEN_METRICS, Accumulator, skew
 from asyncrl.reports import TickReport
@@ -51,6 +50,10 @@ if TYPE_CHECKING:
 FAILED = object()  # what ``generation_call`` returns when the call failed and the fault was contained
 
 
+class UniformGroupsError(RuntimeError):
+    """Every group kept coming back uniform under ``filter_uniform_groups`` for ``stall_timeout_s``."""
+
+
 class RolloutPump:
     """The rollout half of a controller, built from the parts it uses: ``state`` is the controller's run state
     (this pump and the train pump write it), ``encode`` a prompt's token ids, ``sync_weights(version)`` the weight
@@ -58,7 +61,7 @@ class RolloutPump:
 
     def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
                  stream: PromptStream, generator: GenerationBackend, task: Task, tokenizer: Any,
-                 encode: Callable[[str], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment,
+                 encode: Callable[[Any], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment,
                  rewards: RewardFunctions | None = None):
         self.cfg, self.state, self.buffer, self.sampler, self.stream = cfg, state, buffer, sampler, stream
         self.generator, self.task, self.tokenizer, self.encode = generator, task, tokenizer, encode
@@ -71,11 +74,8 @@ class RolloutPump:
         self._shortfall: dict[int, list[int]] = {}  # stamped steps that lost groups nothing replaced
         self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
         self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
-        rewards = rewards if rewards is not None else run_functions(cfg.reward, task)
-        if rewards.is_task and isinstance(task, DatasetTask) and type(task).reward is DatasetTask.reward:
-            raise ValueError(f"task {task.name!r} has no reward of its own: name reward functions (reward.funcs in a "
-                             "config, or Controller.from_config(cfg, reward_funcs=[...]))")
-        check_reward_columns(task, rewards.funcs)  # every row has the columns the functions need, or one line
+        self._uniform: tuple[float, int] | None = None  # filter_uniform_groups: (since, count) of a uniform streak
+        rewards = rewards if rewards is not None else run_functions(cfg.reward, task)  # the controller's: checked
         self.scorer = GroupScorer(
             rewards, cfg.reward.workers, cfg.reward.timeout_s, cfg.faults.reward_retries,
             lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True), self.fault,
@@ -170,7 +170,7 @@ class RolloutPump:
         gid = self.buffer.reserve(version, target_step, prompt=prompt)
         if batch is not None:
             self._batch[gid] = batch
-        self.unsent.append(GenerationRequest(gid, self.encode(prompt.text), self.cfg.group_size))
+        self.unsent.append(GenerationRequest(gid, self.encode(prompt), self.cfg.group_size))
         s.record(DISPATCH, gid, version, target_step, None, prompt.text, why, dispatch_index=batch)
         return gid
 
@@ -233,6 +233,10 @@ class RolloutPump:
                 if problem is not None:
                     self.skip(group.group_id, problem)
                     continue
+                if self._uniform_group(group):
+                    self.scorer.cancel(group.group_id)  # skipped, not committed: not in the completions log
+                    report.filtered.append(group.group_id)
+                    continue
                 slot = self.release(group.group_id, group)
                 self.scorer.committed(slot.group_id, slot.prompt, slot.weight_version, group)
                 report.committed.append(group.group_id)
@@ -249,6 +253,25 @@ class RolloutPump:
         self.scorer.flush()  # the completions log's file written outside the lock
         if bad is not None:
             raise bad
+        if self._uniform is not None and time.monotonic() - self._uniform[0] > self.cfg.stall_timeout_s:
+            raise UniformGroupsError(
+                f"filter_uniform_groups: the last {self._uniform[1]} groups all came back uniform (every completion "
+                f"of each got the same reward) for over {self.cfg.stall_timeout_s:g} s (stall_timeout_s), so none could "
+                "be trained: the task is too hard or too easy for the model as it is; set filter_uniform_groups "
+                "false, or change the task or its rewards")
+
+    def _uniform_group(self, group: GroupRollouts) -> bool:
+        """``filter_uniform_groups``: a group whose completions all got one reward has advantage 0 everywhere (no
+        learning signal); it is skipped, and replaced like any skipped group, and counted (``groups_uniform``)."""
+        if not self.cfg.filter_uniform_groups or len(set(group.rewards)) > 1:
+            self._uniform = None
+            return False
+        since, count = self._uniform or (time.monotonic(), 0)
+        self._uniform = (since, count + 1)
+        self._skew.add({"groups_uniform": 1})
+        self.skip(group.group_id, f"filter_uniform_groups: all {len(group.rewards)} completions got reward "
+                                  f"{group.rewards[0]:g}, so every advantage is 0 (no learning signal)")
+        return True
 
     def collect_finished(self) -> TickReport:
         """Commit what the generator has already finished, and nothing else: no admission, no dispatch, no
@@ -394,7 +417,7 @@ class RolloutPump:
         return [slot.group_id for slot in self.buffer.pending_slots()]
 
     def _send(self, gid: int) -> None:
-        self.unsent.append(GenerationRequest(gid, self.encode(self.buffer[gid].prompt.text), self.cfg.group_size))
+        self.unsent.append(GenerationRequest(gid, self.encode(self.buffer[gid].prompt), self.cfg.group_size))
 
     def resume(self, in_step: dict | None, trace: Iterable) -> None:
         """After a restore (the buffer and the trace loaded): what this pump counted towards the next step

@@ -558,6 +558,19 @@ SIMULATOR, SIMULATOR_REAL, ASYNC_LEARNING = "2026-12-01T2017Z", "2026-12-01-load
 CALIBRATED, ACROSS = "2026-12-01T2026Z", "2026-12-01T2058Z"  # calibrate_gpus: on the two-H200 runs; across layouts
 G6, G8 = "two_gpus_balanced_lr5e-4 (two GPUs)", "two_gpus_balanced (two GPUs)"  # its outputs, as its rows name them
 ONE_H200 = "2026-12-01-balanced-colocated-one-h200 (one GPU)"
+REPLAY = "2026-12-02-cpu"
+REPLAY_FIDELITY = ["recording", "replayed_into", "steps_per_s_real", "steps_per_s_real_range", "steps_per_s_replay",
+                   "steps_per_s_error", "lag_mean_real", "lag_mean_replay", "lag_tv_distance", "drop_frac_real",
+                   "drop_frac_replay"]
+
+
+def _replay_error(rows: pd.DataFrame, diagonal: bool) -> str:
+    """The median of |replayed / real steps/s - 1| over the fidelity table's off-diagonal (or diagonal) rows."""
+    f = frame("bench_replay", REPLAY, "fidelity.csv")
+    part = f[(f.recording == f.replayed_into) == diagonal]
+    return f"{100 * part.steps_per_s_error.abs().median():.0f}%"
+
+
 REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_balanced": two_gpus_table(TWO_GPUS),
     "two_gpus_balanced_lr1e-3": two_gpus_table("2026-11-30-balanced-g8-lr1e-3"),
@@ -590,6 +603,13 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_goal_streaming": simulator_goal(SIMULATOR, "streaming"),
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "recording": recording_table("28k-open", "2026-12-01-100k"),
+    "replay_speed": csv_table("bench_replay", REPLAY, "speed.csv", columns=[
+        "recording", "sampler", "steps", "tokens_per_step", "replay_s", "own_sampler", "same_schedule"]),
+    "replay_fidelity": csv_table("bench_replay", REPLAY, "fidelity.csv", columns=REPLAY_FIDELITY, digits=3),
+    "replay_speed_max": value("bench_replay", REPLAY, lambda r, _: f"{r['replay_s_max']:.1f} s"),
+    "replay_speed_median": value("bench_replay", REPLAY, lambda r, _: f"{r['replay_s_median']:.1f} s"),
+    "replay_error_off": value("bench_replay", REPLAY, lambda _, rows: _replay_error(rows, False)),
+    "replay_error_own": value("bench_replay", REPLAY, lambda _, rows: _replay_error(rows, True)),
     "recording_100k": value("bench_recording", "2026-12-01-100k", lambda r, _: (
         f"a recording of {r['steps']:,} steps ({r['trace_rows'] / 1e6:.1f}M trace rows) opens in {r['open_s']:.1f} s "
         f"and a jump costs {r['scrub_median_ms']:.0f} ms (median; at most {r['scrub_max_ms']:.0f} ms)")),

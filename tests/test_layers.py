@@ -47,6 +47,7 @@ TIERS = [
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
+    ["asyncrl.evaluation"],  # evaluation on a split: n samples a prompt (a generator's capability), mean@n, pass@n
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
@@ -54,10 +55,18 @@ TIERS = [
     ["asyncrl.rollout", "asyncrl.train", "asyncrl.run_loop", "asyncrl.checkpoint"],
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
-    ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets
     ["asyncrl.simulate_plots"],
-    ["asyncrl.simulate"],  # drives a controller on the simulated backends
+    # drives a controller on the simulated backends: the loop, the studies built on it, a fit to a real run
+    ["asyncrl.simulate.simulation"], ["asyncrl.simulate.studies"], ["asyncrl.simulate.calibration"],
+    ["asyncrl.simulate"],
+    # a recording replayed under another sampler: what it reads of a recording, the latency fit, the generator
+    # serving recorded completions, one replay, several side by side, the package's lazy names (the figure of a
+    # comparison is asyncrl.plots.comparison)
+    ["asyncrl.replay.recorded"], ["asyncrl.replay.latency", "asyncrl.replay.generator"], ["asyncrl.replay.replayed"],
+    ["asyncrl.replay.comparison"], ["asyncrl.replay"],
+    ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
+    ["asyncrl.replay.command"],  # ``asyncrl replay``: opens a recording, compares
     ["asyncrl.cli"],
     ["widgets"],  # the notebook package (and its modules): on top, nothing in asyncrl imports it
 ]

@@ -233,7 +233,8 @@ def test_the_controller_writes_the_metric_vocabulary():
     assert columns[:2] == [M.STEP.name, M.TRAINER_VERSION.name]
     assert columns[2:2 + len(M.STEP_METRICS)] == [m.name for m in M.STEP_METRICS]
     assert {c.name for c in (*M.STEP_FACTS, M.EVAL_REWARD, M.EVAL_ACCURACY)} <= set(columns)
-    assert list(ctrl.evaluations.columns) == [c.name for c in M.EVALUATION_COLUMNS]
+    declared = [c.name for c in M.EVALUATION_COLUMNS]  # then mean@n and pass@n for each n evaluated
+    assert list(ctrl.evaluations.columns) == declared + ["mean@1", "pass@1"]
 
 
 def test_a_renamed_metric_fails_the_plots_loudly(monkeypatch):

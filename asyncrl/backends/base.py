@@ -144,6 +144,9 @@ class Capabilities:
     call. The collective weight sync hands it the weights that way instead of loading them now (``weight_sync.py``).
     ``step_metrics`` (a generator): it has ``step_metrics() -> dict[str, float]``, more columns for each step's row
     of ``Controller.metrics``, measured since the previous call (a replica set's tokens and busy seconds per replica).
+    ``sampled_evaluation`` (a generator): it has ``generate_sampled(prompts, n, temperature, seed,
+    max_new_tokens)``, ``n`` sampled completions of each prompt from a random stream of their own seeded by ``seed``
+    (the rollouts' is not touched): ``Controller.evaluate`` with a temperature (``asyncrl/evaluation.py``).
     ``actor``: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``), with ``actor_id`` (hex, as
     ``ray.exceptions.RayActorError.actor_id`` names a dead one) and ``restart()`` (a fresh actor built the same way,
     from its constructor's state). Only such a backend can die as an actor and be restarted."""
@@ -154,6 +157,7 @@ class Capabilities:
     prev_logprobs_from_forward: bool = False
     stages_weights: bool = False
     step_metrics: bool = False
+    sampled_evaluation: bool = False
     actor: bool = False
 
     def __post_init__(self) -> None:
@@ -163,7 +167,8 @@ class Capabilities:
 
 
 DEFAULTS = Capabilities()
-MEMBERS = {"stages_weights": ("stage_weights",), "step_metrics": ("step_metrics",), "actor": ("actor_id", "restart")}
+MEMBERS = {"stages_weights": ("stage_weights",), "step_metrics": ("step_metrics",),
+           "sampled_evaluation": ("generate_sampled",), "actor": ("actor_id", "restart")}
 
 
 def capabilities(backend: object) -> Capabilities:

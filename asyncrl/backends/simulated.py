@@ -37,7 +37,7 @@ finishes after a number of rollout ticks drawn from the model, the same every ti
 ``next_event_time``/``train_seconds`` how long things take. ``clock: wall`` (in both sections) makes the same
 seconds real: ``poll`` waits for them and training sleeps, for exercising ``Controller.run`` in real time.
 
-Invariants (kept here): random draws happen only in ``submit`` (lengths and rewards, in request order), so a
+Invariants (kept here): random draws happen only in ``submit`` (``draw``: lengths and rewards, in request order), so a
 seed and the order of submissions fix every outcome, whatever K; a group's finish time depends only on the groups
 submitted before it, aborts, pauses and weight updates, never on when it is polled; a replica's versions never
 decrease, and a group never starts on weights older than those current at its submission.
@@ -45,6 +45,7 @@ decrease, and a group never starts on weights older than those current at its su
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -119,7 +120,16 @@ class _Replica:
     draining: tuple[float, int] | None = None  # drain: (load s, version) once it stopped taking groups
 
     def version_at(self, t: float) -> int:
-        return next(v for when, v in reversed(self.versions) if when <= t)
+        return self.versions[bisect.bisect_right(self.versions, t, key=lambda entry: entry[0]) - 1][1]
+
+    def versions_at(self, times: Sequence[float]) -> list[int]:
+        """``version_at`` of each of ``times`` (ascending): one pass along both."""
+        out, i, versions = [], bisect.bisect_right(self.versions, times[0], key=lambda e: e[0]) - 1, self.versions
+        for t in times:
+            while i + 1 < len(versions) and versions[i + 1][0] <= t:
+                i += 1
+            out.append(versions[i][1])
+        return out
 
     def ready(self, version: int) -> float:
         """When this replica first holds ``version`` or newer (inf while that update is still to come)."""
@@ -145,6 +155,7 @@ class SimulatedGenerator:
         self.replicas = gen_cfg.replicas if gen_cfg.placement != "ray" else 1
         self._replicas = [_Replica([(-math.inf, 0)]) for _ in range(self.replicas)]
         self.timed_updates = False  # asyncrl.simulate times each replica's update itself (``receive``)
+        self.hold = False  # asyncrl.simulate: while a train tick's chunk trains, finished groups wait to be polled
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
         self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
@@ -160,6 +171,13 @@ class SimulatedGenerator:
     def success(self) -> float:
         return min(self.model.reward_max, self.model.reward_base + self.progress)
 
+    def draw(self, request: GenerationRequest, success: float) -> tuple[list[int], list[float]]:
+        """The lengths and rewards of one group's ``request.n`` completions, from the length and reward models (each
+        a success with probability ``success``). A replay's generator serves recorded ones instead
+        (``asyncrl.replay``); latency, versions and logprobs follow from them the same way."""
+        lengths = [self.length() for _ in range(request.n)]
+        return lengths, [1.0 if self.rng.random() < success else 0.0 for _ in range(request.n)]
+
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         with self._lock:
             self._advance()
@@ -168,8 +186,7 @@ class SimulatedGenerator:
             for f in self._flights.values():
                 load[f.replica] += 1
             for req in requests:
-                lengths = [self.length() for _ in range(req.n)]
-                rewards = [1.0 if self.rng.random() < p else 0.0 for _ in range(req.n)]
+                lengths, rewards = self.draw(req, p)
                 seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
                 self.drawn[0] += 1
                 self.drawn[1] += seconds
@@ -188,7 +205,7 @@ class SimulatedGenerator:
         for f in self._flights.values():
             mine[f.replica].append(f)
         for rep, flights in zip(self._replicas, mine):
-            started = [f for f in flights if f.start <= now]
+            started = [f for f in flights if f.start <= now < f.finish]  # a finished group holds no slot
             waiting = [f for f in flights if f.start > now]
             base = math.inf if rep.draining else max(now, rep.free_at)
             if self.model.admission == "streaming":
@@ -212,9 +229,11 @@ class SimulatedGenerator:
                 t = end
 
     def next_event_time(self) -> float | None:
-        """When the next group finishes or a timed weight update begins (virtual seconds); None if neither."""
+        """When the next group finishes or a timed weight update begins (virtual seconds); None if neither. While
+        finished groups are held, only later finishes count (the held ones come out when the hold ends)."""
         with self._lock:
-            times = [f.finish for f in self._flights.values() if f.finish < math.inf]
+            past = self.clock.now if self.hold else -math.inf
+            times = [f.finish for f in self._flights.values() if past < f.finish < math.inf]
             times += [u[0] for rep in self._replicas for u in rep.pending]
             return min(times, default=None)
 
@@ -297,11 +316,14 @@ class SimulatedGenerator:
                 if wait <= 0:
                     break
                 self._lock.wait(wait)
+            for r in {f.replica for f in done}:  # their replicas are free now, held or not: a drain loads
+                self._drained(r, max(f.finish for f in done if f.replica == r))
+            if self.hold:  # asyncrl.simulate: they stay in flight until the train tick's end
+                self._schedule()
+                return []
             for f in done:
                 del self._flights[f.request.group_id]
                 self.busy.append((f.start, f.finish, f.replica))
-            for r in {f.replica for f in done}:
-                self._drained(r, max(f.finish for f in done if f.replica == r))
             if done:
                 self._schedule()
             return [self._rollouts(f) for f in done]
@@ -318,8 +340,9 @@ class SimulatedGenerator:
         if start != end:  # weights loaded under it (inflight): each token keeps the logprob of the weights it was
             # sampled with; decoding step j falls at a share (j + 1) / longest of the decoding time (pauses spread)
             rep, decoding = self._replicas[f.replica], f.finish - f.start - self.model.prefill_s
-            per_step = [LOG_HALF - DRIFT * rep.version_at(f.start + self.model.prefill_s + (j + 1) / longest * decoding)
-                        for j in range(longest)]
+            begin = f.start + self.model.prefill_s
+            versions = rep.versions_at([begin + (j + 1) / longest * decoding for j in range(longest)])
+            per_step = [LOG_HALF - DRIFT * v for v in versions]
         completions = [[ord("x")] * (n - 1) + [self.eos_id] for n in f.lengths]  # content is not modelled
         logprobs = [per_step[:n] for n in f.lengths]
         reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
@@ -369,8 +392,8 @@ class SimulatedGenerator:
             self._version = version
             self.progress = float(weights["progress"])
             if not self.timed_updates:
-                for rep in self._replicas:
-                    rep.versions.append((self.clock.now, version))
+                for rep in self._replicas:  # never before a timed load still under way: versions stay in time order
+                    rep.versions.append((max(self.clock.now, rep.versions[-1][0]), version))
 
     def generate_greedy(self, prompts: Sequence[list[int]], max_new_tokens: int | None = None) -> list[list[int]]:
         p = self.success()  # its own stream: evaluation must not shift the rollouts' draws
