@@ -797,7 +797,7 @@ REPORTS.update({
 })
 
 # --- bench_rewards / bench_completions (issue 31: rewards off the rollout pump, the completions log) -------------
-REWARDS_RUN = COMPLETIONS_RUN = "2026-12-02-loaded-box"
+REWARDS_RUN = COMPLETIONS_RUN = "2026-12-02"
 
 
 def rewards_table(name: str) -> Callable[[], str]:
