@@ -11,7 +11,7 @@ round starting one cell further on, so load on the machine hits every cell alike
 ``instant`` inline, measured in the same run. The target (issue 31): with 4 workers, a reward that waits 10 ms
 per group runs within 10% of the one that takes no time.
 
-    python benchmarks/bench_rewards.py [--steps 60] [--reps 5] [--workers 0 1 2 4]
+    python benchmarks/bench_rewards.py [--steps 60] [--reps 5] [--workers 0 1 2 4 8]
 """
 
 from __future__ import annotations
@@ -95,10 +95,10 @@ def main() -> None:
     for (name, workers), value in median.items():
         results[f"{name}/{workers}"] = {"steps_per_s": value, "ratio": value / base}
         print(f"{name:<15} {workers:>7} {value:>8.2f} {value / base:>18.2f}")
-    best = max(args.workers)
-    results["target_met"] = median[("waits_10ms", best)] >= 0.9 * base
+    judged = 4 if 4 in args.workers else max(args.workers)  # the issue's target is about 4 workers
+    results["target_met"] = median[("waits_10ms", judged)] >= 0.9 * base
     where = save("bench_rewards", raw, results, before=before, out=args.out, name=args.name)
-    print(f"waits_10ms with {best} workers within 10% of instant inline: {results['target_met']}; raw data: {where}")
+    print(f"waits_10ms with {judged} workers within 10% of instant inline: {results['target_met']}; raw data: {where}")
 
 
 if __name__ == "__main__":
