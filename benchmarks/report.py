@@ -828,7 +828,6 @@ REPORTS.update({
     "bench_rewards_waits_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/4']['ratio']:.2f}"),
     "bench_rewards_waits_8": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/8']['ratio']:.2f}"),
     "bench_completions": completions_table(COMPLETIONS_RUN),
-    "bench_completions_ratio": value("bench_completions", COMPLETIONS_RUN, lambda r, _: f"{r['all_over_none']:.3f}"),
 })
 
 # --- rewriting and checking ------------------------------------------------------------------------------------
