@@ -26,9 +26,9 @@ Invariants:
   groups buffered there (``.attrs["note"]`` says so).
 - Read-only: a view has no ticks; nothing here writes to a controller. A recording never runs reward functions:
   those of one's own a run directory names are imported only with ``trust_code=True``.
-- What the model wrote: ``completions(group_id)`` of a recording or a view reads the group's rows of the run's
-  ``completions.jsonl`` (``asyncrl/completions.py``; a live source: the controller's ``completions``), and each
-  ``explain()`` row's ``completions`` column says how many there are.
+- What the model wrote: a recording's ``completions`` is the run's ``completions.jsonl`` (``asyncrl/completions.py``;
+  a live source: the controller's ``completions``); a view's ``completions(group_id)`` reads one group's rows, and
+  each ``explain()`` row's ``completions`` column says how many there are.
 """
 
 from __future__ import annotations
@@ -252,12 +252,17 @@ class Recording:
             raise ValueError(f"step must be a finished step of this recording ({span}), got {step!r}")
         return k
 
-    def completions(self, group_id: int | None = None) -> pd.DataFrame:
-        """What the model wrote: the completions log's rows of group ``group_id`` (None: every row)."""
+    @property
+    def completions(self) -> pd.DataFrame:
+        """What the model wrote: every row of the completions log (as ``Controller.completions``)."""
+        return self.source.completions if self._completions is None else self._completions.frame()
+
+    def group_completions(self, group_id: int) -> pd.DataFrame:
+        """The completions log's rows of group ``group_id`` (read by byte range from a run directory)."""
         if self._completions is None:  # a live controller
             frame = self.source.completions
-            return frame if group_id is None else frame[frame.group_id == group_id].reset_index(drop=True)
-        return self._completions.frame() if group_id is None else self._completions.group(group_id)
+            return frame[frame.group_id == group_id].reset_index(drop=True)
+        return self._completions.group(group_id)
 
     def completions_count(self, group_id: int) -> int:
         """How many rows the completions log holds for group ``group_id`` (explain()'s ``completions`` column)."""
@@ -400,7 +405,7 @@ class RecordedView:
 
     def completions(self, group_id: int | None = None) -> pd.DataFrame:
         """What the model wrote: group ``group_id``'s completions (None: every one logged), with their rewards."""
-        return self.recording.completions(group_id)
+        return self.recording.completions if group_id is None else self.recording.group_completions(group_id)
 
     def state(self) -> ControllerState:
         return read_view.snapshot(

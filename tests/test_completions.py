@@ -95,10 +95,12 @@ def test_kill_9_leaves_every_finished_row_whole(tmp_path):
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    rows = read_rows(path)  # every whole line parses; a torn last line would be left out
+    proc.stdout.close()
+    rows = read_rows(path)  # every whole line parses; a torn last line is left out
     groups = [r["group_id"] for r in rows]
     assert len(rows) >= 8 and all(len(r["completion"]) == 5000 for r in rows)
-    assert groups == [g for g in range(groups[-1] + 1) for _ in range(8)]  # a group's rows are one write
+    last = groups[-1]  # a group's rows are one write, which the kill may cut short: only the last group's
+    assert groups[:groups.index(last)] == [g for g in range(last) for _ in range(8)] and groups.count(last) <= 8
 
 
 # ------------------------------------------------------------------------------------------------ in a run
