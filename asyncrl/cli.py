@@ -371,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
     replay_command.add_parser(sub)
     args = parser.parse_args(argv)
+    # As `python -m` and a script would: a config's "module:function" rewards or "module:Class" sampler in the
+    # directory the command runs from import without PYTHONPATH (workers get this sys.path too).
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     if args.command == "simulate":
         return simulate(args)
     if args.command == "export":
