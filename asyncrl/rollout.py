@@ -76,10 +76,16 @@ class RolloutPump:
         self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
         self._uniform: tuple[float, int] | None = None  # filter_uniform_groups: (since, count) of a uniform streak
         rewards = rewards if rewards is not None else run_functions(cfg.reward, task)  # the controller's: checked
+        on_ray = cfg.reward.workers > 0 and "ray" in (cfg.trainer.placement, cfg.generation.placement)
+        if on_ray:  # a run on Ray scores in Ray actors, in the session its engines use
+            from asyncrl.backends.ray import ensure_ray
+
+            ensure_ray(cfg.ray.num_cpus, cfg.ray.address)
         self.scorer = GroupScorer(
             rewards, cfg.reward.workers, cfg.reward.timeout_s, cfg.faults.reward_retries,
             lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True), self.fault,
-            CompletionsLog(cfg.log_completions, rewards.names), self._scored, state.lock)
+            CompletionsLog(cfg.log_completions, rewards.names), self._scored, state.lock,
+            "ray" if on_ray else "process", cfg.reward.ray_options)
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self, wait_s: float = 0.0) -> TickReport:
@@ -87,6 +93,8 @@ class RolloutPump:
         ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self.state.lock:
             report = self._admit()
+        if wait_s > 0 and self.scorer.open:  # a running pump commits the scores back already before it generates
+            self._collect([], report, wait=False)  # (a train pump may be waiting for them; generating takes a while)
         finished = self._poll(wait_s)
         self._collect(finished, report, wait=wait_s == 0, timeout=0.0 if finished else wait_s)
         return report

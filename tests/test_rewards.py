@@ -4,6 +4,7 @@ exceptions, NaN, a killed worker, a function from ``__main__``, bugs that stop t
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import textwrap
@@ -439,5 +440,88 @@ def test_stepped_runs_with_retries_are_the_same_with_any_number_of_workers(tmp_p
         finally:
             ctrl.close()
     assert (runs[0][0].event == "fault").sum() > 0
+    for a, b in zip(*runs):
+        pd.testing.assert_frame_equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ queued calls
+@pytest.mark.parametrize("placement", ["process", pytest.param("ray", marks=pytest.mark.slow)])
+def test_a_call_queued_behind_one_cut_off_is_sent_again_and_is_nobodys_fault(placement, tmp_path, request):
+    """A busy worker is sent its next call ahead (no round trip per call); when the call it runs times out, the
+    one queued behind it never ran: the replacement runs it, and it is no fault."""
+    if placement == "ray":
+        request.getfixturevalue("ray_cluster")
+    functions = RewardFunctions([F + "slow_once"])
+    with contextlib.closing(RewardRunner(functions, 1, timeout_s=1.0, placement=placement)) as r:
+        assert r.started(120)
+        r.submit(0, batch(["a"], marker=[str(tmp_path / "hung")]))
+        r.submit(1, batch(["a"], marker=[str(tmp_path / "hung")]))  # queued in the busy worker
+        first, second = r.wait([0, 1])
+        assert "'slow_once' ran past reward.timeout_s=1 s" in first.problem and "replaced" in first.problem
+        assert second.problem is None and second.bug is None and second.rewards[0] in r.worker_pids
+
+
+# ------------------------------------------------------------------------------------------------ on Ray
+def test_on_ray_the_workers_are_actors_with_the_same_numbers_and_outcomes(ray_cluster, tmp_path, monkeypatch):
+    """A run on Ray scores in Ray actors: the same numbers as inline (a built-in, a function by name from the
+    caller's sys.path, one sent with cloudpickle), and the same outcomes: an exception or a NaN is a problem, a
+    killed actor is replaced, a wrong length is a bug."""
+    import os
+
+    (tmp_path / "my_verifier.py").write_text("def score(completions, **kw):\n    return [3.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # on sys.path only, not in PYTHONPATH
+
+    def in_cell(completions, **kwargs):  # a local function: pickled by value
+        return [float(len(c)) + 0.5 for c in completions]
+
+    groups = [batch([f"<think>{i}</think><answer>{i * j}</answer>" for j in range(3)], answer=[str(i)] * 3)
+              for i in range(5)]
+    funcs = ["exact_match", "format_tags", "my_verifier:score", in_cell, F + "pid"]
+    results = []
+    for workers, placement in ((0, "process"), (2, "ray")):
+        with contextlib.closing(RewardRunner(RewardFunctions(funcs), workers, 30, placement=placement)) as r:
+            for key, b in enumerate(groups):
+                r.submit(key, b)
+            results.append([s.parts for s in r.wait(list(range(len(groups))))])
+            pids = {p["pid"][0] for p in results[-1]}
+    assert [{k: v for k, v in p.items() if k != "pid"} for p in results[0]] == \
+           [{k: v for k, v in p.items() if k != "pid"} for p in results[1]]
+    assert results[1][0]["in_cell"] == [len(c) + 0.5 for c in groups[0].completions] and results[1][0]["score"] == [3.0] * 3
+    assert os.getpid() not in pids and 1 <= len(pids) <= 2  # scored in the actors
+    with contextlib.closing(RewardRunner(RewardFunctions([F + "dies_once", F + "length"]), 1, 30,
+                                         placement="ray")) as r:
+        marker = [str(tmp_path / "died")]
+        out = score(r, batch(["a"], marker=marker))
+        assert "the reward worker (Ray actor " in out.problem and "while scoring with 'dies_once'; it was replaced" \
+            in out.problem and "\n" not in out.problem
+        again = score(r, batch(["abc"], marker=marker), key=1)  # the replacement actor scores the retry
+        assert again.problem is None and again.rewards == [4.0]
+    with contextlib.closing(RewardRunner(RewardFunctions([F + "raises", F + "nan"]), 1, 30, placement="ray")) as r:
+        out = score(r, batch(["a"]))
+        assert "'raises' raised ValueError: the verifier is down" in out.problem and "(non-finite)" in out.problem
+    with contextlib.closing(RewardRunner(RewardFunctions([F + "short"]), 1, 30, placement="ray")) as r:
+        assert "'short' returned 1 rewards for 2 completions" in score(r, batch(["a", "b"])).bug
+
+
+@pytest.mark.slow
+def test_a_stepped_run_on_ray_scores_in_actors_and_is_the_same_with_0_or_2_workers(ray_cluster):
+    """A run whose generator is a Ray actor scores in reward actors (not local processes), and a stepped run
+    commits the same groups with the same rewards as inline."""
+    import os
+
+    runs = []
+    for workers in (0, 2):
+        cfg = small(funcs=[F + "first_char", F + "pid"], weights=[1.0, 0.0], workers=workers, timeout_s=30)
+        cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"placement": "ray"})})
+        ctrl = stepped(cfg, steps=2)
+        try:
+            assert ctrl._rollout.scorer.runner.placement == ("ray" if workers else "process")
+            pids = set(ctrl.completions["reward/pid"])
+            assert (os.getpid() in pids) == (workers == 0)
+            timing = [c for c in ctrl.metrics if c.endswith(("_s", "tflops", "mfu"))]
+            runs.append((ctrl.trace.drop(columns="seq"), ctrl.metrics.drop(columns=timing + ["reward/pid"]),
+                         ctrl.completions.drop(columns=["reward/pid"])))
+        finally:
+            ctrl.close()
     for a, b in zip(*runs):
         pd.testing.assert_frame_equal(a, b)

@@ -31,8 +31,12 @@ class RewardConfig(StrictModel):
         None, description="one weight per function (None: 1 each); a completion's reward is the weighted sum over "
         "the functions that apply to it (a function returns None where it does not)")
     workers: int = Field(
-        0, ge=0, description="worker processes that score groups off the rollout pump's thread, a group at a time "
-        "(0: inline, on the pump's thread)")
+        0, ge=0, description="workers that score groups off the rollout pump's thread, a group at a time (0: "
+        "inline, on the pump's thread): local processes, or Ray actors when the run uses Ray (an engine with "
+        "placement 'ray')")
+    ray_options: dict[str, Any] = Field(
+        default_factory=dict, description="options of each reward worker's Ray actor when the run uses Ray "
+        "(num_cpus, resources, runtime_env, ...); none: Ray's default, no CPU held")
     timeout_s: float | None = Field(
         60.0, gt=0, description="seconds one function may take on one group; a call past it is a fault, retried "
         "within faults.reward_retries (None: no limit)")

@@ -4,8 +4,9 @@ outcome — rewards, or why not — for the rollout pump to commit, retry or ski
 ``submit(key, batch)`` hands over one group (``RewardBatch``); ``poll(timeout)`` returns the groups whose scoring
 ended (``Scored``), ``wait(keys)`` blocks until those have. With ``workers: 0`` every call runs inside ``submit``
 (the inline path: the pump's thread, as before); with ``workers: K`` each function's call on a group goes to one
-of ``K`` worker processes, so a slow verifier overlaps generation and training, and several groups (and several
-functions of one group) score at once.
+of ``K`` workers, so a slow verifier overlaps generation and training, and several groups (and several functions
+of one group) score at once. Workers are local processes, or Ray actors (``placement="ray"``: a run that uses Ray);
+``asyncrl/rewards/pool.py`` dispatches to either alike.
 
 Invariants:
 - Every submitted group ends in exactly one ``Scored``: ``rewards`` (totals) with ``parts`` (each function's
@@ -20,35 +21,27 @@ Invariants:
   ``timeout_s`` is judged when they return.
 - ``seconds`` is the time the functions took on the group (summed over its calls), not the time it queued:
   the ``reward_time_s`` metric.
-- Worker processes are started by the dispatcher thread (building a runner never waits for them) and stopped by
-  ``close``; a worker whose caller dies exits by itself (``asyncrl/rewards/worker.py``).
-
-A run on Ray could hold Ray actors instead of processes (the same one-call-per-worker dispatch over
-``ray.wait``, ``ray.kill`` for a timeout, ``RayActorError`` for a death); today workers are local processes.
+- Workers are started by the dispatcher thread (building a runner never waits for them) and stopped by
+  ``close``; a worker process whose caller dies exits by itself (``asyncrl/rewards/worker.py``), a Ray actor
+  goes with its driver.
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing import Pipe
-from multiprocessing.connection import wait as wait_any
 from typing import Any
 
 from asyncrl.faults import describe
 from asyncrl.rewards.functions import RewardBatch, RewardFunctions, outcome
-from asyncrl.rewards.worker import BOOT
+from asyncrl.rewards.pool import ProcessWorker, WorkerPool
 
-START_FAILURES = 3  # workers in a row that die before they are ready: the functions cannot run in a worker
+PLACEMENTS = ("process", "ray")
 
 
 @dataclass
@@ -72,11 +65,14 @@ class RewardRunner:
     """Scores groups with ``functions`` (``RewardFunctions``) in ``workers`` processes (0: inline)."""
 
     def __init__(self, functions: RewardFunctions, workers: int = 0, timeout_s: float | None = None,
-                 on_done: Callable[[], None] | None = None):
+                 on_done: Callable[[], None] | None = None, placement: str = "process",
+                 ray_options: dict | None = None):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"reward.workers {workers!r}: a number of worker processes, 0 (inline) or more")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward.timeout_s {timeout_s!r}: seconds a call may take, > 0 (or None: no limit)")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"reward workers' placement {placement!r}: one of {', '.join(PLACEMENTS)}")
         self.functions, self.workers, self.timeout_s = functions, workers, timeout_s
         self.on_done = on_done  # called when a group's scoring ended (outside the runner's lock)
         self._cond = threading.Condition()
@@ -84,12 +80,13 @@ class RewardRunner:
         self._done: dict[Any, Scored] = {}
         self.notices: collections.deque[str] = collections.deque()  # worker replaced while idle: no group's fault
         self._local = set(range(len(functions.funcs))) if workers == 0 else set()
-        self._pool: _ProcessPool | None = None
+        self.placement = placement
+        self._pool: WorkerPool | None = None
         self._threads: ThreadPoolExecutor | None = None
         if workers:
             payload = self._payload()
             if payload is not None:
-                self._pool = _ProcessPool(self, workers, payload)
+                self._pool = WorkerPool(self, workers, payload, _maker(placement, ray_options))
             if self._local:
                 self._threads = ThreadPoolExecutor(1, thread_name_prefix="asyncrl-reward")
 
@@ -117,10 +114,11 @@ class RewardRunner:
             if key in self._jobs or key in self._done:
                 raise ValueError(f"reward runner: group {key!r} is already being scored")
             self._jobs[key] = _Job(key, n)
-        for i in range(n):
-            if i not in self._local:
-                self._pool.enqueue(key, i, batch)
-            elif self._threads is not None:
+        remote = [(key, i, batch) for i in range(n) if i not in self._local]
+        if remote:
+            self._pool.enqueue(remote)
+        for i in sorted(self._local):
+            if self._threads is not None:
                 self._threads.submit(lambda i=i: self.finish(key, i, self._run_here(i, batch)))
             else:
                 self.finish(key, i, self._run_here(i, batch))
@@ -240,187 +238,11 @@ class RewardRunner:
             return key in self._jobs
 
 
-def _how(code: int | None) -> str:
-    if code is None:
-        return "no exit code"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+def _maker(placement: str, ray_options: dict | None) -> Callable[..., Any]:
+    """What makes one worker: a local process, or a Ray actor (the run's Ray session must be up)."""
+    if placement == "process":
+        return ProcessWorker
+    from asyncrl.rewards.ray_workers import RayWorker, check_ray
 
-
-class _Worker:
-    """One worker process and its connection; ``call`` is the (key, index, name, sent) it is scoring."""
-
-    def __init__(self, payload: bytes):
-        parent, child = Pipe()
-        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(child.fileno())], pass_fds=(child.fileno(),),
-                                     stdin=subprocess.DEVNULL)
-        child.close()
-        self.conn, self.ready, self.call = parent, False, None
-        parent.send(("init", list(sys.path), payload))
-
-    def stop(self, grace_s: float = 0.0) -> int | None:
-        if grace_s and self.proc.poll() is None:
-            try:
-                self.conn.send(("stop",))
-                self.proc.wait(grace_s)
-            except (OSError, subprocess.TimeoutExpired):
-                pass
-        if self.proc.poll() is None:
-            self.proc.kill()
-        code = self.proc.wait()
-        self.conn.close()
-        return code
-
-
-class _ProcessPool:
-    """``workers`` processes fed by one dispatcher thread: it hands each idle worker the next call, collects
-    answers, kills a call past ``timeout_s`` and replaces dead workers (see the module's invariants)."""
-
-    def __init__(self, runner: RewardRunner, workers: int, payload: bytes):
-        self.runner, self.n, self.payload = runner, workers, payload
-        self.queue: collections.deque = collections.deque()
-        self.workers: list[_Worker] = []
-        self.error: str | None = None
-        self.lock = threading.Lock()  # ``error`` and ``queue`` change together: no call queues after a break
-        self.closing = False
-        self.notify = False  # a group ended on this thread: call the runner's on_done after the next assignment
-        self.start_failures = 0
-        self.wake_r, self.wake_w = os.pipe()
-        self.thread = threading.Thread(target=self._run, name="asyncrl-reward-dispatch", daemon=True)
-        self.thread.start()
-
-    def enqueue(self, key: Any, index: int, batch: RewardBatch) -> None:
-        with self.lock:
-            error = self.error
-            if error is None:
-                self.queue.append((key, index, batch))
-                os.write(self.wake_w, b"x")
-        if error is not None:
-            self.runner.finish(key, index, ("bug", error, 0.0))
-
-    def pids(self) -> list[int]:
-        return [w.proc.pid for w in list(self.workers) if w.ready]
-
-    def close(self) -> None:
-        self.closing = True
-        with self.lock:
-            if self.wake_w is not None:
-                os.write(self.wake_w, b"x")
-        self.thread.join(10.0)
-
-    # --------------------------------------------------------------------------------- the dispatcher thread
-    def _run(self) -> None:
-        try:
-            self.workers = [_Worker(self.payload) for _ in range(self.n)]
-            while not self.closing:
-                self._assign()
-                if self.notify and self.runner.on_done is not None:  # after the next calls went out, not before
-                    self.notify = False
-                    self.runner.on_done()
-                by_conn = {w.conn: w for w in self.workers}
-                for ready in wait_any([*by_conn, self.wake_r], self._wait_s()):
-                    if ready == self.wake_r:
-                        os.read(self.wake_r, 4096)
-                    elif by_conn[ready] in self.workers:  # not replaced meanwhile
-                        self._receive(by_conn[ready])
-                self._expire()
-        except BaseException as exc:  # noqa: BLE001 - nothing may be left waiting on a dead dispatcher
-            self._break(f"the reward dispatcher failed: {describe(exc)}")
-        finally:
-            if self.error is None:
-                self._break("the reward runner is closed")
-            for w in self.workers:
-                w.stop(grace_s=1.0)
-            with self.lock:
-                os.close(self.wake_r)
-                os.close(self.wake_w)
-                self.wake_w = None
-
-    def _wait_s(self) -> float:
-        timeout = self.runner.timeout_s
-        busy = [w.call[3] + timeout - time.monotonic() for w in self.workers if w.call and timeout is not None]
-        return max(0.0, min([1.0, *busy]))
-
-    def _assign(self) -> None:
-        for w in self.workers:
-            if not (w.ready and w.call is None):
-                continue
-            while self.queue:
-                key, index, batch = self.queue.popleft()
-                if not self.runner.live(key):
-                    continue  # cancelled while it queued
-                try:
-                    w.conn.send(("call", index, batch))
-                except (OSError, EOFError):  # the worker just died: its EOF comes next; the call waits again
-                    self.queue.appendleft((key, index, batch))
-                    break
-                except Exception as exc:  # the group's columns cannot be pickled
-                    self.runner.finish(key, index, ("bug", f"a reward worker cannot be sent group {key!r}'s inputs "
-                                                           f"({describe(exc)})", 0.0))
-                    continue
-                w.call = (key, index, self.runner.functions.names[index], time.monotonic())
-                break
-
-    def _receive(self, w: _Worker) -> None:
-        try:
-            message = w.conn.recv()
-        except (EOFError, OSError):
-            self._died(w)
-            return
-        if message[0] == "ready":
-            w.ready, self.start_failures = True, 0
-        elif message[0] == "init_error":
-            self._break(f"a reward worker could not load the reward functions: {message[1]}")
-        else:
-            key, index, _, _ = w.call
-            w.call = None
-            self.runner.finish(key, index, message)
-
-    def _replace(self, w: _Worker) -> None:
-        self.workers[self.workers.index(w)] = _Worker(self.payload)
-
-    def _died(self, w: _Worker) -> None:
-        how = _how(w.stop())
-        if w.call is not None:
-            key, index, name, sent = w.call
-            self.runner.finish(key, index, ("problem", f"the reward worker (pid {w.proc.pid}) died ({how}) while "
-                                            f"scoring with {name!r}; it was replaced", time.monotonic() - sent))
-        elif not w.ready:
-            self.start_failures += 1
-            if self.start_failures >= START_FAILURES:
-                self._break(f"reward workers die as they start ({self.start_failures} in a row, the last {how})")
-                return
-        else:
-            self.runner.notices.append(f"a reward worker (pid {w.proc.pid}) died while idle ({how}); replaced")
-        self._replace(w)
-
-    def _expire(self) -> None:
-        timeout = self.runner.timeout_s
-        if timeout is None:
-            return
-        for w in list(self.workers):
-            if w.call is not None and time.monotonic() - w.call[3] > timeout:
-                key, index, name, sent = w.call
-                w.stop()
-                self.runner.finish(key, index, ("problem", f"reward function {name!r} ran past reward.timeout_s="
-                                                f"{timeout:g} s; its worker (pid {w.proc.pid}) was stopped and "
-                                                "replaced", time.monotonic() - sent))
-                self._replace(w)
-
-    def _break(self, why: str) -> None:
-        """Nothing can score any more: every open call ends as a bug naming ``why``, and so will new ones."""
-        with self.lock:
-            self.error = why
-            queued = list(self.queue)
-            self.queue.clear()
-        for w in self.workers:
-            if w.call is not None:
-                self.runner.finish(w.call[0], w.call[1], ("bug", why, 0.0))
-                w.call = None
-        for key, index, _ in queued:
-            self.runner.finish(key, index, ("bug", why, 0.0))
-        self.closing = True
+    check_ray()
+    return lambda payload, post: RayWorker(payload, post, ray_options)

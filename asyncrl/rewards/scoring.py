@@ -105,10 +105,12 @@ class GroupScorer:
 
     def __init__(self, functions: RewardFunctions, workers: int, timeout_s: float | None, retries: int,
                  decode: Callable[[list[list[int]]], list[str]], fault: Callable[[int, str, str], None],
-                 log: CompletionsLog | None = None, notify: Callable[[], None] | None = None, lock: Any = None):
+                 log: CompletionsLog | None = None, notify: Callable[[], None] | None = None, lock: Any = None,
+                 placement: str = "process", ray_options: dict | None = None):
         self.functions, self.retries, self.decode, self.fault = functions, retries, decode, fault
         self.lock = lock if lock is not None else threading.RLock()
-        self.runner = RewardRunner(functions, workers, timeout_s, on_done=notify if workers else None)
+        self.runner = RewardRunner(functions, workers, timeout_s, on_done=notify if workers else None,
+                                   placement=placement, ray_options=ray_options)
         self.metrics = RewardMetrics(functions.names)  # a task's own reward: reward/<task name>
         self.log = log if log is not None else CompletionsLog("all", functions.names)
         self._open: dict[int, tuple[Any, Any, int]] = {}  # group id -> (rollouts, prompt, attempt)
