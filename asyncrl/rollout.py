@@ -75,6 +75,8 @@ class RolloutPump:
         self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
         self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
         self._uniform: tuple[float, int] | None = None  # filter_uniform_groups: (since, count) of a uniform streak
+        self._eager: TickReport | None = None  # the running tick's, while it generates (``_scored`` commits)
+        self._error: Exception | None = None  # raised in a commit ``_scored`` made, for that tick to raise
         rewards = rewards if rewards is not None else run_functions(cfg.reward, task)  # the controller's: checked
         on_ray = cfg.reward.workers > 0 and "ray" in (cfg.trainer.placement, cfg.generation.placement)
         if on_ray:  # a run on Ray scores in Ray actors, in the session its engines use
@@ -95,14 +97,28 @@ class RolloutPump:
             report = self._admit()
         if wait_s > 0 and self.scorer.open:  # a running pump commits the scores back already before it generates
             self._collect([], report, wait=False)  # (a train pump may be waiting for them; generating takes a while)
-        finished = self._poll(wait_s)
+        with self.state.lock:  # and while it generates, ``_scored`` commits them as they come (into this report)
+            self._eager = report if wait_s > 0 and self.scorer.runner.workers else None
+        try:
+            finished = self._poll(wait_s)
+        finally:
+            with self.state.lock:
+                self._eager, error, self._error = None, self._error, None
+        if error is not None:
+            raise error
         self._collect(finished, report, wait=wait_s == 0, timeout=0.0 if finished else wait_s)
         return report
 
     def _scored(self) -> None:
-        """A worker's score came back (another thread): wake a pump waiting on ``changed``; never block on it."""
+        """A worker's score came back (another thread): while a run's tick generates, commit it now (into that
+        tick's report; an error is the tick's to raise); else wake a pump waiting on ``changed``. Waits 50 ms at most."""
         if self.state.changed.acquire(timeout=0.05):
             try:
+                if self._eager is not None:
+                    try:
+                        self._collect([], self._eager, wait=False)
+                    except Exception as exc:  # a reward bug, filter_uniform_groups: raised by the tick
+                        self._error = self._error or exc
                 self.state.changed.notify_all()
             finally:
                 self.state.changed.release()
@@ -230,8 +246,7 @@ class RolloutPump:
         with s.lock:  # an aborted group may still come back finished: it was already accounted for
             finished = [g for g in finished if self.in_flight(g.group_id)]
             prompts = [buffer[g.group_id].prompt for g in finished]
-        for group, prompt in zip(finished, prompts):  # outside the lock (inline: scored right here)
-            self.scorer.submit(group, prompt)
+        self.scorer.submit(list(zip(finished, prompts)))  # outside the lock (inline: scored right here)
         scored, bad = self.scorer.collect(wait=wait, timeout=timeout)
         with s.changed:
             for group, problem in scored:

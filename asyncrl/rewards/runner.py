@@ -109,19 +109,27 @@ class RewardRunner:
     # ----------------------------------------------------------------------------------------- the interface
     def submit(self, key: Any, batch: RewardBatch) -> None:
         """Start scoring one group; its ``Scored`` comes back from ``poll``/``wait`` under ``key``."""
+        self.submit_all([(key, batch)])
+
+    def submit_all(self, groups: list[tuple[Any, RewardBatch]]) -> None:
+        """``submit`` each ``(key, batch)``, handed to the workers at once (one wake-up of their dispatcher, which
+        then does not compete with the caller for the interpreter between two groups)."""
         n = len(self.functions.funcs)
         with self._cond:
-            if key in self._jobs or key in self._done:
-                raise ValueError(f"reward runner: group {key!r} is already being scored")
-            self._jobs[key] = _Job(key, n)
-        remote = [(key, i, batch) for i in range(n) if i not in self._local]
+            for key, _ in groups:
+                if key in self._jobs or key in self._done:
+                    raise ValueError(f"reward runner: group {key!r} is already being scored")
+            for key, _ in groups:
+                self._jobs[key] = _Job(key, n)
+        remote = [(key, i, batch) for key, batch in groups for i in range(n) if i not in self._local]
         if remote:
             self._pool.enqueue(remote)
-        for i in sorted(self._local):
-            if self._threads is not None:
-                self._threads.submit(lambda i=i: self.finish(key, i, self._run_here(i, batch)))
-            else:
-                self.finish(key, i, self._run_here(i, batch))
+        for key, batch in groups:
+            for i in sorted(self._local):
+                if self._threads is not None:
+                    self._threads.submit(self._finish_here, key, i, batch)
+                else:
+                    self._finish_here(key, i, batch)
 
     def poll(self, timeout: float = 0.0) -> list[Scored]:
         """The groups whose scoring ended since the last call (waiting up to ``timeout`` for one, if any is
@@ -193,6 +201,9 @@ class RewardRunner:
             self._threads.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------------------------------------ bookkeeping
+    def _finish_here(self, key: Any, i: int, batch: RewardBatch) -> None:
+        self.finish(key, i, self._run_here(i, batch))
+
     def _run_here(self, i: int, batch: RewardBatch) -> tuple[str, Any, float]:
         name = self.functions.names[i]
         result = outcome(self.functions.funcs[i], name, batch)

@@ -121,24 +121,32 @@ class GroupScorer:
         self._order: dict[int, int] = {}  # group id -> when it was submitted (collect returns them in this order)
         self._submitted = itertools.count()
 
-    def submit(self, group: Any, prompt: Any) -> None:
-        """Start scoring a finished group (unless its backend scored it: then it only is checked)."""
-        gid = group.group_id
-        with self.lock:
-            self._order[gid] = next(self._submitted)
-        if group.rewards is not None:  # the backend scored it (simulated): nothing to re-score
-            problem = next(filter(None, map(reward_problem, group.rewards)), None)
-            if problem is not None:
-                self.fault(gid, problem, "not retried: the generation backend scored this group")
+    def submit(self, groups: list[tuple[Any, Any]]) -> None:
+        """Start scoring finished groups, ``(rollouts, prompt)`` each, handed over together (a group its backend
+        scored is only checked). Inline, each is scored (and re-scored) right here, in turn."""
+        batches = []
+        for group, prompt in groups:
+            gid = group.group_id
             with self.lock:
-                self._ready.append((group, problem))
-            return
-        group.texts = self.decode(group.completion_ids)
-        with self.lock:
-            self._open[gid] = (group, prompt, 0)
-        self.runner.submit(gid, group_batch(prompt, group.texts, group.completion_ids))
-        while self.runner.workers == 0 and gid in self._open:  # inline: scored, and re-scored, right here
-            self._take([gid])
+                self._order[gid] = next(self._submitted)
+            if group.rewards is not None:  # the backend scored it (simulated): nothing to re-score
+                problem = next(filter(None, map(reward_problem, group.rewards)), None)
+                if problem is not None:
+                    self.fault(gid, problem, "not retried: the generation backend scored this group")
+                with self.lock:
+                    self._ready.append((group, problem))
+                continue
+            group.texts = self.decode(group.completion_ids)
+            with self.lock:
+                self._open[gid] = (group, prompt, 0)
+            batches.append((gid, group_batch(prompt, group.texts, group.completion_ids)))
+            if self.runner.workers == 0:  # inline: scored, and re-scored, right here
+                self.runner.submit_all(batches)
+                batches = []
+                while gid in self._open:
+                    self._take([gid])
+        if batches:
+            self.runner.submit_all(batches)
 
     def collect(self, wait: bool = False, timeout: float = 0.0) -> tuple[list[tuple[Any, str | None]], Exception | None]:
         """The groups whose scoring ended, in the order they were submitted: ``(rollouts, problem)``, rewards set
