@@ -111,7 +111,8 @@ class RolloutPump:
 
     def _scored(self) -> None:
         """A worker's score came back (another thread): while a run's tick generates, commit it now (into that
-        tick's report; an error is the tick's to raise); else wake a pump waiting on ``changed``. Waits 50 ms at most."""
+        tick's report; an error is the tick's to raise); else wake a pump waiting on ``changed``. Waits 50 ms at
+        most."""
         if self.state.changed.acquire(timeout=0.05):
             try:
                 if self._eager is not None:

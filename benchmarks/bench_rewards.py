@@ -116,8 +116,8 @@ def main() -> None:
                           "ratio": 2 * step / (step + gen + 0.010 * rounds)}
     where = save("bench_rewards", raw, results, before=before, out=args.out, name=args.name)
     c = results["ceiling"]
-    print(f"ceiling of waits_10ms/{judged} (in_order, lookahead 1): 2 x {c['step_s'] * 1e3:.1f} ms / ({c['step_s'] * 1e3:.1f} "
-          f"+ {c['gen_s'] * 1e3:.1f} generating + {c['scoring_s'] * 1e3:.0f} scoring) = {c['ratio']:.2f}")
+    print(f"ceiling of waits_10ms/{judged} (in_order, lookahead 1): 2 x {c['step_s'] * 1e3:.1f} ms / "
+          f"({c['step_s'] * 1e3:.1f} + {c['gen_s'] * 1e3:.1f} generating + {c['scoring_s'] * 1e3:.0f} scoring) = {c['ratio']:.2f}")
     print(f"waits_10ms with {judged} workers within 10% of instant inline: {results['target_met']}; raw data: {where}")
 
 

@@ -486,7 +486,8 @@ def test_on_ray_the_workers_are_actors_with_the_same_numbers_and_outcomes(ray_cl
             pids = {p["pid"][0] for p in results[-1]}
     assert [{k: v for k, v in p.items() if k != "pid"} for p in results[0]] == \
            [{k: v for k, v in p.items() if k != "pid"} for p in results[1]]
-    assert results[1][0]["in_cell"] == [len(c) + 0.5 for c in groups[0].completions] and results[1][0]["score"] == [3.0] * 3
+    assert results[1][0]["in_cell"] == [len(c) + 0.5 for c in groups[0].completions]
+    assert results[1][0]["score"] == [3.0] * 3
     assert os.getpid() not in pids and 1 <= len(pids) <= 2  # scored in the actors
     with contextlib.closing(RewardRunner(RewardFunctions([F + "dies_once", F + "length"]), 1, 30,
                                          placement="ray")) as r:
