@@ -447,15 +447,15 @@ def test_stepped_runs_with_retries_are_the_same_with_any_number_of_workers(tmp_p
 # ------------------------------------------------------------------------------------------------ queued calls
 @pytest.mark.parametrize("placement", ["process", pytest.param("ray", marks=pytest.mark.slow)])
 def test_a_call_queued_behind_one_cut_off_is_sent_again_and_is_nobodys_fault(placement, tmp_path, request):
-    """A busy worker is sent its next call ahead (no round trip per call); when the call it runs times out, the
-    one queued behind it never ran: the replacement runs it, and it is no fault."""
+    """With one worker busy, the next group waits; when the call running times out, the waiting one is run by
+    the replacement, and it is no fault."""
     if placement == "ray":
         request.getfixturevalue("ray_cluster")
     functions = RewardFunctions([F + "slow_once"])
     with contextlib.closing(RewardRunner(functions, 1, timeout_s=1.0, placement=placement)) as r:
         assert r.started(120)
         r.submit(0, batch(["a"], marker=[str(tmp_path / "hung")]))
-        r.submit(1, batch(["a"], marker=[str(tmp_path / "hung")]))  # queued in the busy worker
+        r.submit(1, batch(["a"], marker=[str(tmp_path / "hung")]))  # waits for the busy worker
         first, second = r.wait([0, 1])
         assert "'slow_once' ran past reward.timeout_s=1 s" in first.problem and "replaced" in first.problem
         assert second.problem is None and second.bug is None and second.rewards[0] in r.worker_pids

@@ -6,11 +6,9 @@ Invariants:
 - A worker runs one call at a time, in the order it was sent, so a timeout or a death is the fault of exactly one
   call: the one it was running (the head of ``Worker.calls``). The calls queued behind it were never started:
   they go back to the front of the queue, to be sent again, and are nobody's fault.
-- Hand-over without a round trip: once every worker is busy, each is sent one more call (its next), so it starts
-  that call the moment it finishes the current one instead of waiting for this thread to hear of the end and
-  answer (on a loaded machine that thread waits for the GIL). Only a call whose inputs are small
-  (``PREFETCH_BYTES``) waits in a worker's connection: a large one would fill it, and this thread would block.
-  A call's clock (``timeout_s``) starts when its worker starts it: when its predecessor's answer arrives.
+- A call goes to the first worker free, so a slow call holds up no other. (Sending a busy worker its next call
+  ahead saved nothing measurable on the quickstart shape, benchmarks/README.md, and would queue calls behind a
+  slow one; ``calls`` and ``_requeue`` keep that possible: a call's clock starts when its worker starts it.)
 - Every event reaches this thread without a poll interval: a process worker's connection, or the wake pipe
   (a new call queued, a Ray actor's answer posted by Ray's callback thread, ``close``); it only times out to cut
   off a call at its deadline.
@@ -39,7 +37,6 @@ from asyncrl.rewards.worker import BOOT
 
 START_FAILURES = 3  # workers in a row that die before they are ready: the functions cannot run in a worker
 START_TIMEOUT_S = 120.0  # a worker (a Ray actor waiting for resources) not ready by then: the run stops, named
-PREFETCH_BYTES = 64 * 1024  # inputs this small may wait in a busy worker's connection (sockets buffer more)
 
 
 def how(code: int | None) -> str:
@@ -183,20 +180,13 @@ class WorkerPool:
         return max(0.0, min([1.0, *due]))
 
     def _assign(self) -> None:
-        """Each idle worker gets the next call; then, while calls wait and every worker is busy, each busy worker
-        with nothing queued gets one more (the one started longest ago first: it is likely to finish first)."""
+        """Each idle worker gets the next call."""
         for w in self.workers:
-            if w.ready and not w.calls and not self._send_next(w, prefetch=False):
-                return
-        if any(w.ready and not w.calls for w in self.workers):
-            return  # an idle worker that could not be sent anything: the queue is empty
-        for w in sorted((w for w in self.workers if w.ready and len(w.calls) == 1), key=lambda w: w.calls[0][3]):
-            if not self._send_next(w, prefetch=True):
+            if w.ready and not w.calls and not self._send_next(w):
                 return
 
-    def _send_next(self, w: Any, prefetch: bool) -> bool:
-        """Send ``w`` the next live call; False when none was sent (the queue is empty, or the call is too large
-        to wait behind another: it stays first in the queue)."""
+    def _send_next(self, w: Any) -> bool:
+        """Send ``w`` the next live call; False when none was sent (the queue is empty)."""
         while self.queue:
             key, index, batch = self.queue.popleft()
             if not self.runner.live(key):
@@ -207,9 +197,6 @@ class WorkerPool:
                 self.runner.finish(key, index, ("bug", f"a reward worker cannot be sent group {key!r}'s inputs "
                                                        f"({describe(exc)})", 0.0))
                 continue
-            if prefetch and len(message) > PREFETCH_BYTES:
-                self.queue.appendleft((key, index, batch))
-                return False
             try:
                 w.send(message)
             except (OSError, EOFError):  # the worker just died: its EOF comes next; the call waits again
