@@ -16,8 +16,8 @@ Invariants (with ``asyncrl/faults.py``, which keeps the budgets and words each f
   sent more than once (``attempts``). ``release`` is the one place a group leaves flight (committed, skipped or
   aborted), ``abort`` the one place the generator is asked to cancel groups.
 - Everything that reads or writes the run state does so under ``state.lock``; scoring runs outside it, through
-  ``GroupScorer`` (``asyncrl/rewards/scoring.py``): inline with ``reward.workers: 0``, else in worker processes
-  while this pump goes on generating. A group being scored stays in flight (never "lost" by the generator); a tick
+  ``GroupScorer`` (``asyncrl/rewards/scoring.py``): inline with ``reward.workers: 0``, else in workers (processes,
+  or Ray actors) while this pump goes on generating. A group being scored stays in flight (never "lost" by the generator); a tick
   by hand (``wait_s == 0``), a save and a drain wait for the scores of every group submitted, so a stepped run
   commits the same groups at the same ticks with any number of workers; a running pump commits them when they
   come back.

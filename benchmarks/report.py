@@ -797,7 +797,7 @@ REPORTS.update({
 })
 
 # --- bench_rewards / bench_completions (issue 31: rewards off the rollout pump, the completions log) -------------
-REWARDS_RUN = COMPLETIONS_RUN = "2026-12-02"
+REWARDS_RUN, COMPLETIONS_RUN = "2026-12-02-handover", "2026-12-02"
 
 
 def rewards_table(name: str) -> Callable[[], str]:
@@ -826,7 +826,10 @@ def completions_table(name: str) -> Callable[[], str]:
 REPORTS.update({
     "bench_rewards": rewards_table(REWARDS_RUN),
     "bench_rewards_waits_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/4']['ratio']:.2f}"),
-    "bench_rewards_waits_8": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/8']['ratio']:.2f}"),
+    "bench_rewards_instant_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['instant/4']['ratio']:.2f}"),
+    "bench_rewards_ceiling": value("bench_rewards", REWARDS_RUN, lambda r, _: (lambda c: (
+        f"2 x {c['step_s'] * 1e3:.1f} ms / ({c['step_s'] * 1e3:.1f} ms + {c['gen_s'] * 1e3:.1f} ms generating + "
+        f"{c['scoring_s'] * 1e3:.0f} ms scoring) = {c['ratio']:.2f}"))(r["ceiling"])),
     "bench_completions": completions_table(COMPLETIONS_RUN),
 })
 
