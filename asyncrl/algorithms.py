@@ -15,13 +15,16 @@ differently — is corrected by ``w = exp(prev - gen)`` per token (or per sequen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl import metrics as M
 from asyncrl.data import GroupRollouts, TrainBatch
 from asyncrl.metrics import Metric
 
@@ -101,6 +104,7 @@ GRPO_METRICS: tuple[Metric, ...] = (
     Metric("clip_frac", "mean", "fraction of tokens whose surrogate ratio was clipped", over="tokens"),
     Metric("kl", "mean", "KL estimate to the reference per token (0 without kl)", over="tokens"),
     Metric("entropy", "mean", "entropy of the next-token distribution per token", over="tokens"),
+    *M.GAP_METRICS,  # the importance weight's two parts (gap_contributions), named with the vocabulary
 )
 
 
@@ -179,6 +183,30 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
         advantages=adv.to(torch.float32),
         group_sizes=sizes,
     )
+
+
+def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_version: int,
+                  logprobs_at: Callable[[TrainBatch, int], torch.Tensor | None],
+                  known: Sequence[float | None] | None = None) -> TrainBatch:
+    """``batch`` (``make_train_batch(groups, ...)``) with what ``gap_contributions`` needs: ``stale_mask``, 1 at the
+    completion tokens weights older than ``trainer_version`` sampled (``GroupRollouts.versions``), and there
+    ``version_logprobs``, the trainer's logprobs under those weights, ``logprobs_at(batch, version)`` for each such
+    version (None: not held; those tokens stay NaN, unless ``known``, one value or None per completion token in
+    order, has them)."""
+    on = batch.loss_mask > 0
+    flat = [v for g in groups for completion in g.versions() for v in completion]
+    versions = torch.full(on.shape, trainer_version, dtype=torch.long)
+    versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order: make_train_batch's
+    stale = on & (versions < trainer_version)
+    held = torch.full(on.shape, float("nan"), dtype=torch.float32)
+    if known is not None:
+        held[on] = torch.tensor([math.nan if x is None else x for x in known], dtype=torch.float32)
+    for version in sorted({v for v in flat if v < trainer_version}):
+        logprobs = logprobs_at(batch, version)
+        if logprobs is not None:
+            here = versions == version
+            held[here] = logprobs.to(torch.float32)[here]
+    return replace(batch, stale_mask=stale.float(), version_logprobs=held)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -373,8 +401,39 @@ def grpo_loss(
         "entropy": entropy_sum,
         "is_weight_max": torch.where(on, w, -inf).max(),
         "is_weight_min": torch.where(on, w, inf).min(),
+        **gap_contributions(prev, batch),
     }
     return loss_sum, normaliser, metrics
+
+
+def gap_contributions(prev: torch.Tensor, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The importance weight's two parts per token (``asyncrl.metrics.GAP_METRICS``): with ``v`` the trainer's
+    logprob at the weights that sampled the token, ``exp(prev - gen) = exp(prev - v) * exp(v - gen)``, staleness
+    times the engines' mismatch, and ``mismatch_kl`` the k3 estimate of KL(behaviour || trainer at those weights)
+    (``r - 1 - log r``, ``r = exp(v - gen)``: >= 0, 0 where the two engines agree). ``v`` is ``prev`` where the
+    current weights sampled the token and ``batch.version_logprobs`` where older ones did (``batch.stale_mask``);
+    NaN there (weights the trainer no longer held) leaves the token out. Nothing for a batch without
+    ``stale_mask`` (not made by the train pump). 0-dim tensors, detached; max over no token is -inf."""
+    if batch.stale_mask is None:
+        return {}
+    prev = prev.detach()
+    on = batch.loss_mask > 0
+    stale = (batch.stale_mask > 0) & on
+    older = batch.version_logprobs if batch.version_logprobs is not None else torch.full_like(prev, float("nan"))
+    v = torch.where(stale, older.to(prev.dtype), prev)
+    known = on & ~torch.isnan(v)
+    zero = torch.zeros((), dtype=prev.dtype, device=prev.device)
+    v, gen, prev = (torch.where(known, t.to(prev.dtype), zero) for t in (v, batch.gen_logprobs, prev))
+    log_mismatch = v - gen
+    mismatch, staleness = torch.exp(log_mismatch), torch.exp(prev - v)
+    k3 = mismatch - 1 - log_mismatch
+    m = known.to(prev.dtype)
+    none = torch.tensor(-float("inf"), dtype=prev.dtype, device=prev.device)
+    return {M.GAP_TOKENS.name: m.sum(), M.MISMATCH_KL.name: (k3 * m).sum(),
+            M.IS_MISMATCH_MEAN.name: (mismatch * m).sum(),
+            M.IS_MISMATCH_MAX.name: torch.where(known, mismatch, none).max(),
+            M.IS_STALENESS_MEAN.name: (staleness * m).sum(),
+            M.IS_STALENESS_MAX.name: torch.where(known, staleness, none).max()}
 
 
 def _importance_weight(

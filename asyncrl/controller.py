@@ -381,7 +381,8 @@ class Controller:
             self._rollout.collect_finished()
             # The capacity is the restoring config's (its sampler may differ): the key stays, empty, as ever.
             return {**self._state.state_dict(), "buffer": {**self.buffer.state_dict(), "capacity": None},
-                    "in_step": {"train": self._train.step_state(), "gen": self._rollout.step_state()},
+                    "in_step": {"train": self._train.step_state(), "gen": self._rollout.step_state(),
+                                "versions": self._train.version_state()},
                     "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
                     "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
                     "torch_rng": torch.get_rng_state()}
