@@ -51,6 +51,11 @@ class LossConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
     normalisation: Literal["token", "sequence"] = Field(
         "token", description="loss normalised over the step's tokens, or per sequence then over its sequences")
+    gap_metrics: bool = Field(
+        True, description="split stale tokens' importance weights into staleness and mismatch (mismatch_kl, "
+        "is_mismatch_*, is_staleness_*): the policy keeps the weights of the versions buffered groups were sampled "
+        "with and takes one no-grad pass per stale version per chunk (docs/replay.md measures the cost); false: "
+        "those metrics cover the fresh tokens only")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:

@@ -129,8 +129,9 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("groups_aborted", "sum", "in-flight groups aborted after this step's weight sync"),
     Metric("chunks", "sum", "chunks (select calls that returned groups) this step trained"),
     Metric("groups", "sum", "prompt groups trained this step (groups_per_step once the step is finished)"),
-    Metric("completions", "sum", "completions trained this step"),
-    Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s counts these)"),
+    COMPLETIONS := Metric("completions", "sum", "completions trained this step"),
+    COMPLETION_TOKENS := Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s "
+                                "counts these)"),
     TRAIN_TIME_S := Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs "
                            "and forward/backward, and the optimizer step"),
 )

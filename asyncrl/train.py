@@ -147,7 +147,7 @@ class TrainPump:
         """Before the optimizer step: the policy keeps the weights of every version a buffered group may have been
         sampled with (the oldest buffered ``weight_version`` up to the current ``T``, which batches admitted at the
         step's end are generated with) and drops older ones (what that costs: docs/replay.md)."""
-        if not capabilities(self.policy).keeps_versions:
+        if not (self.cfg.loss.gap_metrics and capabilities(self.policy).keeps_versions):
             return
         with self.state.lock:
             T = self.state.trainer_version

@@ -128,17 +128,15 @@ def test_mismatch_kl_is_zero_for_the_torch_engines_and_the_weight_splits_into_it
     assert ctrl.policy.kept_bytes() > 0 and len(ctrl.policy._kept) <= 2
 
 
-def test_without_kept_weights_only_the_fresh_tokens_are_measured(monkeypatch):
-    from asyncrl.backends.torch import TorchPolicy
-
-    monkeypatch.setattr(TorchPolicy, "capabilities",
-                        dataclasses.replace(TorchPolicy.capabilities, keeps_versions=False))
-    ctrl = Controller.from_config(load_config("quickstart", **CPU))
+def test_without_kept_weights_only_the_fresh_tokens_are_measured():
+    ctrl = Controller.from_config(load_config("quickstart", **CPU, loss={"gap_metrics": False}))
     for _ in range(3):
         ctrl.tick()
     m = ctrl.metrics
     assert m.gap_tokens.tolist() == [m.completion_tokens.iloc[0], 0.0, 0.0]  # stale tokens: nothing to compare with
     assert math.isnan(m.mismatch_kl.iloc[1]) and m.mismatch_kl.iloc[0] < 1e-6
+    assert ctrl.policy.kept_bytes() == 0  # no copy kept, no extra pass
+    assert m.token_staleness_mean.tolist() == [0.0, 1.0, 1.0]  # token staleness needs no weights: still there
 
 
 def test_every_new_metric_reaches_metrics_csv_a_recording_tensorboard_and_wandb(tmp_path, monkeypatch):
