@@ -123,3 +123,25 @@ def token_counts(tokenizer: Any, texts: list[str], add_special_tokens: bool, chu
             ids = tokenizer(part, add_special_tokens=add_special_tokens, return_attention_mask=False)["input_ids"]
             out.extend(len(i) for i in ids)
     return out
+
+
+def model_context(model_cfg: Any) -> tuple[int | None, str]:
+    """(positions the model takes, where that number comes from): ``model.max_position_embeddings``, or the
+    ``max_position_embeddings`` of the ``model.hf_path`` directory's config (None when it states none)."""
+    if model_cfg.hf_path is None:
+        return model_cfg.max_position_embeddings, "model.max_position_embeddings"
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_cfg.hf_path)
+    context = getattr(getattr(config, "text_config", config), "max_position_embeddings", None)
+    return context, f"max_position_embeddings of model.hf_path {model_cfg.hf_path!r}"
+
+
+def prepare_task(task: Any, tokenizer: Any, model_cfg: Any, max_new_tokens: int) -> Any:
+    """The task as a controller runs it: rendered by the chat template (``model.chat_template`` when set), every
+    prompt checked to fit the model's context with ``max_new_tokens`` to spare."""
+    task = render_task(task, tokenizer, template_text(getattr(model_cfg, "chat_template", None)))
+    context, limit = model_context(model_cfg)
+    if context is not None:
+        check_prompt_lengths(task, tokenizer, context, max_new_tokens, limit)
+    return task

@@ -72,11 +72,18 @@ def _tick(method):
 
 
 class Controller:
-    def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None):
-        from asyncrl.tasks import PromptStream
+    def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
+                 reward_funcs=None):
+        from asyncrl.chat import prepare_task
+        from asyncrl.tasks import PromptStream, check_rewards
 
+        self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
+        self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
+        self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
+                                              cfg.generation.backend == "simulated")
+        if reward_funcs:  # named in the config a run writes (config.yaml, checkpoints)
+            cfg = cfg.model_copy(update={"reward": cfg.reward.with_funcs(reward_funcs)})
         self.cfg = cfg
-        self.task = task
         self.policy = policy
         self.generator = generator
         self.tokenizer = tokenizer
@@ -104,48 +111,39 @@ class Controller:
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
         self._rollout = RolloutPump(cfg, self._state, self.buffer, self.sampler, self.stream, generator, task,
-                                    tokenizer, self.encode, self.sync_weights, self.faults)
+                                    tokenizer, self.encode, self.sync_weights, self.faults, self.reward_functions)
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
-                                self._rollout, self.faults, self.clock.now, self._save_periodic)
+                                self._rollout, self.faults, self.clock.now, self._save_periodic,
+                                self.reward_functions)
         self.sync_weights(0)
-        self._check_prompt_lengths()
 
-    def _check_prompt_lengths(self) -> None:
-        """Every prompt plus ``max_new_tokens`` fits the model's context (``model.max_position_embeddings``); the
-        longest offender is named. (A model from ``hf_path`` brings its own context and is not checked here.)"""
-        if self.cfg.model.hf_path is not None:
-            return
-        context, new = self.cfg.model.max_position_embeddings, self.cfg.generation.max_new_tokens
-        prompts = list(self.task.train_prompts) + list(self.task.eval_prompts)
-        longest = max(prompts, key=lambda p: len(self.encode(p.text)))
-        n = len(self.encode(longest.text))
-        if n + new > context:
-            raise ValueError(
-                f"prompt {longest.text[:60]!r} is {n} tokens; with generation.max_new_tokens {new} it needs {n + new} "
-                f"positions, more than the model's context model.max_position_embeddings {context}: shorten the "
-                "task's prompts, lower max_new_tokens or raise max_position_embeddings"
-            )
+    def encode(self, prompt) -> list[int]:
+        """A prompt's token ids (a conversational one's are its chat template's: ``asyncrl/chat.py``), cached per
+        controller: prompts repeat every epoch, and encoding is slow next to a lookup."""
+        from asyncrl.chat import prompt_ids
 
-    def encode(self, text: str) -> list[int]:
-        """Prompt token ids, cached per controller: prompts repeat every epoch, and encoding is slow next to a lookup."""
-        ids = self._prompt_ids.get(text)
+        key = (prompt, True) if isinstance(prompt, str) else (prompt.text, prompt.messages is None)
+        ids = self._prompt_ids.get(key)
         if ids is None:
-            ids = self._prompt_ids[text] = self.tokenizer.encode(text)  # the tokenizer adds <bos>
+            ids = self._prompt_ids[key] = prompt_ids(self.tokenizer, prompt)
         return ids
 
     @classmethod
-    def from_config(cls, cfg: Config, loss: Loss | None = None) -> Controller:
+    def from_config(cls, cfg: Config, loss: Loss | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+                    reward_funcs: list | None = None) -> Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
-        a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``)."""
+        a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``train_dataset`` /
+        ``eval_dataset`` (a ``datasets.Dataset``, a DataFrame, a list of dicts, or a path) make the task a ``dataset``
+        task over them; ``reward_funcs`` are reward functions as objects (docs/tasks.md)."""
         from asyncrl.backends import build_backends
-        from asyncrl.tasks import build_task
+        from asyncrl.tasks import task_with_data
 
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
-        task = build_task(cfg.task)
+        task = task_with_data(cfg.task, train_dataset, eval_dataset)
         policy, generator, tokenizer = build_backends(cfg, loss)
-        return cls(cfg, task, policy, generator, tokenizer)
+        return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
 
     # ------------------------------------------------------------------------------------------ rollout pump
     @_tick
@@ -296,6 +294,19 @@ class Controller:
             return self._frame("metrics", self._state.metrics)
 
     @property
+    def completions(self) -> pd.DataFrame:
+        """What the model wrote: a row per completion of each committed group, its rewards (asyncrl/completions.py)."""
+        return self._rollout.scorer.log.frame()
+
+    def completions_count(self, group_id: int) -> int:
+        return self._rollout.scorer.log.count(group_id)
+
+    def log_completions_to(self, path: str | Path) -> None:
+        """Write the completions log to ``path`` (``completions.jsonl``; ``asyncrl run`` does) from now on."""
+        with self._lock:
+            self._rollout.scorer.log.open(path)
+
+    @property
     def last_run(self) -> RunHandle | None:
         """The handle of the latest ``start``/``run`` (its ``status``, ``error``, ``breakpoint``), or None."""
         return self._run
@@ -314,7 +325,7 @@ class Controller:
             raise TimeoutError(f"explain: a pump held the controller's lock for over {timeout:g} s")
         try:
             return read_view.verdicts(self.cfg, self.sampler, self.buffer, self.trainer_version,
-                                      self._train.step.groups)
+                                      self._train.step.groups, self._rollout.scorer.log.count)
         finally:
             self._lock.release()
 
@@ -337,11 +348,16 @@ class Controller:
         """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
         0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
         with self._lock:
-            return self._frame("evaluations", self._state.evaluations, [c.name for c in M.EVALUATION_COLUMNS])
+            rows = self._state.evaluations  # the columns every row has, then what evaluate() added (split, mean@n, ...)
+            columns = list(dict.fromkeys([c.name for c in M.EVALUATION_COLUMNS] + [k for row in rows for k in row]))
+            return self._frame("evaluations", rows, columns)
 
-    def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the held-out prompts: ``reward_mean``, ``accuracy`` (also in ``evaluations``)."""
-        return self._train.evaluate()
+    def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,
+                 max_prompts: int | None = None) -> dict[str, float]:
+        """``n`` completions of each prompt of ``split`` (its first ``max_prompts``), greedy (``temperature`` 0.0) or
+        sampled, scored by the run's reward functions: ``mean@n``, ``pass@n``, ``reward_mean``, ``accuracy``, ``n``
+        (prompts evaluated); a row of ``evaluations`` with its weight version (``asyncrl/evaluation.py``)."""
+        return self._train.evaluate(split, n, temperature, max_prompts)
 
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
@@ -385,7 +401,7 @@ class Controller:
                                 "versions": self._train.version_state()},
                     "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
                     "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
-                    "torch_rng": torch.get_rng_state()}
+                    "torch_rng": torch.get_rng_state(), "data": getattr(self.task, "identity", None)}
 
     def load_state_dict(self, state: dict, on_sampler_change: str = "rejudge") -> None:
         """Continue from ``state`` (``state_dict()``'s keys; ``buffer`` slots holding ``Prompt`` and
@@ -433,7 +449,7 @@ class Controller:
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
-                on_sampler_change: str = "rejudge", trust_code: bool = False) -> Controller:
+                on_sampler_change: str = "rejudge", trust_code: bool = False, **data: Any) -> Controller:
         """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
         them: the newest intact one), built from ``config`` (default: the checkpoint's own), whose model must
         have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
@@ -443,16 +459,20 @@ class Controller:
         train (no ``target_step`` under a stamping sampler such as ``in_order``) and groups beyond its capacity
         (newest first) are skipped, the rest stay and its ``evict`` runs at once; its dispatch index counts the
         batches it kept. With ``"drop"`` every restored group is skipped and the new sampler starts at the
-        checkpoint's step with an empty buffer. Either way the trace records each skip and eviction."""
+        checkpoint's step with an empty buffer. Either way the trace records each skip and eviction. ``data``:
+        ``from_config``'s ``train_dataset``, ``eval_dataset``, ``reward_funcs`` (in place of the functions the
+        checkpoint names: none of those is imported); data that changed since the checkpoint is refused in one line
+        (its content hash)."""
         from asyncrl import checkpoint
 
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
-        cfg, state = checkpoint.load(path, config, sampler, trust_code)
-        ctrl = cls.from_config(cfg)
+        cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")))
+        ctrl = cls.from_config(cfg, **data)
         try:
             checkpoint.check_shapes(checkpoint.shapes(state["policy"]), checkpoint.shapes(ctrl.policy.state_dict()),
                                     repr(str(path)))
+            checkpoint.check_data(state.get("data"), ctrl.task, repr(str(path)))
         except checkpoint.CheckpointError:
             ctrl.close()
             raise
@@ -463,6 +483,7 @@ class Controller:
         """Release the backends (and their Ray actors). The controller's history stays readable."""
         for backend in (self.generator, self.policy):
             backend.close()
+        self._rollout.close()
         self.tracker.close()
 
     def __enter__(self) -> Controller:

@@ -21,7 +21,7 @@ import numpy as np
 
 from asyncrl.datasets import DatasetTask, Table, table_prompts
 from asyncrl.prompts import Prompt
-from asyncrl.rewards.builtin import completion_text, countdown_score
+from asyncrl.rewards.builtin import completion_text, countdown, countdown_score
 
 SYSTEM_PROMPT = ("You are a helpful assistant. You first think about the reasoning process in the mind and then "
                  "provide the user with the answer.")
@@ -80,6 +80,8 @@ def countdown_rows(n: int, seed: int = 0, min_numbers: int = 3, max_numbers: int
 class CountdownTask(DatasetTask):
     """Countdown's rows as a dataset task, scored by its verifier (``asyncrl.rewards.countdown``'s) unless the
     run names reward functions of its own."""
+
+    reward_funcs = [countdown]  # the run's reward functions when the config names none: reward/countdown
 
     def reward(self, prompt: Prompt, completion: str | list) -> float:
         return countdown_score(completion_text(completion), prompt.columns["nums"], prompt.columns["target"])

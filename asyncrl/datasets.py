@@ -289,6 +289,11 @@ class DatasetTask:
         self.held_out = bool(eval_prompts)  # no evaluation prompt is a training row
 
     @property
+    def identity(self) -> dict:
+        """What a checkpoint keeps to know its data again: each split's source and content hash."""
+        return {split: {"source": self.sources[split], "hash": digest} for split, digest in self.fingerprint.items()}
+
+    @property
     def conversational(self) -> bool:
         return any(p.messages is not None for p in self.train_prompts + self.eval_prompts)
 
@@ -398,16 +403,19 @@ def _build(train, eval, eval_fraction, prompt_key, system_prompt, split_seed) ->
 
 
 # --- checks a run makes against its data ------------------------------------------------------------------------
-def data_changed(saved: dict[str, str] | None, task: Any) -> str | None:
-    """One line when ``task``'s data is not the data a checkpoint (``saved``: its ``fingerprint``) trained on."""
-    now = getattr(task, "fingerprint", None)
-    if not saved or now is None:
+def data_changed(saved: dict | None, task: Any) -> str | None:
+    """One line when ``task``'s data is not the data a checkpoint trained on (``saved``: the task's ``identity``
+    then), else None."""
+    if not saved:
         return None
-    for split, digest in saved.items():
-        if now.get(split) != digest:
-            source = getattr(task, "sources", {}).get(split, split)
-            return (f"dataset {source} ({split} split) changed since the checkpoint: its content hash was "
-                    f"{digest[:19]}, it is {str(now.get(split))[:19]}; restore with the data the run trained on")
+    now = getattr(task, "identity", None) or {}
+    for split, was in saved.items():
+        if split not in now:
+            return (f"the checkpoint was trained on dataset {was['source']} ({split} split), and this run has no such "
+                    f"data (task {task.name!r}): give the same data (task.options.{split}, or {split}_dataset=)")
+        if now[split]["hash"] != was["hash"]:
+            return (f"dataset {now[split]['source']} ({split} split) changed since the checkpoint: its content hash "
+                    f"was {was['hash'][:19]}, it is {now[split]['hash'][:19]}; restore with the data the run trained on")
     return None
 
 

@@ -152,6 +152,8 @@ STEP_METRICS += (
 )
 GEN_METRICS: tuple[Metric, ...] = (  # made by the rollout pump, which commits (RolloutPump.take_generated)
     Metric("gen_completions", "sum", "completions of the groups committed this step"),
+    Metric("groups_uniform", "sum", "groups skipped this step because every completion got the same reward "
+           "(filter_uniform_groups)"),
     SKEW_LEN["gen"], SKEW_REWARD["gen"],
 )
 
@@ -247,7 +249,12 @@ the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT``
 EVALUATED_VERSION = Column("weight_version", "the generator's weight version the evaluation judged")
 HELD_OUT_REWARD = Column("reward_mean", "mean reward of greedy completions of the held-out prompts")
 HELD_OUT_ACCURACY = Column("accuracy", "share of held-out prompts answered correctly (greedy)")
-EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY)
+EVAL_SPLIT = Column("split", "the split evaluated ('eval' or 'train')")
+EVAL_N = Column("n", "completions per prompt; the row's mean@n and pass@n columns are named with it (mean@4)")
+EVAL_TEMPERATURE = Column("temperature", "0.0: greedy; else the sampling temperature")
+EVAL_PROMPTS = Column("prompts", "prompts evaluated")
+EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY, EVAL_SPLIT, EVAL_N,
+                                          EVAL_TEMPERATURE, EVAL_PROMPTS)  # then mean@n, pass@n for each n used
 
 ENGINE_METRICS: tuple[Metric, ...] = (
     Metric("loss", "mean", "the step's loss: loss sums over the step divided by its normaliser", over="normaliser"),

@@ -26,6 +26,7 @@ class TickReport:
     skipped: list[int] = field(default_factory=list)
     step_finished: bool = False
     note: str = ""
+    filtered: list[int] = field(default_factory=list)  # skipped by filter_uniform_groups (also in ``skipped``)
 
     @property
     def progressed(self) -> bool:
@@ -37,7 +38,7 @@ class TickReport:
             "tick", other.trainer_version, self.admitted, self.dispatched + other.dispatched,
             self.committed + other.committed, self.evicted + other.evicted, self.selected + other.selected,
             self.aborted + other.aborted, self.skipped + other.skipped, other.step_finished,
-            "; ".join(n for n in (self.note, other.note) if n),
+            "; ".join(n for n in (self.note, other.note) if n), self.filtered + other.filtered,
         )
 
     def __str__(self) -> str:

@@ -248,7 +248,8 @@ class RunHandle:
             self._doing[name] = (what, time.monotonic())
 
     def _after_tick(self, report: TickReport) -> None:
-        if report.committed or report.selected or report.evicted or report.aborted or report.step_finished:
+        if (report.committed or report.selected or report.evicted or report.aborted or report.step_finished
+                or report.filtered):  # a uniform group came back: filter_uniform_groups judges that streak itself
             self._progress_at = time.monotonic()
         if report.step_finished:
             with self._cv:

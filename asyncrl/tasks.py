@@ -44,11 +44,12 @@ import numpy as np
 
 from asyncrl.chat import prompt_ids, render
 from asyncrl.countdown import countdown_task
-from asyncrl.datasets import DataError, dataset_task
+from asyncrl.datasets import DataError, DatasetTask, check_reward_columns, dataset_task
 from asyncrl.metrics import HELD_OUT_ACCURACY, HELD_OUT_REWARD
 from asyncrl.prompts import Prompt, PromptStream
 
-__all__ = ["Prompt", "PromptStream", "Task", "ToyTask", "TASKS", "TOY_TASKS", "build_task", "evaluate"]
+__all__ = ["Prompt", "PromptStream", "Task", "ToyTask", "TASKS", "TOY_TASKS", "build_task", "check_rewards",
+           "evaluate", "task_with_data"]
 
 
 @runtime_checkable
@@ -180,15 +181,18 @@ TASKS: dict[str, Callable[..., Task]] = {  # name -> factory; its keyword argume
 TOY_TASKS = ("copy_digit", "copy_first", "copy_last", "successor", "addition")  # prompt lists built in code
 
 
+def _name_options(config: Any) -> tuple[str, dict]:
+    if isinstance(config, str):
+        return config, {}
+    if isinstance(config, dict):
+        return config.get("name", "copy_digit"), dict(config.get("options") or {})
+    return config.name, dict(config.options)
+
+
 def build_task(config: Any) -> Task:
     """A task from a ``TaskConfig`` (or a mapping ``{"name": ..., "options": {...}}``, or a name). Unknown names
     and options are errors that list what exists."""
-    if isinstance(config, str):
-        name, options = config, {}
-    elif isinstance(config, dict):
-        name, options = config.get("name", "copy_digit"), dict(config.get("options") or {})
-    else:
-        name, options = config.name, dict(config.options)
+    name, options = _name_options(config)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; tasks: {sorted(TASKS)}")
     parameters = inspect.signature(TASKS[name]).parameters
@@ -208,20 +212,56 @@ def build_task(config: Any) -> Task:
         raise ValueError(f"bad options {options} for task {name!r}: {err}") from None
 
 
+def task_with_data(config: Any, train: Any = None, eval: Any = None) -> Task:
+    """``build_task(config)``, or with ``train`` / ``eval`` (objects or paths) a ``dataset`` task over them, keeping
+    the config's dataset options (``prompt_key``, ``system_prompt``, ...) when its task is a ``dataset`` task."""
+    if train is None and eval is None:
+        return build_task(config)
+    name, options = _name_options(config)
+    options = dict(options) if name == "dataset" else {}
+    options.update({k: v for k, v in (("train", train), ("eval", eval)) if v is not None})
+    return build_task({"name": "dataset", "options": options})
+
+
+def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = (), backend_scores: bool = False) -> Any:
+    """The run's reward functions (``asyncrl.rewards.RewardFunctions``), first found wins: ``reward_funcs`` (objects),
+    ``reward.funcs`` (the config's ``reward:`` section), the task's own ``reward_funcs`` (countdown's verifier), the
+    task's own ``reward`` (the toy tasks). A dataset task with none is one line (unless ``backend_scores``: the
+    simulated generator scores its groups itself); so is a row without a column a function needs."""
+    from asyncrl.rewards import RewardFunctions, TaskReward
+
+    if reward_funcs and reward.funcs:
+        raise ValueError(f"reward functions given twice: reward_funcs= and reward.funcs="
+                         f"{reward.model_dump(mode='json')['funcs']}; name them in one place")
+    if reward_funcs:
+        functions = RewardFunctions(list(reward_funcs), reward.weights)
+    elif reward.funcs:
+        functions = reward.functions()
+    elif getattr(task, "reward_funcs", None):
+        functions = RewardFunctions(list(task.reward_funcs))
+    elif isinstance(task, DatasetTask) and type(task).reward is DatasetTask.reward and not backend_scores:
+        raise ValueError(f"task {task.name!r} ({task.sources.get('train')}) has no reward of its own: name reward "
+                         "functions (reward.funcs: a built-in such as math_answer, or 'package.module:function'; in "
+                         "Python Controller.from_config(cfg, reward_funcs=[...]))")
+    else:
+        functions = RewardFunctions.of_task(task)
+    check_reward_columns(task, [f for f in functions.funcs if not isinstance(f, TaskReward)])
+    return functions
+
+
 def evaluate(backend: Any, task: Task, tokenizer: Any, max_new_tokens: int = 4,
              prompts: Sequence[Prompt] | None = None) -> dict[str, float]:
     """Greedy completions of the task's evaluation prompts (or ``prompts``) through ``backend.generate_greedy(
-    prompt_ids, max_new_tokens)`` (``TorchGenerator`` or ``TorchPolicy``); returns ``reward_mean``, ``accuracy``
-    and ``n``. Draws no randomness, so it never changes a seeded run."""
+    prompt_ids, max_new_tokens)`` (``TorchGenerator`` or ``TorchPolicy``), scored by the task's own reward; returns
+    ``reward_mean``, ``accuracy`` and ``n``. Draws no randomness, so it never changes a seeded run.
+    (``Controller.evaluate`` does more: a split, ``n`` samples, the run's reward functions: asyncrl/evaluation.py.)"""
     prompts = list(task.eval_prompts if prompts is None else prompts)
     prompts = render(prompts, tokenizer, where=getattr(task, "where", None))  # as the chat template renders them
     if not prompts:
         return {HELD_OUT_REWARD.name: float("nan"), HELD_OUT_ACCURACY.name: float("nan"), "n": 0.0}
-    ids = [prompt_ids(tokenizer, p) for p in prompts]
-    completions = backend.generate_greedy(ids, max_new_tokens)
+    completions = backend.generate_greedy([prompt_ids(tokenizer, p) for p in prompts], max_new_tokens)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
     rewards = [task.reward(p, t) for p, t in zip(prompts, texts)]
     correct = [task.is_correct(p, t) for p, t in zip(prompts, texts)]
     return {HELD_OUT_REWARD.name: float(np.mean(rewards)), HELD_OUT_ACCURACY.name: float(np.mean(correct)),
             "n": float(len(prompts))}
-

@@ -23,6 +23,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from asyncrl import metrics as M
 from asyncrl.algorithms import make_train_batch, mark_versions
 from asyncrl.backends.base import capabilities, is_dead_actor
@@ -49,13 +51,14 @@ class TrainPump:
     def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
                  policy: PolicyBackend, generator: GenerationBackend, task: Task, tokenizer: Any,
                  rollout: RolloutPump, faults: FaultContainment, clock: Callable[[], float],
-                 save_checkpoint: Callable[[], Any]):
+                 save_checkpoint: Callable[[], Any], reward_functions: Any = None):
         self.cfg, self.state, self.buffer, self.sampler = cfg, state, buffer, sampler
         self.policy, self.generator, self.task, self.tokenizer = policy, generator, task, tokenizer
         self.rollout, self.faults, self.clock, self.save_checkpoint = rollout, faults, clock, save_checkpoint
         self.step = StepAccumulator(clock)  # the step in progress (STEP_METRICS); reset when it finishes
         self.kept: set[int] = set()  # the earlier weight versions the policy holds (keeps_versions)
         self.restored: dict[int, list] = {}  # buffered groups' logprobs under their versions, from a checkpoint
+        self.reward_functions = reward_functions  # what evaluations score with (None: the task's own reward)
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self) -> TickReport:
@@ -206,15 +209,23 @@ class TrainPump:
         self.step.reset()
 
     # ------------------------------------------------------------------------------------- evaluation, state
-    def evaluate(self) -> dict[str, float]:
-        """Greedy completions on the held-out prompts: ``reward_mean``, ``accuracy`` (also in ``evaluations``)."""
-        from asyncrl.tasks import evaluate
+    def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,
+                 max_prompts: int | None = None) -> dict[str, float]:
+        """``Controller.evaluate`` (``asyncrl/evaluation.py``); the row it adds to ``evaluations`` keeps the weight
+        version it judged. A sampled evaluation's random stream is its own, seeded by the run's seed, the version
+        and how many evaluations came before."""
+        from asyncrl.evaluation import evaluate_task
 
         version = self.generator.version
-        ev = evaluate(self.generator, self.task, self.tokenizer, self.cfg.generation.max_new_tokens)
+        seed = int(np.random.SeedSequence([self.cfg.seed, version, len(self.state.evaluations)]).generate_state(1)[0])
+        ev, _ = evaluate_task(self.generator, self.task, self.tokenizer, self.reward_functions, split, n, temperature,
+                              max_prompts, seed, self.cfg.generation.max_new_tokens, self.cfg.reward.accuracy)
         with self.state.lock:
             self.state.evaluations.append({M.EVALUATED_VERSION.name: version,
-                                           **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)}})
+                                           **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)},
+                                           M.EVAL_SPLIT.name: split, M.EVAL_N.name: n,
+                                           M.EVAL_TEMPERATURE.name: float(temperature), M.EVAL_PROMPTS.name: ev["n"],
+                                           f"mean@{n}": ev[f"mean@{n}"], f"pass@{n}": ev[f"pass@{n}"]})
         return ev
 
     def step_state(self) -> dict:

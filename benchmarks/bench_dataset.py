@@ -10,7 +10,9 @@ is measured in a fresh process (so its memory is its own): ``dataset_task(train=
 gets after the config checked it), the controller's work on it with the byte tokenizer (render conversational
 prompts through the chat template and check every prompt's length), the resident memory it keeps and its peak,
 and the resume: a new process that builds the task and the prompt stream and serves positions 50,000.. (what a
-restore does before the first dispatch), checked against the prompts an uninterrupted stream serves there.
+restore does before the first dispatch), checked against the prompts an uninterrupted stream serves there. Then
+the real thing on the JSONL file: a controller (simulated backends) stepped past row 50,000, saved, and restored
+in a new process by ``Controller.restore``, whose next two steps dispatch the prompts the uninterrupted run did.
 Raw rows and results go to ``benchmarks/data/bench_dataset/<name>/`` (benchmarks/record.py).
 """
 
@@ -126,6 +128,53 @@ def resume(path: str, resume_at: int) -> dict:
     return {"resume_build_s": built - start, "resume_first_batch_s": time.perf_counter() - built, "served": served}
 
 
+def _controller_config(path: str, extra: dict | None = None):
+    """The real controller, buffer and sampler over the dataset, on the simulated backends (no model: getting to
+    row 50,000 is ~800 steps), ``in_order`` without lookahead so the schedule does not depend on timing."""
+    from asyncrl import load_config
+
+    return load_config("what_if", groups_per_step=64, group_size=2, sampler={"name": "in_order",
+                       "max_lookahead_versions": 0}, task={"name": "dataset", "options": {"train": path,
+                       "eval_fraction": 0.01}}, generation={"max_new_tokens": 4}, **(extra or {}))
+
+
+def controller_resume(path: str, resume_at: int, work: Path) -> dict:
+    """Step a controller until its data position passes ``resume_at``, save, go on two steps; then a fresh process
+    restores the checkpoint (task, backends, state) and runs the same two steps: the same prompts, timed."""
+    from asyncrl import Controller
+
+    ctrl = Controller.from_config(_controller_config(path))
+    start = time.perf_counter()
+    while ctrl.data_position < resume_at:
+        ctrl.tick()
+    reach_s = time.perf_counter() - start
+    T, position = ctrl.trainer_version, ctrl.data_position
+    ckpt = ctrl.save(work / "ckpt")
+    seen = len(ctrl.trace)
+    while ctrl.trainer_version < T + 2:
+        ctrl.tick()
+    trace = ctrl.trace.iloc[seen:]
+    expected = trace[trace.event == "dispatch"].detail.tolist()
+    back = _child("restore", str(ckpt), T + 2)
+    return {"controller_steps": T, "controller_position": position, "reach_s": reach_s,
+            "checkpoint_mb": sum(f.stat().st_size for f in ckpt.iterdir()) / 2**20, "restore_s": back["restore_s"],
+            "restored_position": back["position"], "controller_resume_matches": back["dispatched"] == expected}
+
+
+def restore(ckpt: str, until: int) -> dict:
+    from asyncrl import Controller
+
+    start = time.perf_counter()
+    ctrl = Controller.restore(ckpt)
+    restore_s = time.perf_counter() - start
+    position, seen = ctrl.data_position, len(ctrl.trace)
+    while ctrl.trainer_version < until:
+        ctrl.tick()
+    trace = ctrl.trace.iloc[seen:]
+    return {"restore_s": restore_s, "position": position,
+            "dispatched": trace[trace.event == "dispatch"].detail.tolist()}
+
+
 def _child(mode: str, path: str, resume_at: int) -> dict:
     out = subprocess.run([sys.executable, __file__, f"--{mode}", path, "--resume-at", str(resume_at)],
                          capture_output=True, text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -141,9 +190,14 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write rows.csv/meta.json here instead")
     parser.add_argument("--measure", metavar="PATH", help=argparse.SUPPRESS)
     parser.add_argument("--resume", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--restore", metavar="PATH", help=argparse.SUPPRESS)
+    parser.add_argument("--no-controller", action="store_true", help="skip the controller's save and restore")
     args = parser.parse_args()
-    if args.measure or args.resume:
-        result = measure(args.measure, args.resume_at) if args.measure else resume(args.resume, args.resume_at)
+    if args.measure or args.resume or args.restore:
+        if args.restore:
+            result = restore(args.restore, args.resume_at)
+        else:
+            result = measure(args.measure, args.resume_at) if args.measure else resume(args.resume, args.resume_at)
         print(json.dumps(result))
         return
     before = meta("bench_dataset")
@@ -158,6 +212,15 @@ def main() -> None:
             rows.append({"format": fmt, "file_mb": size / 2**20, **got, **back,
                          "resume_matches": served == expected})
             print(f"{fmt:>22}: {got['load_s']:.2f} s load, {got['rss_kept_mb']:.0f} MB kept", flush=True)
+        if not args.no_controller:
+            path = Path(scratch) / "jsonl.jsonl"
+            if not path.exists():
+                _write("jsonl", args.rows, Path(scratch))
+            run = controller_resume(str(path), args.resume_at, Path(scratch))
+            print(f"\ncontroller: {run['controller_steps']} steps to data position {run['controller_position']:,} "
+                  f"({run['reach_s']:.0f} s, simulated backends); checkpoint {run['checkpoint_mb']:.1f} MB; "
+                  f"Controller.restore in a new process {run['restore_s']:.1f} s (reads and checks the 100k rows "
+                  f"again); the next two steps' prompts the same: {run['controller_resume_matches']}")
     print(f"\n{args.rows:,} rows, resume at row {args.resume_at:,} (load average {before['machine']['load_1min']} "
           f"on {before['machine']['cores']} cores before the run)")
     print(f"{'format':>22} {'file MB':>8} {'load s':>7} {'cached s':>9} {'render+check s':>15} {'kept MB':>8} "
@@ -167,7 +230,8 @@ def main() -> None:
               f"{r['render_and_check_s']:15.2f} {r['rss_kept_mb']:8.0f} {r['peak_rss_mb']:8.0f} "
               f"{r['resume_build_s'] + r['resume_first_batch_s']:9.2f} {str(r['resume_matches']):>9}")
     results = {"rows": args.rows, "resume_at": args.resume_at, "all_resumes_match": all(r["resume_matches"] for r in rows),
-               "max_load_s": max(r["load_s"] for r in rows), "max_rss_kept_mb": max(r["rss_kept_mb"] for r in rows)}
+               "max_load_s": max(r["load_s"] for r in rows), "max_rss_kept_mb": max(r["rss_kept_mb"] for r in rows),
+               **({} if args.no_controller else run)}
     print(f"\nsaved to {save('bench_dataset', rows, results, before=before, out=args.out, name=args.name)}")
 
 

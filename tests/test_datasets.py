@@ -138,10 +138,13 @@ def test_the_prompt_stream_serves_a_dataset_by_position():
 def test_the_content_hash_follows_the_data_and_a_changed_file_is_named(tmp_path):
     path = _jsonl(tmp_path / "t.jsonl", ROWS)
     task = _task(str(path))
-    assert task.fingerprint["train"].startswith("sha256:") and data_changed(task.fingerprint, task) is None
+    assert task.fingerprint["train"].startswith("sha256:") and data_changed(task.identity, task) is None
+    assert task.identity == {"train": {"source": repr(str(path)), "hash": task.fingerprint["train"]}}
     assert _task(ROWS).fingerprint == _task(list(ROWS)).fingerprint  # objects: hashed by their rows
     assert _task(ROWS[:2]).fingerprint != _task(ROWS).fingerprint
-    saved = dict(task.fingerprint)
+    saved = task.identity
+    assert re.match(r"the checkpoint was trained on dataset '.*t.jsonl' \(train split\), and this run has no such "
+                    r"data \(task 'addition'\): give the same data", data_changed(saved, build_task("addition")))
     _jsonl(path, ROWS[:2] + [{"prompt": "9-7=", "answer": "3"}])
     changed = _task(str(path))
     message = data_changed(saved, changed)
@@ -372,3 +375,100 @@ def test_token_counts_are_the_lengths_of_the_prompt_ids_with_or_without_the_rust
                 return tok(*args, **kwargs)
 
         assert token_counts(Wrapped(), texts, special) == expected
+
+
+# ------------------------------------------------------------------------------- a dataset under a controller
+class Graded:
+    """Makes a dataset task score itself (the completion starts with the row's answer), so these tests need no
+    reward functions: the controller's handling of the data is what they look at."""
+
+    @staticmethod
+    def of(task):
+        from asyncrl.datasets import DatasetTask
+
+        class GradedTask(DatasetTask):
+            def reward(self, prompt, completion):
+                return float(str(completion).strip().startswith(prompt.columns["answer"]))
+
+        return GradedTask(task.train_prompts, task.eval_prompts, task.sources, task.fingerprint, task._origin)
+
+
+def _controller(task, **overrides):
+    from asyncrl import Controller, load_config
+    from asyncrl.backends import build_backends
+
+    cfg = load_config("quickstart", **{"groups_per_step": 2, "group_size": 4, "eval_every": None,
+                                       "torch_threads": 1, "generation": {"max_new_tokens": 2}, **overrides})
+    policy, generator, tokenizer = build_backends(cfg)
+    return Controller(cfg, Graded.of(task), policy, generator, tokenizer)
+
+
+def _stepped(ctrl, steps):
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+    return ctrl
+
+
+WORDS = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b), "pair": [a, b]}
+         for a in range(4) for b in range(4)]
+
+
+def test_a_conversational_dataset_trains_with_the_templates_ids_and_the_trace_shows_the_rendering(tmp_path):
+    path = _jsonl(tmp_path / "words.jsonl", WORDS)
+    ctrl = _stepped(_controller(_task(str(path), eval_fraction=0.25)), 2)
+    tok = ctrl.tokenizer
+    dispatched = ctrl.trace[ctrl.trace.event == "dispatch"]
+    assert dispatched.detail.str.startswith("<bos>user: ").all() and dispatched.detail.str.endswith("assistant: ").all()
+    prompt = ctrl.stream.get(0)
+    assert ctrl.encode(prompt) == _template_ids(tok, prompt.messages)  # one <bos>, the template's
+    assert prompt.text == dispatched.detail.iloc[0] and prompt.id.startswith("train/")
+    assert len(ctrl.metrics) == 2 and ctrl.task.conversational
+
+
+def test_a_dataset_run_restores_bit_for_bit_with_its_columns_and_refuses_changed_data(tmp_path):
+    from asyncrl import Controller, load_config
+    from asyncrl.checkpoint import CheckpointError
+
+    path = _jsonl(tmp_path / "words.jsonl", WORDS)
+    task = _task(str(path), eval_fraction=0.25)
+    a = _stepped(_controller(task, sampler={"name": "in_order", "max_lookahead_versions": 1}), 2)
+    a.rollout_tick()  # a batch ahead: groups in the buffer, with their prompts' columns
+    saved = a.save(tmp_path / "ckpt")
+    state = json.loads((saved / "state.json").read_text())
+    rows = [s["prompt"] for s in state["buffer"]["slots"]]
+    assert rows and all(set(r["columns"]) == {"answer", "pair"} and r["messages"] for r in rows)
+    meta = json.loads((saved / "meta.json").read_text())
+    assert meta["data"] == task.identity
+
+    from asyncrl.checkpoint import load
+
+    _, loaded = load(saved)  # the controller's own restore path, with the graded task
+    b = _controller(task, sampler={"name": "in_order", "max_lookahead_versions": 1})
+    b.load_state_dict(loaded)
+    assert [s.prompt for s in b.buffer.slots()] == [s.prompt for s in a.buffer.slots()]  # columns included
+    for ctrl in (a, b):
+        _stepped(ctrl, 4)
+    assert a.metrics.loss.tolist() == b.metrics.loss.tolist()
+    assert a.trace.drop(columns="seq").equals(b.trace.drop(columns="seq"))
+
+    _jsonl(path, WORDS[:-1])  # the file changed since
+    def exact(completions, answer, **kwargs):
+        return [float(c[0]["content"].strip().startswith(a)) for c, a in zip(completions, answer)]
+
+    with pytest.raises(CheckpointError, match=r"the checkpoint was trained on dataset '.*words.jsonl' \(train "
+                                              r"split\), and this run has no such data \(task 'copy_first'\)"):
+        Controller.restore(saved, reward_funcs=[exact])  # its config.yaml names the quickstart's task
+    cfg = load_config(saved / "config.yaml", task={"name": "dataset", "options": {"train": str(path),
+                                                                                   "eval_fraction": 0.25}})
+    with pytest.raises(CheckpointError, match=r"dataset '.*words.jsonl' \(train split\) changed since the "
+                                              r"checkpoint: its content hash was sha256:[0-9a-f]{12}, it is sha256:"):
+        Controller.restore(saved, config=cfg, reward_funcs=[exact])
+
+
+def test_a_prompt_too_long_after_templating_is_refused_when_the_controller_is_built(tmp_path):
+    long = [{"prompt": [{"role": "user", "content": "x" * 50}], "answer": "1"}]
+    path = _jsonl(tmp_path / "long.jsonl", WORDS[:3] + long)
+    with pytest.raises(ValueError, match=rf"^dataset {re.escape(repr(str(path)))} row 3 column 'prompt' is 69 tokens "
+                                         r"after the chat template .* more than the model's context "
+                                         r"model.max_position_embeddings 64"):
+        _controller(_task(str(path)))

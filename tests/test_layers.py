@@ -2,8 +2,8 @@
 no module takes part in an import cycle (``if TYPE_CHECKING:`` imports count: the tie they make is real), no engine
 imports another engine, no module outside ``asyncrl/controller.py`` reads or writes the controller's private state,
 no part of the controller (a pump, the checkpoint format, anything below it) holds the controller to reach its
-state, no package file grows past 600 lines, and nothing asks with ``isinstance`` what a backend or sampler may do
-beyond its Protocol (that is declared). Source is read with ``ast``, so nothing is imported to check it."""
+state, no package file grows past 510 lines (85% of the 600-line cap, so the next knob has room), and nothing asks
+with ``isinstance`` what a backend or sampler may do beyond its Protocol (that is declared). Source is read with ``ast``, so nothing is imported to check it."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts"],  # strict: the strict base model and int check
-    # configs and samplers share; prompts: the Prompt and the stream that serves prompts by data position
+     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts", "asyncrl.completions"],  # strict: the strict base
+    # model and int check configs and samplers share; prompts: the Prompt and the stream that serves prompts by data
+    # position; completions: the completions log (what the model wrote)
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
@@ -47,6 +48,7 @@ TIERS = [
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
+    ["asyncrl.evaluation"],  # evaluation on a split: n samples a prompt (a generator's capability), mean@n, pass@n
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
@@ -299,10 +301,13 @@ def test_the_checks_see_the_imports_they_judge():
     assert "asyncrl.backends.ray" in GRAPH["asyncrl.backends.weight_sync"]
 
 
+LINE_CAP = 600  # a file near it has no room left: placement starts to follow the counter instead of the meaning
+
+
 @pytest.mark.parametrize("package", ["asyncrl", "widgets"])
-def test_no_package_file_over_600_lines(package):
+def test_no_package_file_over_85_percent_of_the_600_line_cap(package):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
+            if (n := len(p.read_text().splitlines())) > LINE_CAP * 85 // 100}
     assert not long, long
 
 

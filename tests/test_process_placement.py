@@ -102,7 +102,7 @@ def test_the_child_process_passes_on_the_step_metrics_its_generator_declares(pai
     """A process placement answers what its generator declares, as far as it crosses the pipe: step metrics, read
     in the child; not staged weights (shared memory) nor an actor's restart."""
     _, child, _ = pair
-    assert capabilities(child) == Capabilities() == capabilities(TorchGenerator)
+    assert capabilities(child) == Capabilities(sampled_evaluation=True) == capabilities(TorchGenerator)
     cfg = load_config("quickstart", seed=0)
     metered = ProcessGenerator(MeteredGenerator, (cfg.model, cfg.generation, cfg.seed, build_tokenizer()))
     try:

@@ -157,3 +157,103 @@ def test_task_options_are_checked_when_the_config_loads():
     with pytest.raises(ValueError, match=r"unknown task 'adition'; tasks: \["):
         load_config("quickstart", task={"name": "adition"})
     assert load_config("quickstart", task={"name": "copy_last", "options": {"length": 2}}).task.options == {"length": 2}
+
+
+# --------------------------------------------------------------------------------- Controller.evaluate(split, n)
+def _ctrl(**overrides):
+    from asyncrl import Controller, load_config
+
+    cfg = load_config("quickstart", **{"groups_per_step": 2, "group_size": 4, "eval_every": None, "torch_threads": 1,
+                                       **overrides})
+    return Controller.from_config(cfg)
+
+
+def test_the_default_evaluation_is_the_greedy_accuracy_eval_every_always_reported():
+    ctrl = _ctrl()
+    ctrl.tick()
+    ev = ctrl.evaluate()
+    old = evaluate(ctrl.generator, ctrl.task, ctrl.tokenizer, ctrl.cfg.generation.max_new_tokens)
+    assert {k: ev[k] for k in old} == old and ev["n"] == len(ctrl.task.eval_prompts)
+    assert ev["mean@1"] == ev["pass@1"] == ev["accuracy"]
+    row = ctrl.evaluations.iloc[-1]
+    assert (row.weight_version, row.split, row.n, row.temperature, row.prompts) == (
+        ctrl.generator.version, "eval", 1, 0.0, len(ctrl.task.eval_prompts))
+    greedy4 = ctrl.evaluate(n=4)  # greedy: one completion stands for all four
+    assert greedy4["mean@4"] == greedy4["pass@4"] == greedy4["accuracy"] == ev["accuracy"]
+
+
+def test_sampled_evaluation_gives_mean_and_pass_at_n_and_leaves_the_run_unchanged():
+    a, b = _ctrl(), _ctrl()
+    for ctrl in (a, b):
+        ctrl.tick()
+    ev = a.evaluate(split="train", n=4, temperature=1.0, max_prompts=20)
+    assert ev["n"] == 20 and 0 <= ev["mean@4"] <= ev["pass@4"] <= 1 and ev["accuracy"] == ev["mean@4"]
+    again = _ctrl()
+    again.tick()
+    assert again.evaluate(split="train", n=4, temperature=1.0, max_prompts=20) == ev  # seeded by run and version
+    for ctrl in (a, b):  # the evaluation drew nothing from the rollouts' random stream
+        while ctrl.trainer_version < 3:
+            ctrl.tick()
+    assert a.trace.drop(columns="seq").equals(b.trace.drop(columns="seq"))
+    assert a.metrics.loss.tolist() == b.metrics.loss.tolist()
+    assert list(a.evaluations.columns[-2:]) == ["mean@4", "pass@4"] and a.evaluations.iloc[-1].split == "train"
+
+
+def test_evaluation_arguments_are_checked_in_one_line():
+    ctrl = _ctrl()
+    for kwargs, match in [({"split": "test"}, r"evaluate\(split='test'\): the splits are 'eval' and 'train'"),
+                          ({"n": 0}, r"evaluate\(n=0\): completions per prompt, an integer >= 1"),
+                          ({"temperature": -1.0}, r"evaluate\(temperature=-1.0\): 0.0 \(greedy\) or a positive"),
+                          ({"max_prompts": 0}, r"evaluate\(max_prompts=0\): an integer >= 1, or None")]:
+        with pytest.raises(ValueError, match=match):
+            ctrl.evaluate(**kwargs)
+    assert len(ctrl.evaluations) == 0
+
+
+def test_evaluation_scores_with_the_runs_reward_functions():
+    from asyncrl.datasets import dataset_task
+    from asyncrl.evaluation import evaluate_task
+    from asyncrl.rewards import RewardFunctions
+
+    class Fixed:  # a generator whose greedy completions are given: "4" for every prompt
+        def generate_greedy(self, prompt_ids, max_new_tokens):
+            return [list(b"4") for _ in prompt_ids]
+
+    def right(completions, answer, **kwargs):
+        return [1.0 if c.strip() == a else 0.0 for c, a in zip(completions, answer)]
+
+    def short(completions, **kwargs):
+        return [1.0 if len(c) <= 1 else 0.0 for c in completions]
+
+    def only_sums(completions, op, **kwargs):  # does not apply to other rows (None)
+        return [float(c.strip() == "4") if o == "add" else None for c, o in zip(completions, op)]
+
+    from asyncrl.tokenizer import build_tokenizer
+
+    rows = [{"prompt": "2+2=", "answer": "4", "op": "add"}, {"prompt": "3+3=", "answer": "6", "op": "add"},
+            {"prompt": "2*2=", "answer": "4", "op": "mul"}, {"prompt": "8/2=", "answer": "4", "op": "div"}]
+    task = dataset_task(train=rows, eval=rows)
+    tok = build_tokenizer()
+    ev, rows_out = evaluate_task(Fixed(), task, tok, RewardFunctions([right, short], [1.0, 0.5]))
+    assert ev["reward_mean"] == pytest.approx((1.5 + 0.5 + 1.5 + 1.5) / 4) and ev["accuracy"] == 0.75  # total at max
+    assert [r["correct"] for r in rows_out] == [True, False, True, True]
+    ev, _ = evaluate_task(Fixed(), task, tok, RewardFunctions([right, short], [1.0, 0.5]), accuracy="short")
+    assert ev["accuracy"] == 1.0  # the function reward.accuracy names
+    ev, rows_out = evaluate_task(Fixed(), task, tok, RewardFunctions([only_sums]))
+    assert [r["correct"] for r in rows_out] == [True, True, False, False]  # None (does not apply): not correct
+
+    from asyncrl.backends.base import Capabilities
+
+    class Sampled(Fixed):  # n samples a prompt: "4", then "x" — one right in n for the rows whose answer is 4
+        capabilities = Capabilities(sampled_evaluation=True)
+
+        def generate_sampled(self, prompt_ids, n, temperature, seed, max_new_tokens):
+            self.asked = (n, temperature, seed, max_new_tokens)
+            return [list(b"4") if i % n == 0 else list(b"x") for i in range(len(prompt_ids) * n)]
+
+    with pytest.raises(ValueError, match=r"evaluate\(temperature=0.7\): the generator Fixed samples only rollouts"):
+        evaluate_task(Fixed(), task, tok, RewardFunctions([right]), n=4, temperature=0.7)
+    gen = Sampled()
+    ev, _ = evaluate_task(gen, task, tok, RewardFunctions([right]), n=4, temperature=0.7, seed=5, max_new_tokens=3)
+    assert gen.asked == (4, 0.7, 5, 3)
+    assert ev["pass@4"] == 0.75 and ev["mean@4"] == pytest.approx(0.75 / 4) and ev["accuracy"] == ev["mean@4"]

@@ -77,7 +77,8 @@ def test_verdict_table_filters_by_action():
     play(ctrl, "rr")
     all_verdicts = widgets.verdict_table(ctrl)
     assert len(all_verdicts) == 16
-    assert list(all_verdicts.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
+    assert list(all_verdicts.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason",
+                                         "completions"]
     selected = widgets.verdict_table(ctrl, "select")
     assert len(selected) == 8 and set(selected.action) == {"select"}
     assert list(selected.index) == list(range(8))
@@ -232,7 +233,8 @@ def test_the_controller_writes_the_metric_vocabulary():
     assert columns[:2] == [M.STEP.name, M.TRAINER_VERSION.name]
     assert columns[2:2 + len(M.STEP_METRICS)] == [m.name for m in M.STEP_METRICS]
     assert {c.name for c in (*M.STEP_FACTS, M.EVAL_REWARD, M.EVAL_ACCURACY)} <= set(columns)
-    assert list(ctrl.evaluations.columns) == [c.name for c in M.EVALUATION_COLUMNS]
+    declared = [c.name for c in M.EVALUATION_COLUMNS]  # then mean@n and pass@n for each n evaluated
+    assert list(ctrl.evaluations.columns) == declared + ["mean@1", "pass@1"]
 
 
 def test_a_renamed_metric_fails_the_plots_loudly(monkeypatch):

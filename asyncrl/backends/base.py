@@ -150,6 +150,9 @@ class Capabilities:
     optimizer step, its weights being version ``current``: keep those of ``versions`` it has, the current ones
     included if listed, drop the rest; returns the versions it now holds) and ``logprobs_at(batch, version,
     current)`` (``logprobs`` under a held version). ``KeptVersions`` below is one way to have them.
+    ``sampled_evaluation`` (a generator): it has ``generate_sampled(prompts, n, temperature, seed,
+    max_new_tokens)``, ``n`` sampled completions of each prompt from a random stream of their own seeded by ``seed``
+    (the rollouts' is not touched): ``Controller.evaluate`` with a temperature (``asyncrl/evaluation.py``).
     ``actor``: it is a proxy of one Ray actor (``asyncrl.backends.ray.RemoteBackend``), with ``actor_id`` (hex, as
     ``ray.exceptions.RayActorError.actor_id`` names a dead one) and ``restart()`` (a fresh actor built the same way,
     from its constructor's state). Only such a backend can die as an actor and be restarted."""
@@ -161,6 +164,7 @@ class Capabilities:
     stages_weights: bool = False
     step_metrics: bool = False
     keeps_versions: bool = False
+    sampled_evaluation: bool = False
     actor: bool = False
 
     def __post_init__(self) -> None:
@@ -175,8 +179,8 @@ class KeptVersions:
     that leaves it, where the parameters live (the GPU for a GPU policy: one model's parameters per kept version,
     ``kept_bytes``). ``logprobs_at`` swaps the copies' tensors into the parameters for one ``logprobs`` pass and
     the current ones back, even if the pass fails: nothing is copied per call, the optimizer's parameter objects
-    never change, no gradient is taken under kept weights. Copies are not checkpointed (after a restore, the first
-    steps' stale tokens are left out of the gap metrics)."""
+    never change, no gradient is taken under kept weights. Copies are not checkpointed: a checkpoint holds the
+    buffered groups' logprobs under their versions instead (``TrainPump.version_state``)."""
 
     def keep_versions(self, versions: Sequence[int], current: int) -> list[int]:
         wanted, kept = set(versions), getattr(self, "_kept", {})
@@ -205,7 +209,8 @@ class KeptVersions:
 
 DEFAULTS = Capabilities()
 MEMBERS = {"stages_weights": ("stage_weights",), "step_metrics": ("step_metrics",),
-           "keeps_versions": ("keep_versions", "logprobs_at"), "actor": ("actor_id", "restart")}
+           "keeps_versions": ("keep_versions", "logprobs_at"), "sampled_evaluation": ("generate_sampled",),
+           "actor": ("actor_id", "restart")}
 
 
 def capabilities(backend: object) -> Capabilities:

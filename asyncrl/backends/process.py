@@ -132,7 +132,8 @@ class ProcessGenerator:
     def __init__(self, cls: type, args: tuple, threads: int | None = None) -> None:
         # Of what ``cls`` declares, step_metrics crosses the pipe like any call. Not staged weights (a load goes
         # through shared memory, between generations) and not an actor (a dead child is an error, not a restart).
-        self.capabilities = Capabilities(step_metrics=capabilities(cls).step_metrics)
+        self.capabilities = Capabilities(step_metrics=capabilities(cls).step_metrics,
+                                         sampled_evaluation=capabilities(cls).sampled_evaluation)
         ctx = torch.multiprocessing.get_context("spawn")  # torch's pickler shares tensors through shared memory
         gen_parent, gen_child = ctx.Pipe()
         ctl_parent, ctl_child = ctx.Pipe()
@@ -246,6 +247,11 @@ class ProcessGenerator:
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | None = None) -> list:
         return self._call(self._ctl, "call", "generate_greedy", (prompts, max_new_tokens))
+
+    def generate_sampled(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int,
+                         max_new_tokens: int | None = None) -> list:
+        """The hosted generator's (used only when it declares ``sampled_evaluation``: ``capabilities``)."""
+        return self._call(self._ctl, "call", "generate_sampled", (prompts, n, temperature, seed, max_new_tokens))
 
     def step_metrics(self) -> dict[str, float]:
         """The hosted generator's ``step_metrics()`` (read only when it declares them: ``capabilities``)."""

@@ -310,6 +310,8 @@ class TorchGenerator:
     submissions and the weights, not on timing.
     """
 
+    capabilities = Capabilities(sampled_evaluation=True)
+
     def __init__(self, model_cfg: ModelConfig, gen_cfg: TorchGenerationConfig, seed: int, tokenizer=None):
         self.model_cfg, self.gen_cfg, self.seed = model_cfg, gen_cfg, seed
         self.tokenizer = tokenizer
@@ -377,6 +379,22 @@ class TorchGenerator:
         with self._model_lock:
             return greedy_completions(self.model, prompts, max_new_tokens or self.gen_cfg.max_new_tokens,
                                       self.eos_id, self.pad_id, self._stop)  # evaluation stops as sampling does
+
+    def generate_sampled(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int,
+                         max_new_tokens: int | None = None) -> list[list[int]]:
+        """``n`` sampled completions of each prompt (rows in prompt order) at ``temperature``, with this generator's
+        ``top_p``/``top_k``/stop strings, from a random stream of their own seeded by ``seed``: the rollouts' stream
+        is not touched (``Controller.evaluate``)."""
+        if not prompts:
+            return []
+        rng = torch.Generator(device=self.device)
+        rng.manual_seed(seed)
+        rows = [list(p) for p in prompts for _ in range(n)]
+        choose = lambda lg: _sample_from(lg, temperature, self.gen_cfg.top_p, rng, self.gen_cfg.top_k)  # noqa: E731
+        with self._model_lock:
+            completions, _, _ = decode(self.model, rows, max_new_tokens or self.gen_cfg.max_new_tokens, choose,
+                                       self.eos_id, self.pad_id, stop=self._stop)
+        return completions
 
     def load_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``weights`` (HF names, as ``TorchPolicy.export_weights`` gives) into this generator's own model,

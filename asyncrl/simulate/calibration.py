@@ -131,7 +131,7 @@ def measure_overlap(config: Config, reps: int = 10, warmup: int = 3) -> dict[str
         for _ in range(warmup):
             ctrl.tick()
         gen, policy, N, G = ctrl.generator, ctrl.policy, config.groups_per_step, config.group_size
-        prompts = [ctrl.encode(ctrl.stream.get(i).text) for i in range(N)]
+        prompts = [ctrl.encode(ctrl.stream.get(i)) for i in range(N)]
 
         def generate():
             gen.submit([GenerationRequest(i, prompts[i], G) for i in range(N)])
