@@ -302,6 +302,7 @@ class SimulatedGenerator:
         reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
         return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start, end,
                              reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None,
+                             texts=["x" * (n - 1) for n in f.lengths],  # what the ids say, for the completions log
                              token_versions=None if versions is None else [versions[:n] for n in f.lengths])
 
     def busy_s(self, start: float, end: float) -> list[float]:

@@ -14,6 +14,7 @@ import math
 
 import pandas as pd
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from asyncrl import metrics as M
 
@@ -87,6 +88,8 @@ def comparison_figure(cmp) -> Figure:
     axes[3][0].set_ylabel("tokens")
     axes[4][0].set_ylabel("reward")
     axes[5][0].set_ylabel("share of the step's groups")
+    for ax in [*axes[0], *axes[2]]:  # lags are whole versions
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes.flat:
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
