@@ -21,7 +21,9 @@ if TYPE_CHECKING:
 
 class WeightFifoConfig(KnobModel):
     name: Literal["weight_fifo"] = "weight_fifo"
-    max_staleness_versions: int = Field(1, ge=0, strict=True)
+    max_staleness_versions: int = Field(
+        1, ge=0, strict=True, description="W: groups older than T - W weight versions are evicted; versions "
+        "are trained oldest first")
 
 
 class WeightFifoSampler(SamplerBase):
