@@ -472,3 +472,19 @@ def test_a_prompt_too_long_after_templating_is_refused_when_the_controller_is_bu
                                          r"after the chat template .* more than the model's context "
                                          r"model.max_position_embeddings 64"):
         _controller(_task(str(path)))
+
+
+def test_countdown_runs_end_to_end_on_cpu():
+    from asyncrl import Controller, load_config
+
+    cfg = load_config("quickstart", groups_per_step=2, group_size=2, eval_every=1, torch_threads=1,
+                      task={"name": "countdown", "options": {"train_size": 8, "eval_size": 4}},
+                      model={"max_position_embeddings": 512}, generation={"max_new_tokens": 4})
+    with Controller.from_config(cfg) as ctrl:
+        ctrl.run(2, progress=False)
+        detail = ctrl.trace[ctrl.trace.event == "dispatch"].detail.iloc[0]
+        assert detail.startswith("<bos>system: You are a helpful assistant.") and "<answer>" in detail
+        assert detail.endswith("</answer>.\nassistant: ")
+        assert set(ctrl.metrics.reward_mean) <= {0.0, 0.25, 0.5, 0.75, 1.0} and len(ctrl.evaluations) == 3
+        ev = ctrl.evaluate(n=2, temperature=1.0)
+        assert ev["n"] == 4 and 0.0 <= ev["mean@2"] <= ev["pass@2"] <= 1.0
