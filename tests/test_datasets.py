@@ -488,3 +488,27 @@ def test_countdown_runs_end_to_end_on_cpu():
         assert set(ctrl.metrics.reward_mean) <= {0.0, 0.25, 0.5, 0.75, 1.0} and len(ctrl.evaluations) == 3
         ev = ctrl.evaluate(n=2, temperature=1.0)
         assert ev["n"] == 4 and 0.0 <= ev["mean@2"] <= ev["pass@2"] <= 1.0
+
+
+def test_the_cli_refuses_bad_data_in_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    from asyncrl.cli import main
+
+    out = tmp_path / "run"
+    no_prompt = _jsonl(tmp_path / "q.jsonl", [{"question": "2+2="}])
+    no_answer = _jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2="}])
+    long = _jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 80, "answer": "1"}])
+    cases = [
+        ([f"task.options.train={tmp_path / 'nope.jsonl'}"], r"dataset file '.*nope.jsonl' \(task.options.train\) does "
+                                                             r"not exist"),
+        ([f"task.options.train={no_prompt}"], r"dataset '.*q.jsonl' row 0 \(line 1\) has no column 'prompt'"),
+        ([f"task.options.train={no_answer}", 'reward.funcs=["exact_match"]'],
+         r"dataset '.*p.jsonl' row 0 has no column 'solution' or 'answer', which reward function exact_match needs"),
+        ([f"task.options.train={long}", 'reward.funcs=["exact_match"]'],
+         r"dataset '.*l.jsonl' row 0 column 'prompt' is 81 tokens .* more than the model's context"),
+    ]
+    for sets, match in cases:
+        argv = ["run", "quickstart", "--steps", "1", "--out", str(out), "--set", "task.name=dataset"]
+        assert main(argv + [a for s in sets for a in ("--set", s)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), err
+        assert len([line for line in err.splitlines() if "dataset" in line]) == 1 and not out.exists()
