@@ -512,3 +512,23 @@ def test_the_cli_refuses_bad_data_in_one_line_exit_2_and_writes_nothing(tmp_path
         err = capsys.readouterr().err
         assert re.search(match, err), err
         assert len([line for line in err.splitlines() if "dataset" in line]) == 1 and not out.exists()
+
+
+def test_from_config_takes_data_objects_and_model_chat_template():
+    from asyncrl import Controller, load_config
+
+    def exact(completions, answer, **kwargs):
+        return [float(c[0]["content"].strip().startswith(a)) for c, a in zip(completions, answer)]
+
+    template = "{{ bos_token }}{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] }}{% endfor %}{{ '>' }}"
+    with pytest.raises(ValueError, match=r"task 'dataset' needs option\(s\) \['train'\]"):
+        load_config("quickstart", task={"name": "dataset", "options": {"system_prompt": "Add."}}).task
+    cfg = load_config("quickstart", eval_every=None, model={"chat_template": template})
+    with Controller.from_config(cfg, train_dataset=pd.DataFrame(WORDS[:12]), eval_dataset=WORDS[12:],
+                                reward_funcs=[exact]) as ctrl:
+        assert ctrl.task.sources == {"train": "train_dataset (a DataFrame)", "eval": "eval_dataset (a list of dicts)"}
+        assert [p.id for p in ctrl.task.eval_prompts] == ["eval/0", "eval/1", "eval/2", "eval/3"]
+        prompt = ctrl.stream.get(0)
+        assert prompt.text == f"<bos>[user] {prompt.messages[0]['content']}>"  # model.chat_template, not the byte one
+        assert ctrl.encode(prompt) == _template_ids(ctrl.tokenizer, prompt.messages, chat_template=template)
+        assert ctrl.state_dict()["data"] == ctrl.task.identity
