@@ -82,6 +82,9 @@ class Controller:
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated")
+        if cfg.eval_every and not task.eval_prompts:
+            raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
+                             "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")
         self.policy = policy
         self.generator = generator
         self.tokenizer = tokenizer

@@ -505,13 +505,17 @@ def test_the_cli_refuses_bad_data_in_one_line_exit_2_and_writes_nothing(tmp_path
          r"dataset '.*p.jsonl' row 0 has no column 'solution' or 'answer', which reward function exact_match needs"),
         ([f"task.options.train={long}", 'reward.funcs=["exact_match"]'],
          r"dataset '.*l.jsonl' row 0 column 'prompt' is 81 tokens .* more than the model's context"),
+        ([f"task.options.train={_jsonl(tmp_path / 'a.jsonl', ROWS)}", 'reward.funcs=["exact_match"]'],
+         r"eval_every 25: task 'dataset' has no evaluation split; give it one \(task.options.eval or eval_fraction"),
     ]
     for sets, match in cases:
         argv = ["run", "quickstart", "--steps", "1", "--out", str(out), "--set", "task.name=dataset"]
         assert main(argv + [a for s in sets for a in ("--set", s)]) == 2
         err = capsys.readouterr().err
         assert re.search(match, err), err
-        assert len([line for line in err.splitlines() if "dataset" in line]) == 1 and not out.exists()
+        # one line naming it (a configuration error is under the CLI's "invalid configuration" header), no traceback
+        assert len([line for line in err.splitlines() if re.search(match, line)]) == 1
+        assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err and not out.exists()
 
 
 def test_from_config_takes_data_objects_and_model_chat_template():
