@@ -26,8 +26,9 @@ Invariants:
   one line naming the file and what is wrong. Given a directory of checkpoints, ``resolve`` skips a damaged one
   with a ``CheckpointSkipped`` warning saying the same, and takes the newest intact one.
 - Restoring without a config builds from the checkpoint's ``config.yaml``: a checkpoint naming a ``custom``
-  sampler is refused unless the caller passes ``trust_code=True`` (importing it runs its module's code), and its
-  ``ray.address`` is dropped (where a restore connects is the caller's choice: its config or ``RAY_ADDRESS``).
+  sampler, or reward functions of one's own (``reward.funcs``: ``module:function``), is refused unless the caller
+  passes ``trust_code=True`` (importing them runs their modules' code) or names its own (``sampler=``,
+  ``reward_funcs=``), and its ``ray.address`` is dropped (where a restore connects is the caller's choice: its config or ``RAY_ADDRESS``).
 
 What a resume restores: weights, optimizer, the generator's weights, version and sampling RNG, the torch RNG, every
 buffered group (ready ones with their rollouts; pending ones are submitted again), the sampler's dispatch index,
@@ -56,6 +57,8 @@ from typing import Any
 import numpy as np
 import torch
 import yaml
+
+from asyncrl.rewards.config import imported_functions
 
 FORMAT = 1
 PREFIX = "step-"
@@ -301,7 +304,7 @@ def save(path: str | Path, config: Any, state: dict) -> Path:
     return write(path, meta, config.model_dump(mode="json"), files, tensors)
 
 
-def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool) -> dict:
+def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool, rewards_given: bool = False) -> dict:
     """The checkpoint's own config as plain data, before anything of it is validated (validating a ``custom``
     sampler imports its module): refused when it names a custom sampler the caller did not trust or replace; its
     ``ray.address`` dropped (where to connect is the caller's: a config, or ``RAY_ADDRESS``)."""
@@ -312,6 +315,12 @@ def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool) -> dict:
             f"checkpoint {str(ckpt.path)!r} names a custom sampler, {named.get('target')!r}: building it would import "
             "and run that module's code. Pass trust_code=True if you trust the checkpoint, or pass config= (or "
             "sampler=) to choose what runs")
+    imported = imported_functions(data)  # reward functions of one's own: the same rule as a custom sampler
+    if imported and not (trust_code or rewards_given):
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.path)!r} names reward functions {imported}: loading them would import and run "
+            "their modules' code. Pass trust_code=True if you trust the checkpoint, or pass reward_funcs= (or "
+            "config=) to choose what runs")
     if isinstance(data.get("ray"), dict):
         data["ray"] = {**data["ray"], "address": None}
     return data
@@ -331,7 +340,8 @@ def state_dict(ckpt: Checkpoint) -> dict:
     return state
 
 
-def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: bool = False) -> tuple[Any, dict]:
+def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: bool = False,
+         rewards_given: bool = False) -> tuple[Any, dict]:
     """``(config, state_dict)`` of the checkpoint at ``path`` (``resolve`` finds it). The config is ``config``
     (a ``Config``; default: the checkpoint's own, under ``own_config``'s rules) with ``sampler`` (a sampler config
     or mapping) in place of its sampler, validated, and its model must be the checkpoint's: every check that can
@@ -341,7 +351,10 @@ def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: 
     from asyncrl.samplers import sampler_config
 
     ckpt = read(path, asyncrl.__version__)
-    data = own_config(ckpt, sampler is not None, trust_code) if config is None else config.model_dump(mode="json")
+    data = (own_config(ckpt, sampler is not None, trust_code, rewards_given) if config is None
+            else config.model_dump(mode="json"))
+    if rewards_given:  # the caller's objects replace the functions named (nothing of them is imported)
+        data["reward"] = {**(data.get("reward") or {}), "funcs": [], "weights": None, "accuracy": None}
     if sampler is not None:
         data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)

@@ -121,7 +121,7 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     # trace.csv, metrics.csv and trace_index.csv, appended at each step (asyncrl/run_files.py); history=True: a
     # resumed run's files start from its checkpoint's history, not the old files
-    files = RunFiles(out).attach(ctrl)
+    files = RunFiles(out).attach(ctrl)  # and completions.jsonl, what the model wrote (asyncrl/completions.py)
 
     previous = signal.signal(signal.SIGINT, on_sigint)
     error = None
@@ -332,7 +332,8 @@ def main(argv: list[str] | None = None) -> int:
                "example: asyncrl run quickstart --steps 300 --out runs/q",
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("run", help="run headless and write metrics.csv, trace.csv, config.yaml, summary.json")
+    p = sub.add_parser("run", help="run headless and write metrics.csv, trace.csv, completions.jsonl, config.yaml, "
+                       "summary.json")
     p.add_argument("config", help=f"a preset ({', '.join(presets())}) or the path of a YAML config")
     p.add_argument("--steps", type=_positive, required=True,
                    help="optimizer steps to train (>= 1), in all: a resumed run counts the steps it already has")
@@ -372,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
     replay_command.add_parser(sub)
     args = parser.parse_args(argv)
+    # As `python -m` and a script would: a config's "module:function" rewards or "module:Class" sampler in the
+    # directory the command runs from import without PYTHONPATH (workers get this sys.path too).
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
     if args.command == "simulate":
         return simulate(args)
     if args.command == "export":

@@ -77,7 +77,6 @@ class Controller:
         from asyncrl.chat import prepare_task
         from asyncrl.tasks import PromptStream, check_rewards
 
-        self.cfg = cfg
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
@@ -85,6 +84,9 @@ class Controller:
         if cfg.eval_every and not task.eval_prompts:
             raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
                              "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")
+        if reward_funcs:  # named in the config a run writes (config.yaml, checkpoints)
+            cfg = cfg.model_copy(update={"reward": cfg.reward.with_funcs(reward_funcs)})
+        self.cfg = cfg
         self.policy = policy
         self.generator = generator
         self.tokenizer = tokenizer
@@ -112,7 +114,7 @@ class Controller:
 
         self.sync_weights = build_weight_sync(cfg, policy, generator)  # generation.weight_sync: driver | collective
         self._rollout = RolloutPump(cfg, self._state, self.buffer, self.sampler, self.stream, generator, task,
-                                    tokenizer, self.encode, self.sync_weights, self.faults)
+                                    tokenizer, self.encode, self.sync_weights, self.faults, self.reward_functions)
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
@@ -295,6 +297,19 @@ class Controller:
             return self._frame("metrics", self._state.metrics)
 
     @property
+    def completions(self) -> pd.DataFrame:
+        """What the model wrote: a row per completion of each committed group, its rewards (asyncrl/completions.py)."""
+        return self._rollout.scorer.log.frame()
+
+    def completions_count(self, group_id: int) -> int:
+        return self._rollout.scorer.log.count(group_id)
+
+    def log_completions_to(self, path: str | Path) -> None:
+        """Write the completions log to ``path`` (``completions.jsonl``; ``asyncrl run`` does) from now on."""
+        with self._lock:
+            self._rollout.scorer.log.open(path)
+
+    @property
     def last_run(self) -> RunHandle | None:
         """The handle of the latest ``start``/``run`` (its ``status``, ``error``, ``breakpoint``), or None."""
         return self._run
@@ -313,7 +328,7 @@ class Controller:
             raise TimeoutError(f"explain: a pump held the controller's lock for over {timeout:g} s")
         try:
             return read_view.verdicts(self.cfg, self.sampler, self.buffer, self.trainer_version,
-                                      self._train.step.groups)
+                                      self._train.step.groups, self._rollout.scorer.log.count)
         finally:
             self._lock.release()
 
@@ -447,13 +462,14 @@ class Controller:
         (newest first) are skipped, the rest stay and its ``evict`` runs at once; its dispatch index counts the
         batches it kept. With ``"drop"`` every restored group is skipped and the new sampler starts at the
         checkpoint's step with an empty buffer. Either way the trace records each skip and eviction. ``data``:
-        ``from_config``'s ``train_dataset``, ``eval_dataset``, ``reward_funcs``; data that changed since the
-        checkpoint is refused in one line (its content hash)."""
+        ``from_config``'s ``train_dataset``, ``eval_dataset``, ``reward_funcs`` (in place of the functions the
+        checkpoint names: none of those is imported); data that changed since the checkpoint is refused in one line
+        (its content hash)."""
         from asyncrl import checkpoint
 
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
-        cfg, state = checkpoint.load(path, config, sampler, trust_code)
+        cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")))
         ctrl = cls.from_config(cfg, **data)
         try:
             checkpoint.check_shapes(checkpoint.shapes(state["policy"]), checkpoint.shapes(ctrl.policy.state_dict()),
@@ -469,6 +485,7 @@ class Controller:
         """Release the backends (and their Ray actors). The controller's history stays readable."""
         for backend in (self.generator, self.policy):
             backend.close()
+        self._rollout.close()
         self.tracker.close()
 
     def __enter__(self) -> Controller:

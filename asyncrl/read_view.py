@@ -55,10 +55,13 @@ class ReadView(Protocol):
 
 
 # ------------------------------------------------------------------------------------- explain() and state()
-def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: int) -> pd.DataFrame:
+def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: int,
+             completions=None) -> pd.DataFrame:
     """``explain()``: the sampler's verdict for every buffered group as the next train tick at ``trainer_version``
     would see it (this step's chunk bounds); with generation replicas, also which replica generated each group
-    (empty while it is pending). ``sampler``: anything with the sampler's ``explain(T, min_groups, max_groups)``."""
+    (empty while it is pending). ``sampler``: anything with the sampler's ``explain(T, min_groups, max_groups)``.
+    ``completions(group_id)``: the rows the completions log holds for a group, the ``completions`` column (what
+    ``completions(group_id)`` of the view reads)."""
     N = cfg.groups_per_step
     remaining = N - step_groups_trained or N  # all trained: the step is complete, the next tick starts one
     lo, hi = cfg.chunk_bounds
@@ -66,6 +69,9 @@ def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: in
     if cfg.generation.replicas > 1:
         rollouts = [buffer[gid].rollouts for gid in frame.group_id]
         frame["replica"] = pd.array([None if r is None else r.replica for r in rollouts], dtype="Int64")
+    if completions is not None:
+        frame["completions"] = pd.array([completions(gid) if buffer[gid].ready else 0 for gid in frame.group_id],
+                                        dtype="Int64")  # a pending group has none yet (a view's, logged later)
     frame.attrs["trainer_version"] = trainer_version
     return frame
 

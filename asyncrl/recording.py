@@ -24,7 +24,11 @@ Invariants:
 - A custom sampler named in a run directory is imported only with ``trust_code=True`` (as for restore); without
   it a view does not re-judge: its ``explain()`` is the decisions the run recorded at the view's ``T`` for the
   groups buffered there (``.attrs["note"]`` says so).
-- Read-only: a view has no ticks; nothing here writes to a controller.
+- Read-only: a view has no ticks; nothing here writes to a controller. A recording never runs reward functions:
+  those of one's own a run directory names are imported only with ``trust_code=True``.
+- What the model wrote: a recording's ``completions`` is the run's ``completions.jsonl`` (``asyncrl/completions.py``;
+  a live source: the controller's ``completions``); a view's ``completions(group_id)`` reads one group's rows, and
+  each ``explain()`` row's ``completions`` column says how many there are.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ import pandas as pd
 
 from asyncrl import read_view
 from asyncrl.buffer import ReplayBuffer
+from asyncrl.completions import FILE as COMPLETIONS_FILE, CompletionsFile
+from asyncrl.rewards import imported_functions
 from asyncrl.reports import ControllerState
 from asyncrl.run_files import (  # noqa: F401  (importable from here too)
     CONFIG_FILE, ENDS, INDEX_COLUMNS, INDEX_FILE, METRICS_FILE, TRACE_FILE, CsvLog, IndexEntry, RunFiles, StepIndexer,
@@ -133,6 +139,7 @@ class Recording:
             self._subscription = source.subscribe(self._on_event, history=True)
             self._metrics = lambda: source.metrics
             self.task = source.task
+            self._completions = None
             return
         run_dir = Path(source)
         missing = [name for name in (CONFIG_FILE, TRACE_FILE, METRICS_FILE) if not (run_dir / name).is_file()]
@@ -149,6 +156,7 @@ class Recording:
             self._index = _scan(self._rows)
         self._metrics = self._read_metrics
         self.task = None
+        self._completions = CompletionsFile(run_dir / COMPLETIONS_FILE)
 
     # -------------------------------------------------------------------------------------------- sources
     def _on_event(self, event) -> None:
@@ -244,6 +252,24 @@ class Recording:
             raise ValueError(f"step must be a finished step of this recording ({span}), got {step!r}")
         return k
 
+    @property
+    def completions(self) -> pd.DataFrame:
+        """What the model wrote: every row of the completions log (as ``Controller.completions``)."""
+        return self.source.completions if self._completions is None else self._completions.frame()
+
+    def group_completions(self, group_id: int) -> pd.DataFrame:
+        """The completions log's rows of group ``group_id`` (read by byte range from a run directory)."""
+        if self._completions is None:  # a live controller
+            frame = self.source.completions
+            return frame[frame.group_id == group_id].reset_index(drop=True)
+        return self._completions.group(group_id)
+
+    def completions_count(self, group_id: int) -> int:
+        """How many rows the completions log holds for group ``group_id`` (explain()'s ``completions`` column)."""
+        if self._completions is None:
+            return self.source.completions_count(group_id)
+        return self._completions.count(group_id)
+
     def replay(self, sampler, steps: int | None = None, **options):
         """This run replayed under ``sampler`` (a sampler config or mapping) on the simulated clock, its own
         completions served to it, for ``steps`` steps (None: as many as recorded): a ``ReplayedRun``, read like a
@@ -280,6 +306,9 @@ def _load_config(path: Path, trust_code: bool):
     from asyncrl.config import Config
 
     data = yaml.safe_load(path.read_text()) or {}
+    if imported_functions(data) and not trust_code:  # a recording never runs them: not imported, only named
+        data = {**data, "reward": {k: v for k, v in data["reward"].items() if k not in ("funcs", "weights",
+                                                                                         "accuracy")}}
     sampler = data.get("sampler") or {}
     if sampler.get("name") != "custom" or trust_code:
         return Config.model_validate(data), True
@@ -367,11 +396,16 @@ class RecordedView:
         """The run's sampler's verdict for every buffered group, as the next train tick would see it (the live
         controller's ``explain()`` at this row). Without a trusted sampler: what the run recorded at this ``T`` for
         the groups buffered here (their ``select``/``evict``/``abort``/``skip`` rows)."""
-        frame = read_view.verdicts(self.cfg, self._judge, self.buffer, self.trainer_version, self.step_groups_trained)
+        frame = read_view.verdicts(self.cfg, self._judge, self.buffer, self.trainer_version, self.step_groups_trained,
+                                   self.recording.completions_count)
         if self.sampler is None:
             frame.attrs["note"] = (f"recorded decisions at T={self.trainer_version}, not re-judged: the run's custom "
                                    "sampler is imported only with Recording(..., trust_code=True)")
         return frame
+
+    def completions(self, group_id: int | None = None) -> pd.DataFrame:
+        """What the model wrote: group ``group_id``'s completions (None: every one logged), with their rewards."""
+        return self.recording.completions if group_id is None else self.recording.group_completions(group_id)
 
     def state(self) -> ControllerState:
         return read_view.snapshot(

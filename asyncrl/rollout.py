@@ -15,7 +15,12 @@ Invariants (with ``asyncrl/faults.py``, which keeps the budgets and words each f
   only it needs of them: the requests not yet accepted by ``submit`` (``unsent``) and the dispatch counts of groups
   sent more than once (``attempts``). ``release`` is the one place a group leaves flight (committed, skipped or
   aborted), ``abort`` the one place the generator is asked to cancel groups.
-- Everything that reads or writes the run state does so under ``state.lock``; scoring (pure Python) runs outside.
+- Everything that reads or writes the run state does so under ``state.lock``; scoring runs outside it, through
+  ``GroupScorer`` (``asyncrl/rewards/scoring.py``): inline with ``reward.workers: 0``, else in worker processes
+  while this pump goes on generating. A group being scored stays in flight (never "lost" by the generator); a tick
+  by hand (``wait_s == 0``), a save and a drain wait for the scores of every group submitted, so a stepped run
+  commits the same groups at the same ticks with any number of workers; a running pump commits them when they
+  come back.
 """
 
 from __future__ import annotations
@@ -26,16 +31,19 @@ from typing import TYPE_CHECKING, Any
 
 from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
+from asyncrl.completions import CompletionsLog
 from asyncrl.data import GenerationRequest, GroupRollouts
-from asyncrl.faults import FaultContainment, RewardTypeError, StepShortfall, describe, reward_problem
+from asyncrl.faults import FaultContainment, StepShortfall, describe
 from asyncrl.metrics import GEN_METRICS, Accumulator, skew
 from asyncrl.reports import TickReport
+from asyncrl.rewards.scoring import GroupScorer, run_functions
 from asyncrl.state import RunState
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, FAULT, REFUSE, SKIP
 
 if TYPE_CHECKING:
     from asyncrl.backends.base import GenerationBackend
     from asyncrl.config import Config
+    from asyncrl.rewards import RewardFunctions
     from asyncrl.samplers import SamplerBase
     from asyncrl.tasks import PromptStream, Task
 
@@ -49,11 +57,12 @@ class UniformGroupsError(RuntimeError):
 class RolloutPump:
     """The rollout half of a controller, built from the parts it uses: ``state`` is the controller's run state
     (this pump and the train pump write it), ``encode`` a prompt's token ids, ``sync_weights(version)`` the weight
-    sync into ``generator``."""
+    sync into ``generator``; ``rewards`` the run's reward functions (default: ``cfg.reward``'s, else the task's)."""
 
     def __init__(self, cfg: Config, state: RunState, buffer: ReplayBuffer, sampler: SamplerBase,
                  stream: PromptStream, generator: GenerationBackend, task: Task, tokenizer: Any,
-                 encode: Callable[[Any], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment):
+                 encode: Callable[[Any], list[int]], sync_weights: Callable[[int], None], faults: FaultContainment,
+                 rewards: RewardFunctions | None = None):
         self.cfg, self.state, self.buffer, self.sampler, self.stream = cfg, state, buffer, sampler, stream
         self.generator, self.task, self.tokenizer, self.encode = generator, task, tokenizer, encode
         self.sync_weights, self.faults = sync_weights, faults
@@ -66,6 +75,11 @@ class RolloutPump:
         self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
         self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
         self._uniform: tuple[float, int] | None = None  # filter_uniform_groups: (since, count) of a uniform streak
+        rewards = rewards if rewards is not None else run_functions(cfg.reward, task)  # the controller's: checked
+        self.scorer = GroupScorer(
+            rewards, cfg.reward.workers, cfg.reward.timeout_s, cfg.faults.reward_retries,
+            lambda ids: tokenizer.batch_decode(ids, skip_special_tokens=True), self.fault,
+            CompletionsLog(cfg.log_completions, rewards.names), self._scored, state.lock)
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self, wait_s: float = 0.0) -> TickReport:
@@ -73,8 +87,17 @@ class RolloutPump:
         ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self.state.lock:
             report = self._admit()
-        self._collect(self._poll(wait_s), report)
+        finished = self._poll(wait_s)
+        self._collect(finished, report, wait=wait_s == 0, timeout=0.0 if finished else wait_s)
         return report
+
+    def _scored(self) -> None:
+        """A worker's score came back (another thread): wake a pump waiting on ``changed``; never block on it."""
+        if self.state.changed.acquire(timeout=0.05):
+            try:
+                self.state.changed.notify_all()
+            finally:
+                self.state.changed.release()
 
     def _admit(self) -> TickReport:
         report = TickReport("rollout", self.state.trainer_version)
@@ -174,7 +197,8 @@ class RolloutPump:
         # spaces its retries even while nothing is in flight (a failing tick writes a trace row, so the pump looks
         # again at once instead of waiting on the controller: the backoff is what paces it).
         start = time.perf_counter()
-        finished = self.generation_call("poll", self.generator.poll, timeout if self.buffer.num_pending else 0.0)
+        generating = self.buffer.num_pending > self.scorer.open  # the rest are being scored
+        finished = self.generation_call("poll", self.generator.poll, timeout if generating else 0.0)
         with s.lock:
             self._generated[1] += time.perf_counter() - start
             if finished is not FAILED:
@@ -184,36 +208,37 @@ class RolloutPump:
             # backend with nothing in flight will never return the groups we sent it.
             with s.lock:
                 unsent = {r.group_id for r in self.unsent}
-                sent = [g for g in self.inflight_ids() if g not in unsent]
+                sent = [g for g in self.inflight_ids() if g not in unsent and not self.scorer.scoring(g)]
                 if sent and self.generation_call("num_inflight", self.generator.num_inflight) == 0:
                     self._redispatch(sent, "lost by the generation backend (it has nothing in flight)")
             return []
         return finished
 
-    def _collect(self, finished: list[GroupRollouts], report: TickReport) -> None:
+    def _collect(self, finished: list[GroupRollouts], report: TickReport, wait: bool = True,
+                 timeout: float = 0.0) -> None:
+        """Submit the finished groups for scoring and commit (or skip) the groups whose scoring ended: with
+        ``wait``, every group submitted so far; else those back now (waiting up to ``timeout`` for one)."""
         s, buffer = self.state, self.buffer
         with s.lock:  # an aborted group may still come back finished: it was already accounted for
             finished = [g for g in finished if self.in_flight(g.group_id)]
             prompts = [buffer[g.group_id].prompt for g in finished]
-        problems, bad = [], None
-        for group, prompt in zip(finished, prompts):  # scoring is pure Python; done outside the lock
-            try:
-                problems.append(self._score(group, prompt))
-            except RewardTypeError as exc:  # a bug in the reward, not a fault to retry: stop, accounted
-                self.fault(group.group_id, str(exc), "not retried: a bug in the reward; the run stops")
-                problems.append(f"the reward is broken: {exc}")
-                bad = bad or exc
+        for group, prompt in zip(finished, prompts):  # outside the lock (inline: scored right here)
+            self.scorer.submit(group, prompt)
+        scored, bad = self.scorer.collect(wait=wait, timeout=timeout)
         with s.changed:
-            for group, problem in zip(finished, problems):
+            for group, problem in scored:
                 if not self.in_flight(group.group_id):
+                    self.scorer.cancel(group.group_id)
                     continue  # aborted while it was being scored
                 if problem is not None:
                     self.skip(group.group_id, problem)
                     continue
                 if self._uniform_group(group):
+                    self.scorer.cancel(group.group_id)  # skipped, not committed: not in the completions log
                     report.filtered.append(group.group_id)
                     continue
                 slot = self.release(group.group_id, group)
+                self.scorer.committed(slot.group_id, slot.prompt, slot.weight_version, group)
                 report.committed.append(group.group_id)
                 self._skew.add(skew("gen", [group]))
                 s.record(COMMIT, slot.group_id, slot.weight_version, slot.target_step, None,
@@ -223,8 +248,9 @@ class RolloutPump:
                          gen_start_version=group.gen_start_version, gen_end_version=group.gen_end_version,
                          replica=group.replica)
             report.skipped.extend(self.take_skipped())
-            if finished:
+            if scored:
                 s.changed.notify_all()
+        self.scorer.flush()  # the completions log's file written outside the lock
         if bad is not None:
             raise bad
         if self._uniform is not None and time.monotonic() - self._uniform[0] > self.cfg.stall_timeout_s:
@@ -258,7 +284,7 @@ class RolloutPump:
         if finished is not FAILED and finished:
             with self.state.lock:
                 self._generated[0] += sum(g.num_tokens for g in finished)
-            self._collect(finished, report)
+        self._collect(finished if finished is not FAILED else [], report)  # and the scores still out
         return report
 
     def drain(self) -> TickReport:
@@ -266,33 +292,6 @@ class RolloutPump:
         report = TickReport("rollout", self.state.trainer_version)
         self._collect(self._poll(0.0), report)
         return report
-
-    # ---------------------------------------------------------------------------------------------- scoring
-    def _score(self, group: GroupRollouts, prompt) -> str | None:
-        """Score one group (unless its backend did). ``None`` when every reward is a finite number; otherwise
-        each failure is a ``fault`` event, the group is re-scored up to ``faults.reward_retries`` times, and
-        the returned string says why it is given up."""
-        budget, gid = self.cfg.faults.reward_retries, group.group_id
-        if group.rewards is not None:  # the backend scored it (simulated): nothing to re-score
-            problem = next(filter(None, map(reward_problem, group.rewards)), None)
-            if problem is not None:
-                self.fault(gid, problem, "not retried: the generation backend scored this group")
-            return problem
-        group.texts = self.tokenizer.batch_decode(group.completion_ids, skip_special_tokens=True)
-        for attempt in range(budget + 1):
-            try:
-                rewards = [self.task.reward(prompt, text) for text in group.texts]
-                problem = next(filter(None, map(reward_problem, rewards)), None)
-            except RewardTypeError:
-                raise
-            except Exception as exc:
-                problem = describe(exc)
-            if problem is None:
-                group.rewards = rewards
-                return None
-            self.fault(gid, problem, f"retried: scoring again ({attempt + 1} of {budget} re-scorings)"
-                       if attempt < budget else f"not retried: faults.reward_retries={budget} re-scorings spent")
-        return f"the reward failed {budget + 1} time(s), last: {problem}"
 
     # ------------------------------------------------------------------------------------- retries and skips
     def generation_call(self, what: str, fn, *args):
@@ -394,6 +393,7 @@ class RolloutPump:
             if self.unsent:  # never sent: cancelled here
                 cancelled += [r.group_id for r in self.unsent if r.group_id in set(doomed)]
                 self.unsent[:] = [r for r in self.unsent if r.group_id not in set(doomed)]
+            cancelled += [gid for gid in doomed if self.scorer.cancel(gid)]  # generated, being scored
             return [self.release(gid) for gid in cancelled]
 
     def release(self, gid: int, rollouts: GroupRollouts | None = None) -> Slot:
@@ -425,7 +425,9 @@ class RolloutPump:
         batch its dispatch row names. ``flush_unsent`` submits them."""
         self.unsent.clear()
         self.attempts.clear()
-        self._skew.totals = dict((in_step or {}).get("gen", {}))  # a checkpoint older than ``in_step``: nothing
+        gen = dict((in_step or {}).get("gen", {}))  # a checkpoint older than ``in_step``: nothing
+        self.scorer.load_state_dict(gen.pop("rewards", None))
+        self._skew.totals = gen
         pending = self.inflight_ids()
         live = set(pending)
         self._batch = {row.group_id: row.dispatch_index for row in trace
@@ -440,15 +442,22 @@ class RolloutPump:
         self._generated = [0, 0.0]
         return tokens, seconds
     def take_skew(self) -> dict[str, float]:
-        """``GEN_METRICS`` of the groups committed since the last call (the step that finishes now counts them)."""
-        out = self._skew.result()
+        """``GEN_METRICS`` of the groups committed since the last call (the step that finishes now counts them),
+        then ``reward/<name>`` and ``reward_time_s`` (``asyncrl/rewards/scoring.py``)."""
+        out = {**self._skew.result(), **self.scorer.take_metrics()}
         self._skew.reset()
         return out
 
     def step_state(self) -> dict:
-        """The committed groups' ``GEN_METRICS`` towards the next step. A checkpoint keeps it (``resume``), so the
-        resumed step's metrics row counts them too (not the generation rate: timings are not restored)."""
-        return dict(self._skew.totals)
+        """The committed groups' ``GEN_METRICS`` towards the next step, and under ``rewards`` the reward metrics
+        and the completions logged. A checkpoint keeps it (``resume``), so the resumed step's metrics row counts
+        them too (not the generation rate: timings are not restored)."""
+        rewards = self.scorer.state_dict()  # left out while it counts nothing: older checkpoints stay byte for byte
+        return {**self._skew.totals, **({"rewards": rewards} if any(rewards.values()) else {})}
+
+    def close(self) -> None:
+        """Stop the reward workers and close the completions log."""
+        self.scorer.close()
 
     def take_skipped(self) -> list[int]:
         out, self._skipped = self._skipped, []

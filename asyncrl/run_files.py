@@ -11,6 +11,8 @@ Invariants:
 - Every slot alive after step ``k`` was dispatched at or after ``live_offset`` of step ``k``.
 - The index reads only typed trace columns (``dispatch_index`` of ``admit`` rows), never a reason's or detail's
   words.
+- ``completions.jsonl`` (what the model wrote) is the controller's own log, pointed at the directory by ``attach``
+  and written as groups are committed (``asyncrl/completions.py``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import csv
 from dataclasses import astuple, dataclass
 from pathlib import Path
 
+from asyncrl.completions import FILE as COMPLETIONS_FILE
 from asyncrl.trace import ABORT, ADMIT, DISPATCH, EVICT, SELECT, SKIP, TRACE_COLUMNS, StepEvent, TraceRow
 
 TRACE_FILE, METRICS_FILE, INDEX_FILE, CONFIG_FILE = "trace.csv", "metrics.csv", "trace_index.csv", "config.yaml"
@@ -120,7 +123,7 @@ class RunFiles:
     appends its trace rows, its metrics row and its index line; ``close()`` writes the rows after the last step."""
 
     def __init__(self, out: str | Path):
-        out = Path(out)
+        out = self.out = Path(out)
         self.trace = CsvLog(out / TRACE_FILE, TRACE_COLUMNS)
         self.metrics = CsvLog(out / METRICS_FILE)
         self.index = CsvLog(out / INDEX_FILE, INDEX_COLUMNS)
@@ -130,6 +133,7 @@ class RunFiles:
 
     def attach(self, ctrl) -> RunFiles:
         self._subscription = ctrl.subscribe(self.on_event, history=True)
+        ctrl.log_completions_to(self.out / COMPLETIONS_FILE)
         return self
 
     def on_event(self, event: TraceRow | StepEvent) -> None:

@@ -812,6 +812,40 @@ REPORTS.update({
         f"{m['unfused']:.2f} GiB"))(r["flex_vs_unfused"], r["pass_peak_gib"])),
 })
 
+# --- bench_rewards / bench_completions (issue 31: rewards off the rollout pump, the completions log) -------------
+REWARDS_RUN = COMPLETIONS_RUN = "2026-12-02"
+
+
+def rewards_table(name: str) -> Callable[[], str]:
+    """steps/s per reward and workers, median (min..max) over the reps, and the median against instant inline."""
+    def make() -> str:
+        meta, rows = run("bench_rewards", name)
+        base = rows[(rows.reward == "instant") & (rows.workers == 0)].steps_per_s.median()
+        body = [[reward, workers, spread(cell.steps_per_s), f"{cell.steps_per_s.median() / base:.2f}"]
+                for (reward, workers), cell in rows.groupby(["reward", "workers"], sort=False)]
+        return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_rewards/{name}/`.\n"
+                + table(body, ["reward", "workers", "steps/s, median (min..max)", "vs instant inline"]))
+    return make
+
+
+def completions_table(name: str) -> Callable[[], str]:
+    def make() -> str:
+        meta, rows = run("bench_completions", name)
+        r = meta["results"]
+        body = [[mode, spread(cell.steps_per_s)] for mode, cell in rows.groupby("log_completions", sort=False)]
+        return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_completions/{name}/`; "
+                f"all / none = {r['all_over_none']:.3f} (medians), {r['rows']:,} rows, {r['bytes'] / 1e6:.1f} MB "
+                "written.\n" + table(body, ["log_completions", "steps/s, median (min..max)"]))
+    return make
+
+
+REPORTS.update({
+    "bench_rewards": rewards_table(REWARDS_RUN),
+    "bench_rewards_waits_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/4']['ratio']:.2f}"),
+    "bench_rewards_waits_8": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/8']['ratio']:.2f}"),
+    "bench_completions": completions_table(COMPLETIONS_RUN),
+})
+
 # --- rewriting and checking ------------------------------------------------------------------------------------
 def render(text: str, where: str, problems: list[str]) -> str:
     """``text`` with every marker's body regenerated; a marker that cannot be made is left as it is and named in

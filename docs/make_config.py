@@ -24,8 +24,8 @@ OUT = ROOT / "docs" / "config.md"
 
 HEADER = """# Configuration reference
 
-Every key of a run's configuration (`asyncrl.config.Config`): a preset or YAML file, `load_config(preset,
-**overrides)`, or `asyncrl run ... --set key.sub=value`. Generated from the pydantic models by
+Every key of a run's configuration (`asyncrl.config.Config`): a preset or YAML file with overrides
+(`load_config("quickstart", seed=1, trainer={"lr": 1e-4})`), or `asyncrl run ... --set key.sub=value`. Generated from the pydantic models by
 `python docs/make_config.py`; `tests/test_config_doc.py` checks that this file is current and that every key is
 described. An unknown key is an error that lists the allowed ones; a bad value is one line naming it.
 """

@@ -94,3 +94,39 @@ def wait_10ms(completions, **kwargs):
 
 def old_signature(prompt, completion_text):
     return 1.0
+
+
+def first_char(prompts, completions, **kwargs):
+    """The quickstart task (copy_first) as a TRL reward: the completion starts with the prompt's first letter."""
+    return [1.0 if c.strip()[:1] == p[:1] else 0.0 for p, c in zip(prompts, completions)]
+
+
+def _once(prompts, completion_ids, what: str) -> bool:
+    """True the first time this group (its prompt and completions) is seen, in any process: a marker file in
+    ``$ASYNCRL_REWARD_MARKERS``."""
+    import hashlib
+
+    key = hashlib.sha1(f"{what}|{prompts[0]}|{completion_ids}".encode()).hexdigest()
+    path = Path(os.environ["ASYNCRL_REWARD_MARKERS"]) / key
+    if path.exists():
+        return False
+    path.write_text(what)
+    return True
+
+
+def fails_once(prompts, completions, completion_ids, **kwargs):
+    if _once(prompts, completion_ids, "fails"):
+        raise RuntimeError("the verifier hiccuped")
+    return first_char(prompts, completions)
+
+
+def hangs_once(prompts, completions, completion_ids, **kwargs):
+    if _once(prompts, completion_ids, "hangs"):
+        time.sleep(30)
+    return first_char(prompts, completions)
+
+
+def killed_once(prompts, completions, completion_ids, **kwargs):
+    if _once(prompts, completion_ids, "killed"):
+        os.kill(os.getpid(), signal.SIGKILL)
+    return first_char(prompts, completions)

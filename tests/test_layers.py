@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[1]
 TIERS = [
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
-     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts"],  # strict: the strict base model and int check
-    # configs and samplers share; prompts: the Prompt and the stream that serves prompts by data position
+     "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts", "asyncrl.completions"],  # strict: the strict base
+    # model and int check configs and samplers share; prompts: the Prompt and the stream that serves prompts by data
+    # position; completions: the completions log (what the model wrote)
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)

@@ -155,7 +155,7 @@ def test_a_lockstep_recording_replays_at_its_own_pace(tmp_path):
     replayed = rec.replay(sampler={"name": "in_order", "max_lookahead_versions": 0})
     measured, simulated = (m.iloc[3:].step_time_s.mean() for m in (rec.metrics, replayed.metrics))
     assert simulated == pytest.approx(measured, rel=0.1)
-    assert replayed.summary()["source"] == "step means"  # `asyncrl run` wrote no completions.jsonl (yet)
+    assert replayed.summary()["source"] == "completions"  # `asyncrl run` writes completions.jsonl
     assert replayed.fit["rule"].startswith("lockstep")
 
 

@@ -9,6 +9,7 @@ import sys
 import textwrap
 from contextlib import contextmanager
 
+import pandas as pd
 import pytest
 
 from asyncrl.rewards import (MissingColumn, RewardBatch, RewardBug, RewardConfig, RewardFunctions, RewardRunner,
@@ -298,3 +299,145 @@ def test_a_reward_bug_raised_by_call_is_a_type_error():
     with pytest.raises(RewardBug, match="'short' returned 1 rewards for 2 completions") as err:
         call(rf.short, "short", batch(["a", "b"]))
     assert isinstance(err.value, TypeError)
+
+
+# ------------------------------------------------------------------------------------------------ in a run
+def small(**reward):
+    from tests.faults import small_config
+
+    return small_config(reward=reward)
+
+
+def stepped(cfg, steps=2, **kwargs):
+    from asyncrl import Controller
+
+    ctrl = Controller.from_config(cfg, **kwargs)
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+    return ctrl
+
+
+def test_a_run_is_scored_by_its_functions_with_their_weights_and_metrics():
+    ctrl = stepped(small(funcs=["exact_match", F + "length"], weights=[1.0, 0.5]))
+    try:
+        rows = ctrl.completions
+        assert not rows.empty and {"reward/exact_match", "reward/length"} <= set(rows.columns)
+        assert rows.reward.tolist() == (rows["reward/exact_match"] + 0.5 * rows["reward/length"]).tolist()
+        answers = rows.prompt.str[0]  # copy_first: "cab=" -> "c" (the toy prompts carry an "answer" column)
+        assert rows["reward/exact_match"].tolist() == (rows.completion.str.strip() == answers).astype(float).tolist()
+        metrics = ctrl.metrics
+        assert {"reward/exact_match", "reward/length", "reward_time_s"} <= set(metrics.columns)
+        assert (metrics["reward/length"] >= 0).all() and (metrics.reward_time_s >= 0).all()
+    finally:
+        ctrl.close()
+
+
+def test_stepped_runs_are_the_same_with_any_number_of_workers():
+    runs = []
+    for workers in (0, 2):
+        ctrl = stepped(small(funcs=[F + "first_char", "format_tags"], workers=workers, timeout_s=30), steps=3)
+        try:
+            timing = [c for c in ctrl.metrics if c.endswith(("_s", "tflops", "mfu"))]
+            runs.append((ctrl.trace.drop(columns="seq"), ctrl.metrics.drop(columns=timing), ctrl.completions))
+        finally:
+            ctrl.close()
+    for a, b in zip(*runs):
+        pd.testing.assert_frame_equal(a, b)
+
+
+def test_rewards_run_off_the_pumps_thread_and_a_threaded_run_loses_nothing():
+    import os
+
+    from asyncrl import Controller
+
+    ctrl = Controller.from_config(small(funcs=[F + "pid", F + "first_char"], workers=2, timeout_s=30))
+    try:
+        ctrl.run(4, progress=False)
+        pids = set(ctrl.completions["reward/pid"])
+        assert pids and os.getpid() not in pids  # scored in the worker processes
+        trace = ctrl.trace
+        dispatched = set(trace[trace.event == "dispatch"].group_id)
+        ended = trace[trace.event.isin(["select", "evict", "abort", "skip"])].group_id
+        assert ended.is_unique and set(ended) | {slot.group_id for slot in ctrl.buffer} == dispatched
+        assert ctrl.trainer_version == 4 and not (trace.event == "fault").any()
+    finally:
+        ctrl.close()
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_failed_call_is_a_fault_and_is_scored_again(workers, tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_REWARD_MARKERS", str(tmp_path))
+    funcs = [F + "fails_once"] + ([F + "killed_once", F + "hangs_once"] if workers else [])
+    ctrl = stepped(small(funcs=funcs, workers=workers, timeout_s=1.0), steps=1)
+    try:
+        faults = ctrl.trace[ctrl.trace.event == "fault"]
+        assert not faults.empty and (faults.reason == "retried: scoring again (1 of 2 re-scorings)").all()
+        assert faults.detail.str.contains("reward function 'fails_once' raised RuntimeError: the verifier hiccuped",
+                                          regex=False).all()
+        if workers:
+            assert faults.detail.str.contains("died (killed by SIGKILL) while scoring with 'killed_once'", regex=False).all()
+            assert faults.detail.str.contains("'hangs_once' ran past reward.timeout_s=1 s", regex=False).all()
+        assert not (ctrl.trace.event == "skip").any()  # every group scored on its second try
+        committed = ctrl.trace[ctrl.trace.event == "commit"].group_id
+        assert set(faults.group_id) <= set(committed)
+    finally:
+        ctrl.close()
+
+
+def test_a_reward_bug_stops_the_run_with_one_line_and_is_not_retried():
+    from asyncrl import Controller
+    from asyncrl.faults import RewardTypeError
+
+    ctrl = Controller.from_config(small(funcs=[F + "short"]))
+    try:
+        with pytest.raises(RewardTypeError, match="reward function 'short' returned 1 rewards for 4 completions"):
+            ctrl.run(1, progress=False)
+        faults = ctrl.trace[ctrl.trace.event == "fault"]
+        assert set(faults.reason) == {"not retried: a bug in the reward; the run stops"}
+        assert len(ctrl.trace[ctrl.trace.event == "skip"]) == len(faults)  # accounted: skipped, not lost
+    finally:
+        ctrl.close()
+
+
+def test_a_column_the_data_lacks_is_found_before_the_run():
+    from asyncrl import Controller
+
+    with pytest.raises(ValueError, match="no column 'nums', which reward function countdown needs"):
+        Controller.from_config(small(funcs=["countdown"]))
+
+
+def test_function_objects_are_named_in_the_config_and_a_restore_imports_only_what_it_is_told(tmp_path):
+    from asyncrl import Controller
+    from asyncrl.checkpoint import CheckpointError
+
+    ctrl = stepped(small(), steps=1, reward_funcs=[rf.first_char])
+    try:
+        assert ctrl.cfg.reward.model_dump(mode="json")["funcs"] == [F + "first_char"]
+        assert "reward/first_char" in ctrl.metrics
+        path = ctrl.save(tmp_path / "ckpt")
+    finally:
+        ctrl.close()
+    with pytest.raises(CheckpointError, match=r"names reward functions \['tests.reward_functions:first_char'\].*"
+                                              "trust_code=True.*reward_funcs="):
+        Controller.restore(path)
+    for kwargs in ({"trust_code": True}, {"reward_funcs": [rf.first_char]}):
+        restored = Controller.restore(path, **kwargs)
+        assert restored.trainer_version == 1 and restored.cfg.reward.funcs
+        restored.close()
+    with pytest.raises(ValueError, match="reward functions given twice"):
+        Controller.from_config(small(funcs=["exact_match"]), reward_funcs=[rf.first_char])
+
+
+def test_stepped_runs_with_retries_are_the_same_with_any_number_of_workers(tmp_path, monkeypatch):
+    runs = []
+    for workers in (0, 2):
+        monkeypatch.setenv("ASYNCRL_REWARD_MARKERS", str(tmp_path / str(workers)))
+        (tmp_path / str(workers)).mkdir()
+        ctrl = stepped(small(funcs=[F + "fails_once"], workers=workers, timeout_s=30), steps=2)
+        try:
+            runs.append((ctrl.trace.drop(columns="seq"), ctrl.completions))
+        finally:
+            ctrl.close()
+    assert (runs[0][0].event == "fault").sum() > 0
+    for a, b in zip(*runs):
+        pd.testing.assert_frame_equal(a, b)

@@ -77,7 +77,8 @@ def test_verdict_table_filters_by_action():
     play(ctrl, "rr")
     all_verdicts = widgets.verdict_table(ctrl)
     assert len(all_verdicts) == 16
-    assert list(all_verdicts.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason"]
+    assert list(all_verdicts.columns) == ["group_id", "weight_version", "target_step", "state", "action", "code", "reason",
+                                         "completions"]
     selected = widgets.verdict_table(ctrl, "select")
     assert len(selected) == 8 and set(selected.action) == {"select"}
     assert list(selected.index) == list(range(8))

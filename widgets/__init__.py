@@ -10,8 +10,8 @@ Plain renderings (pandas DataFrames and matplotlib Figures, for static notebooks
     widgets.bias_figure(ctrl)      widgets.skew_table(ctrl)     (what the sampler skews)
     widgets.replay_figure(rec.at(step, event))                  (a recorded view: asyncrl.Recording)
 
-Interactive views (ipywidgets): ``StepControls``, ``BufferView``, ``VerdictTable``, ``MetricsView`` and
-``Dashboard(ctrl)`` composing them, and ``Replay(rec)`` (sliders over a recording). Only the controller's public
+Interactive views (ipywidgets): ``StepControls``, ``BufferView``, ``VerdictTable``, ``CompletionsView`` (what
+the model wrote for a chosen group), ``MetricsView`` and ``Dashboard(ctrl)`` composing them, and ``Replay(rec)`` (sliders over a recording). Only the controller's public
 read API and its stepping/run methods are used, so every view takes a recorded view (``Recording.at``) where it
 takes a controller, and ``Dashboard`` takes an attached run (``asyncrl.attach``).
 """
@@ -33,7 +33,7 @@ from widgets.render import (
     verdict_table,
 )
 
-_VIEWS = ("StepControls", "BufferView", "VerdictTable", "MetricsView", "Dashboard", "Replay")
+_VIEWS = ("StepControls", "BufferView", "VerdictTable", "CompletionsView", "MetricsView", "Dashboard", "Replay")
 
 
 def __getattr__(name: str):

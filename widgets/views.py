@@ -1,4 +1,5 @@
-"""ipywidgets views of a controller: step controls, buffer, verdicts, metrics, and the ``Dashboard`` of all four.
+"""ipywidgets views of a controller: step controls, buffer, verdicts, a group's completions, metrics, and the
+``Dashboard`` of them all.
 
 Each view is an ipywidgets box with a ``refresh()`` that redraws it from the controller's read API. Figures are
 shown as PNG ``Image`` widgets (not drawn inside an ``Output``), so they render the same in JupyterLab, in an
@@ -241,6 +242,60 @@ class VerdictTable(W.VBox):
         self.table.value = f"{TABLE_CSS}<p><b>verdicts at T={T}</b>: what evict / select would do now</p>{rows}"
 
 
+def group_completions(source, group_id: int):
+    """What the model wrote for one group: ``source.completions`` is a DataFrame (a controller) or a method of
+    the group id (a recording's view); None when the source keeps none (an attached run: read its run directory)."""
+    completions = getattr(source, "completions", None)
+    if callable(completions):
+        return completions(group_id)
+    if completions is None:
+        return None
+    return completions[completions.group_id == group_id].reset_index(drop=True)
+
+
+class CompletionsView(W.VBox):
+    """The completions of one buffered group, with their rewards: pick a group that has them (the verdicts'
+    ``completions`` column), read what the model wrote next to the sampler's verdict."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+        self.group = W.Dropdown(description="group", layout=W.Layout(width="220px"))
+        self.group.add_class("asyncrl-completions-group")
+        self.table = W.HTML(layout=W.Layout(max_height="260px", overflow="auto"))
+        self.table.add_class("asyncrl-completions-table")
+        self._updating = False
+        self.group.observe(lambda _change: self._updating or self._draw(), names="value")
+        super().__init__([self.group, self.table])
+        self.add_class("asyncrl-completions")
+        self.refresh()
+
+    def refresh(self, verdicts=None) -> None:
+        verdicts = plots.verdict_table(self.ctrl) if verdicts is None else verdicts
+        counts = verdicts.completions if "completions" in verdicts else []
+        ids = [int(g) for g, n in zip(verdicts.group_id, counts) if n]
+        current = self.group.value
+        self._updating = True
+        try:
+            self.group.options = ids
+            self.group.value = current if current in ids else (ids[-1] if ids else None)
+        finally:
+            self._updating = False
+        self._draw()
+
+    def _draw(self) -> None:
+        gid = self.group.value
+        frame = None if gid is None else group_completions(self.ctrl, gid)
+        if frame is None or frame.empty:
+            self.table.value = "<p>no buffered group with completions logged (log_completions) to show</p>"
+            return
+        rewards = [c for c in frame if c == "reward" or c.startswith("reward/")]
+        shown = frame[["completion_index", "completion", *rewards, "tokens", "finish_reason"]]
+        rows = shown.to_html(index=False, na_rep="", border=0, classes="asyncrl-table")  # to_html escapes the text
+        prompt = html.escape(str(frame.prompt.iloc[0]))
+        self.table.value = (f"{TABLE_CSS}<p><b>group {gid}</b> ({html.escape(str(frame.prompt_id.iloc[0]))}): "
+                            f"<code>{prompt}</code></p>{rows}")
+
+
 class MetricsView(W.VBox):
     """Reward over steps, lag distribution by step, throughput."""
 
@@ -265,15 +320,17 @@ class Dashboard(W.VBox):
         self.controls = StepControls(ctrl, steps=steps)
         self.buffer = BufferView(ctrl)
         self.verdicts = VerdictTable(ctrl)
+        self.completions = CompletionsView(ctrl)
         self.metrics = MetricsView(ctrl)
         self.controls.on_action(self.refresh)
-        super().__init__([self.controls, W.HBox([self.buffer, self.verdicts]), self.metrics])
+        super().__init__([self.controls, W.HBox([self.buffer, self.verdicts]), self.completions, self.metrics])
         self.add_class("asyncrl-dashboard")
 
     def refresh(self) -> None:
         for view in (self.controls, self.verdicts, self.metrics):
             view.refresh()
         self.buffer.refresh(verdicts=self.verdicts._verdicts)  # the table's explain(): one per refresh
+        self.completions.refresh(verdicts=self.verdicts._verdicts)
 
 
 class Replay(W.VBox):

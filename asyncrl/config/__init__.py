@@ -46,6 +46,7 @@ from asyncrl.config.tasks import TaskConfig
 from asyncrl.config.training import MegatronTrainerConfig, SimulatedTrainerConfig, SimulatedTraining, TorchTrainerConfig
 from asyncrl.faults import FaultsConfig
 from asyncrl.presets import PRESETS, presets
+from asyncrl.completions import check_every
 from asyncrl.rewards import RewardConfig
 from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
 from asyncrl.strict import StrictModel
@@ -110,8 +111,16 @@ class Config(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)  # reward functions, weights, workers (asyncrl/rewards)
+    log_completions: str | int = Field(
+        "all", description="what completions.jsonl and ctrl.completions keep: 'all', 'none', or N (the groups "
+        "generated with weights 0, N, 2N, ...); asyncrl/completions.py")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @field_validator("log_completions")
+    @classmethod
+    def _every(cls, value: str | int) -> str | int:
+        return check_every(value)
 
     @field_validator("loss", mode="before")
     @classmethod

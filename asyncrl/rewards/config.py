@@ -58,6 +58,13 @@ class RewardConfig(StrictModel):
     def _named(self, funcs: list) -> list[str]:
         return [f if isinstance(f, str) else spec_of(f) for f in funcs]
 
+    def with_funcs(self, funcs: list) -> RewardConfig:
+        """This section with ``funcs`` (objects a caller passed: ``Controller.from_config(cfg, reward_funcs=...)``)."""
+        if self.funcs:
+            raise ValueError(f"reward functions given twice: reward_funcs= and reward.funcs={self._named(self.funcs)}; "
+                             "name them in one place")
+        return RewardConfig.model_validate({**self.model_dump(), "funcs": list(funcs)})
+
     def functions(self, task: Any = None) -> RewardFunctions:
         """The run's ``RewardFunctions``: the functions named, or ``task``'s own reward when none is."""
         if self.funcs:

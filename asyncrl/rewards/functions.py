@@ -113,11 +113,20 @@ def load_function(spec: Any) -> Callable:
     return func
 
 
+_SIGNATURES: dict[int, tuple[Callable, list[inspect.Parameter] | None]] = {}  # id -> (function, parameters)
+
+
 def _parameters(func: Callable) -> list[inspect.Parameter] | None:
+    """``func``'s parameters (None: it has no signature to read), read once per function: a call asks every time."""
+    known = _SIGNATURES.get(id(func))
+    if known is not None and known[0] is func:
+        return known[1]
     try:
-        return list(inspect.signature(func).parameters.values())
+        params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):  # a C function without a signature: trusted as called
-        return None
+        params = None
+    _SIGNATURES[id(func)] = (func, params)
+    return params
 
 
 def check_signature(func: Callable, label: str) -> None:

@@ -38,6 +38,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_any
@@ -70,12 +71,14 @@ class _Job:
 class RewardRunner:
     """Scores groups with ``functions`` (``RewardFunctions``) in ``workers`` processes (0: inline)."""
 
-    def __init__(self, functions: RewardFunctions, workers: int = 0, timeout_s: float | None = None):
+    def __init__(self, functions: RewardFunctions, workers: int = 0, timeout_s: float | None = None,
+                 on_done: Callable[[], None] | None = None):
         if not isinstance(workers, int) or isinstance(workers, bool) or workers < 0:
             raise ValueError(f"reward.workers {workers!r}: a number of worker processes, 0 (inline) or more")
         if timeout_s is not None and not timeout_s > 0:
             raise ValueError(f"reward.timeout_s {timeout_s!r}: seconds a call may take, > 0 (or None: no limit)")
         self.functions, self.workers, self.timeout_s = functions, workers, timeout_s
+        self.on_done = on_done  # called when a group's scoring ended (outside the runner's lock)
         self._cond = threading.Condition()
         self._jobs: dict[Any, _Job] = {}
         self._done: dict[Any, Scored] = {}
@@ -125,18 +128,35 @@ class RewardRunner:
     def poll(self, timeout: float = 0.0) -> list[Scored]:
         """The groups whose scoring ended since the last call (waiting up to ``timeout`` for one, if any is
         being scored), in the order they ended."""
-        with self._cond:
-            if not self._done and self._jobs and timeout > 0:
-                self._cond.wait(timeout)
-            out = list(self._done.values())
-            self._done.clear()
-        return out
+        self.ready(timeout)
+        return self.take()
 
     def wait(self, keys: list) -> list[Scored]:
         """Block until the groups ``keys`` are scored and return their ``Scored`` in that order (keys not being
         scored are left out). Bounded: every call ends by its result, ``timeout_s`` or its worker's death."""
+        self.wait_for(keys)
+        return self.take(keys)
+
+    def ready(self, timeout: float = 0.0) -> bool:
+        """Whether a group's scoring has ended and waits to be taken, waiting up to ``timeout`` for one."""
+        with self._cond:
+            if not self._done and self._jobs and timeout > 0:
+                self._cond.wait(timeout)
+            return bool(self._done)
+
+    def wait_for(self, keys: list) -> None:
+        """Block until none of ``keys`` is being scored (their outcomes wait to be taken, or were taken)."""
         with self._cond:
             self._cond.wait_for(lambda: not any(k in self._jobs for k in keys))
+
+    def take(self, keys: list | None = None) -> list[Scored]:
+        """The outcomes that wait to be taken (of ``keys``, in that order; None: all, in the order they ended),
+        each given out once."""
+        with self._cond:
+            if keys is None:
+                out = list(self._done.values())
+                self._done.clear()
+                return out
             return [self._done.pop(k) for k in keys if k in self._done]
 
     def cancel(self, key: Any) -> None:
@@ -196,6 +216,15 @@ class RewardRunner:
             del self._jobs[key]
             self._done[key] = self._scored(job)
             self._cond.notify_all()
+        if self.on_done is not None and not self._defer(key):
+            self.on_done()
+
+    def _defer(self, key: Any) -> bool:
+        """Whether the dispatcher thread is the caller: it calls ``on_done`` once it handed out the next calls."""
+        if self._pool is None or threading.current_thread() is not self._pool.thread:
+            return False
+        self._pool.notify = True
+        return True
 
     def _scored(self, job: _Job) -> Scored:
         seconds = sum(r[2] for r in job.results)
@@ -258,6 +287,7 @@ class _ProcessPool:
         self.error: str | None = None
         self.lock = threading.Lock()  # ``error`` and ``queue`` change together: no call queues after a break
         self.closing = False
+        self.notify = False  # a group ended on this thread: call the runner's on_done after the next assignment
         self.start_failures = 0
         self.wake_r, self.wake_w = os.pipe()
         self.thread = threading.Thread(target=self._run, name="asyncrl-reward-dispatch", daemon=True)
@@ -288,6 +318,9 @@ class _ProcessPool:
             self.workers = [_Worker(self.payload) for _ in range(self.n)]
             while not self.closing:
                 self._assign()
+                if self.notify and self.runner.on_done is not None:  # after the next calls went out, not before
+                    self.notify = False
+                    self.runner.on_done()
                 by_conn = {w.conn: w for w in self.workers}
                 for ready in wait_any([*by_conn, self.wake_r], self._wait_s()):
                     if ready == self.wake_r:
