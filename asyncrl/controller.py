@@ -351,9 +351,7 @@ class Controller:
         """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
         0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
         with self._lock:
-            rows = self._state.evaluations  # the columns every row has, then what evaluate() added (split, mean@n, ...)
-            columns = list(dict.fromkeys([c.name for c in M.EVALUATION_COLUMNS] + [k for row in rows for k in row]))
-            return self._frame("evaluations", rows, columns)
+            return self._frame("evaluations", self._state.evaluations, M.evaluation_columns(self._state.evaluations))
 
     def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,
                  max_prompts: int | None = None) -> dict[str, float]:
