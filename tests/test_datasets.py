@@ -536,3 +536,31 @@ def test_from_config_takes_data_objects_and_model_chat_template():
         assert prompt.text == f"<bos>[user] {prompt.messages[0]['content']}>"  # model.chat_template, not the byte one
         assert ctrl.encode(prompt) == _template_ids(ctrl.tokenizer, prompt.messages, chat_template=template)
         assert ctrl.state_dict()["data"] == ctrl.task.identity
+
+
+def test_a_trl_dataset_and_trl_reward_functions_train_unchanged_from_a_yaml_file(tmp_path, capsys):
+    """TRL's own conventions end to end: a conversational Parquet dataset with a solution column, and TRL's
+    accuracy_reward and think_format_reward named in a YAML file, through the CLI."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import pandas as pd
+    import yaml
+
+    from asyncrl.cli import main
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+            for a in range(5) for b in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "sums.parquet"))
+    config = {"groups_per_step": 2, "group_size": 4, "eval_every": 1, "torch_threads": 1,
+              "sampler": {"name": "in_order", "max_lookahead_versions": 1}, "generation": {"max_new_tokens": 4},
+              "loss": {"importance_correction": "token", "truncation": "tis"},
+              "task": {"name": "dataset", "options": {"train": str(tmp_path / "sums.parquet"), "eval_fraction": 0.2}},
+              "reward": {"funcs": ["trl.rewards:accuracy_reward", "trl.rewards:think_format_reward"]}}
+    (tmp_path / "trl_task.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    assert main(["run", str(tmp_path / "trl_task.yaml"), "--steps", "2", "--out", str(out)]) == 0
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert len(metrics) == 2 and {"reward/accuracy_reward", "reward/think_format_reward"} <= set(metrics.columns)
+    completions = pd.read_json(out / "completions.jsonl", lines=True)
+    assert completions.prompt.str.startswith("<bos>user: ").all() and completions.prompt_id.str.match(r"train/\d+$").all()
+    assert "held-out greedy accuracy" in capsys.readouterr().out
