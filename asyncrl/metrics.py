@@ -256,6 +256,12 @@ EVAL_PROMPTS = Column("prompts", "prompts evaluated")
 EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY, EVAL_SPLIT, EVAL_N,
                                           EVAL_TEMPERATURE, EVAL_PROMPTS)  # then mean@n, pass@n for each n used
 
+
+def evaluation_columns(rows: Iterable[dict]) -> list[str]:
+    """The columns of ``Controller.evaluations``: ``EVALUATION_COLUMNS``, then each ``mean@n`` / ``pass@n`` the
+    rows hold, in the order they first appear."""
+    return list(dict.fromkeys([c.name for c in EVALUATION_COLUMNS] + [k for row in rows for k in row]))
+
 ENGINE_METRICS: tuple[Metric, ...] = (
     Metric("loss", "mean", "the step's loss: loss sums over the step divided by its normaliser", over="normaliser"),
     Metric("normaliser", "sum", "what the step's loss and gradients are divided by (tokens or sequences)"),

@@ -554,6 +554,7 @@ def recording_table(*names: str) -> Callable[[], str]:
 # --- the registry: marker name -> the function that writes what goes between its markers -------------------------
 TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
 QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
+DATASET, COUNTDOWN = "2026-12-02-100k", "2026-12-02-random-init"  # bench_dataset, bench_countdown (issue 31)
 SIMULATOR, SIMULATOR_REAL, ASYNC_LEARNING = "2026-12-01T2017Z", "2026-12-01-loaded-box", "2026-12-01-seeds-0-2"
 CALIBRATED, ACROSS = "2026-12-01T2026Z", "2026-12-01T2058Z"  # calibrate_gpus: on the two-H200 runs; across layouts
 G6, G8 = "two_gpus_balanced_lr5e-4 (two GPUs)", "two_gpus_balanced (two GPUs)"  # its outputs, as its rows name them
@@ -627,6 +628,21 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "recording": recording_table("28k-open", "2026-12-01-100k"),
     "gap": gap_table,
+    "dataset_table": csv_table("bench_dataset", DATASET, columns=[
+        "format", "file_mb", "load_s", "cached_s", "render_and_check_s", "rss_kept_mb", "peak_rss_mb",
+        "resume_build_s", "resume_first_batch_s", "resume_matches"]),
+    "dataset_load": value("bench_dataset", DATASET, lambda r, rows: (
+        f"{r['rows']:,} rows load in {rows.load_s.min():.1f}-{rows.load_s.max():.1f} s (every format, each row "
+        f"checked) and keep {rows.rss_kept_mb.min():.0f}-{rows.rss_kept_mb.max():.0f} MB with the controller's "
+        f"rendering and length check")),
+    "dataset_resume": value("bench_dataset", DATASET, lambda r, _: (
+        f"a controller stepped {r['controller_steps']} steps to row {r['controller_position']:,}, saved and restored "
+        f"in a new process ({r['restore_s']:.1f} s, reading and checking the {r['rows']:,} rows again) dispatched "
+        f"{'the same' if r['controller_resume_matches'] else 'OTHER'} prompts for the next two steps")),
+    "countdown_random": value("bench_countdown", COUNTDOWN, lambda r, _: "; ".join(
+        f"seed {s['seed']}: held-out greedy accuracy {s['eval_accuracy_before']:.2f} untrained and "
+        f"{s['eval_accuracy_after']:.2f} after {s['steps']} steps, pass@8 {s['pass@8_after']:.2f}, training reward "
+        f"{s['train_reward_max']:.2f} at best ({s['s_per_step']:.1f} s a step)" for s in r["seeds"])),
     "replay_speed": csv_table("bench_replay", REPLAY, "speed.csv", columns=[
         "recording", "sampler", "steps", "tokens_per_step", "replay_s", "own_sampler", "same_schedule"]),
     "replay_fidelity": csv_table("bench_replay", REPLAY, "fidelity.csv", columns=REPLAY_FIDELITY, digits=3),
