@@ -57,7 +57,6 @@ TIERS = [
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets
-    ["asyncrl.simulate_plots"],
     # drives a controller on the simulated backends: the loop, the studies built on it, a fit to a real run
     ["asyncrl.simulate.simulation"], ["asyncrl.simulate.studies"], ["asyncrl.simulate.calibration"],
     ["asyncrl.simulate"],
