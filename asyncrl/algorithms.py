@@ -56,6 +56,10 @@ class LossConfig(BaseModel):
         "is_mismatch_*, is_staleness_*): the policy keeps the weights of the versions buffered groups were sampled "
         "with and takes one no-grad pass per stale version per chunk (docs/replay.md measures the cost); false: "
         "those metrics cover the fresh tokens only")
+    gap_completions: int | None = Field(
+        1, ge=1, description="completions of each group whose stale tokens the gap metrics read (the first ones; "
+        "null: all). The pass under older weights costs in proportion: with 1 it is one row a group, so keeping the "
+        "metrics on does not eat the time asynchrony buys")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
@@ -192,12 +196,13 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
 
 def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_version: int,
                   logprobs_at: Callable[[TrainBatch, int], torch.Tensor | None],
-                  known: Sequence[float | None] | None = None) -> TrainBatch:
+                  known: Sequence[float | None] | None = None, per_group: int | None = None) -> TrainBatch:
     """``batch`` (``make_train_batch(groups, ...)``) with what ``gap_contributions`` needs: ``stale_mask``, 1 at the
     completion tokens weights older than ``trainer_version`` sampled (``GroupRollouts.versions``), and there
     ``version_logprobs``, the trainer's logprobs under those weights, ``logprobs_at(batch, version)`` for each such
     version (None: not held; those tokens stay NaN, unless ``known``, one value or None per completion token in
-    order, has them)."""
+    order, has them). ``per_group``: only the first that many completions of each group are passed to
+    ``logprobs_at`` (its rows, as a smaller batch); the other rows' stale tokens stay NaN (``loss.gap_completions``)."""
     on = batch.loss_mask > 0
     flat = [v for g in groups for completion in g.versions() for v in completion]
     versions = torch.full(on.shape, trainer_version, dtype=torch.long)
@@ -206,11 +211,25 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
     held = torch.full(on.shape, float("nan"), dtype=torch.float32)
     if known is not None:
         held[on] = torch.tensor([math.nan if x is None else x for x in known], dtype=torch.float32)
+    rows = torch.ones(on.shape[0], dtype=torch.bool)
+    if per_group is not None:  # the first per_group rows of each group (make_train_batch keeps groups in order)
+        rows[:] = False
+        start = 0
+        for size in batch.group_sizes:
+            rows[start:start + min(size, per_group)] = True
+            start += size
     for version in sorted({v for v in flat if v < trainer_version}):
-        logprobs = logprobs_at(batch, version)
+        take = rows & (versions == version).any(-1)
+        if not take.any():
+            continue
+        index = take.nonzero().squeeze(-1)
+        sub = batch if bool(take.all()) else batch.map(lambda t: t[index], group_sizes=[1] * len(index))
+        logprobs = logprobs_at(sub, version)
         if logprobs is not None:
-            here = versions == version
-            held[here] = logprobs.to(torch.float32)[here]
+            here = versions[index] == version
+            part = held[index]
+            part[here] = logprobs.to(torch.float32)[here]
+            held[index] = part
     return replace(batch, stale_mask=stale.float(), version_logprobs=held)
 
 

@@ -123,7 +123,7 @@ class TrainPump:
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
         known = [x for g in groups for x in self.restored.pop(g.group_id, [None] * g.num_tokens)] \
             if self.restored else None  # saved by a checkpoint (version_state)
-        batch = mark_versions(batch, groups, T, self._logprobs_at, known)  # the importance weight's parts, apart
+        batch = mark_versions(batch, groups, T, self._logprobs_at, known, self.cfg.loss.gap_completions)  # the importance weight's parts, apart
         if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:
@@ -242,7 +242,8 @@ class TrainPump:
             group = slot.rollouts
             if any(v < self.state.trainer_version for c in group.versions() for v in c):
                 batch = mark_versions(make_train_batch([group], self.cfg.loss, self.tokenizer.pad_token_id), [group],
-                                      self.state.trainer_version, self._logprobs_at)
+                                      self.state.trainer_version, self._logprobs_at,
+                                      per_group=self.cfg.loss.gap_completions)
                 held = batch.version_logprobs[batch.loss_mask > 0].tolist()
                 out[str(slot.group_id)] = [None if math.isnan(x) else x for x in held]
         return out

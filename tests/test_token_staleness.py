@@ -113,7 +113,8 @@ def test_token_staleness_differs_from_the_lag_when_completions_span_versions():
 
 
 def test_mismatch_kl_is_zero_for_the_torch_engines_and_the_weight_splits_into_its_two_parts():
-    ctrl = Controller.from_config(load_config("quickstart", **CPU))  # in_order L=1: from step 1 on, lag 1
+    # in_order L=1: from step 1 on, lag 1; every completion read (the default reads one a group)
+    ctrl = Controller.from_config(load_config("quickstart", **CPU, loss={"gap_completions": None}))
     for _ in range(6):
         ctrl.tick()
     m = ctrl.metrics
@@ -126,6 +127,20 @@ def test_mismatch_kl_is_zero_for_the_torch_engines_and_the_weight_splits_into_it
     assert (m.is_staleness_max.iloc[1:] > 1 + 1e-3).all()  # the weights moved since: the staleness part is not 1
     assert m.is_staleness_mean.iloc[0] == pytest.approx(1.0, abs=1e-6)  # step 0 trained fresh data
     assert ctrl.policy.kept_bytes() > 0 and len(ctrl.policy._kept) <= 2
+
+
+def test_by_default_the_gap_reads_one_completion_a_group():
+    ctrl = Controller.from_config(load_config("quickstart", **CPU))
+    for _ in range(3):
+        ctrl.tick()
+    m = ctrl.metrics
+    G, N = ctrl.cfg.group_size, ctrl.cfg.groups_per_step
+    assert m.gap_tokens.iloc[0] == m.completion_tokens.iloc[0]  # fresh tokens cost nothing: all of them
+    stale_rows = [row for step in (1, 2) for row in ctrl.trace[(ctrl.trace.event == "select")
+                                                                 & (ctrl.trace.trainer_version == step)].itertuples()]
+    assert len(stale_rows) == 2 * N
+    assert (m.gap_tokens.iloc[1:] < m.completion_tokens.iloc[1:] / G * 2).all()  # one completion of G a group
+    assert (m.gap_tokens.iloc[1:] > 0).all() and (m.mismatch_kl.iloc[1:].abs() < 1e-6).all()
 
 
 def test_without_kept_weights_only_the_fresh_tokens_are_measured():
