@@ -15,13 +15,16 @@ differently — is corrected by ``w = exp(prev - gen)`` per token (or per sequen
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from asyncrl import metrics as M
 from asyncrl.data import GroupRollouts, TrainBatch
 from asyncrl.metrics import Metric
 
@@ -48,6 +51,15 @@ class LossConfig(BaseModel):
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
     normalisation: Literal["token", "sequence"] = Field(
         "token", description="loss normalised over the step's tokens, or per sequence then over its sequences")
+    gap_metrics: bool = Field(
+        True, description="split stale tokens' importance weights into staleness and mismatch (mismatch_kl, "
+        "is_mismatch_*, is_staleness_*): the policy keeps the weights of the versions buffered groups were sampled "
+        "with and takes one no-grad pass per stale version per chunk (docs/replay.md measures the cost); false: "
+        "those metrics cover the fresh tokens only")
+    gap_completions: int | None = Field(
+        1, ge=1, description="completions of each group whose stale tokens the gap metrics read (the first ones; "
+        "null: all). The pass under older weights costs in proportion: with 1 it is one row a group, so keeping the "
+        "metrics on does not eat the time asynchrony buys")
 
     @model_validator(mode="after")
     def _consistent(self) -> LossConfig:
@@ -101,6 +113,7 @@ GRPO_METRICS: tuple[Metric, ...] = (
     Metric("clip_frac", "mean", "fraction of tokens whose surrogate ratio was clipped", over="tokens"),
     Metric("kl", "mean", "KL estimate to the reference per token (0 without kl)", over="tokens"),
     Metric("entropy", "mean", "entropy of the next-token distribution per token", over="tokens"),
+    *M.GAP_METRICS,  # the importance weight's two parts (gap_contributions), named with the vocabulary
 )
 
 
@@ -179,6 +192,45 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
         advantages=adv.to(torch.float32),
         group_sizes=sizes,
     )
+
+
+def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_version: int,
+                  logprobs_at: Callable[[TrainBatch, int], torch.Tensor | None],
+                  known: Sequence[float | None] | None = None, per_group: int | None = None) -> TrainBatch:
+    """``batch`` (``make_train_batch(groups, ...)``) with what ``gap_contributions`` needs: ``stale_mask``, 1 at the
+    completion tokens weights older than ``trainer_version`` sampled (``GroupRollouts.versions``), and there
+    ``version_logprobs``, the trainer's logprobs under those weights, ``logprobs_at(batch, version)`` for each such
+    version (None: not held; those tokens stay NaN, unless ``known``, one value or None per completion token in
+    order, has them). ``per_group``: only the first that many completions of each group are passed to
+    ``logprobs_at`` (its rows, as a smaller batch); the other rows' stale tokens stay NaN (``loss.gap_completions``)."""
+    on = batch.loss_mask > 0
+    flat = [v for g in groups for completion in g.versions() for v in completion]
+    versions = torch.full(on.shape, trainer_version, dtype=torch.long)
+    versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order: make_train_batch's
+    stale = on & (versions < trainer_version)
+    held = torch.full(on.shape, float("nan"), dtype=torch.float32)
+    if known is not None:
+        held[on] = torch.tensor([math.nan if x is None else x for x in known], dtype=torch.float32)
+    rows = torch.ones(on.shape[0], dtype=torch.bool)
+    if per_group is not None:  # the first per_group rows of each group (make_train_batch keeps groups in order)
+        rows[:] = False
+        start = 0
+        for size in batch.group_sizes:
+            rows[start:start + min(size, per_group)] = True
+            start += size
+    for version in sorted({v for v in flat if v < trainer_version}):
+        take = rows & (versions == version).any(-1)
+        if not take.any():
+            continue
+        index = take.nonzero().squeeze(-1)
+        sub = batch if bool(take.all()) else batch.map(lambda t: t[index], group_sizes=[1] * len(index))
+        logprobs = logprobs_at(sub, version)
+        if logprobs is not None:
+            here = versions[index] == version
+            part = held[index]
+            part[here] = logprobs.to(torch.float32)[here]
+            held[index] = part
+    return replace(batch, stale_mask=stale.float(), version_logprobs=held)
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -373,8 +425,39 @@ def grpo_loss(
         "entropy": entropy_sum,
         "is_weight_max": torch.where(on, w, -inf).max(),
         "is_weight_min": torch.where(on, w, inf).min(),
+        **gap_contributions(prev, batch),
     }
     return loss_sum, normaliser, metrics
+
+
+def gap_contributions(prev: torch.Tensor, batch: TrainBatch) -> dict[str, torch.Tensor]:
+    """The importance weight's two parts per token (``asyncrl.metrics.GAP_METRICS``): with ``v`` the trainer's
+    logprob at the weights that sampled the token, ``exp(prev - gen) = exp(prev - v) * exp(v - gen)``, staleness
+    times the engines' mismatch, and ``mismatch_kl`` the k3 estimate of KL(behaviour || trainer at those weights)
+    (``r - 1 - log r``, ``r = exp(v - gen)``: >= 0, 0 where the two engines agree). ``v`` is ``prev`` where the
+    current weights sampled the token and ``batch.version_logprobs`` where older ones did (``batch.stale_mask``);
+    NaN there (weights the trainer no longer held) leaves the token out. Nothing for a batch without
+    ``stale_mask`` (not made by the train pump). 0-dim tensors, detached; max over no token is -inf."""
+    if batch.stale_mask is None:
+        return {}
+    prev = prev.detach()
+    on = batch.loss_mask > 0
+    stale = (batch.stale_mask > 0) & on
+    older = batch.version_logprobs if batch.version_logprobs is not None else torch.full_like(prev, float("nan"))
+    v = torch.where(stale, older.to(prev.dtype), prev)
+    known = on & ~torch.isnan(v)
+    zero = torch.zeros((), dtype=prev.dtype, device=prev.device)
+    v, gen, prev = (torch.where(known, t.to(prev.dtype), zero) for t in (v, batch.gen_logprobs, prev))
+    log_mismatch = v - gen
+    mismatch, staleness = torch.exp(log_mismatch), torch.exp(prev - v)
+    k3 = mismatch - 1 - log_mismatch
+    m = known.to(prev.dtype)
+    none = torch.tensor(-float("inf"), dtype=prev.dtype, device=prev.device)
+    return {M.GAP_TOKENS.name: m.sum(), M.MISMATCH_KL.name: (k3 * m).sum(),
+            M.IS_MISMATCH_MEAN.name: (mismatch * m).sum(),
+            M.IS_MISMATCH_MAX.name: torch.where(known, mismatch, none).max(),
+            M.IS_STALENESS_MEAN.name: (staleness * m).sum(),
+            M.IS_STALENESS_MAX.name: torch.where(known, staleness, none).max()}
 
 
 def _importance_weight(

@@ -143,7 +143,8 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
     if error is not None:
         summary["error"] = f"{type(error).__name__}: {error}"
-    if status == "completed":
+    evaluates = status == "completed" and bool(ctrl.task.eval_prompts)  # a dataset may have no evaluation split
+    if evaluates:
         final = ctrl.evaluate()
         summary.update({f"final_eval_{k}": v for k, v in final.items()})
     summary["constant_answer_accuracy"] = ctrl.task.constant_answer_accuracy
@@ -152,7 +153,7 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
         _plot(ctrl, out / "reward.png")
     ctrl.close()
     print(json.dumps(summary))
-    if status == "completed":
+    if evaluates:
         print(_learning(ctrl, final))
     return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status, 1)
 
@@ -194,8 +195,9 @@ def _learning(ctrl, final: dict) -> str:
     accuracy, version = start[HELD_OUT_ACCURACY.name], start[EVALUATED_VERSION.name]
     before = f"{accuracy:.2f} untrained -> " if version == 0 < ctrl.trainer_version else ""
     after = final[HELD_OUT_ACCURACY.name]
-    return (f"held-out greedy accuracy: {before}{after:.2f} after {ctrl.trainer_version} steps; "
-            f"the best constant answer scores {ctrl.task.constant_answer_accuracy:.2f}")
+    bar = ctrl.task.constant_answer_accuracy  # NaN: a dataset without an answer column has no such bar
+    return (f"held-out greedy accuracy: {before}{after:.2f} after {ctrl.trainer_version} steps"
+            + ("" if bar != bar else f"; the best constant answer scores {bar:.2f}"))
 
 
 def _error_message(exc: Exception) -> str:

@@ -81,6 +81,9 @@ class Controller:
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated")
+        if cfg.eval_every and not task.eval_prompts:
+            raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
+                             "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")
         if reward_funcs:  # named in the config a run writes (config.yaml, checkpoints)
             cfg = cfg.model_copy(update={"reward": cfg.reward.with_funcs(reward_funcs)})
         self.cfg = cfg
@@ -348,9 +351,7 @@ class Controller:
         """Every held-out evaluation so far (by ``evaluate()``: ``eval_every``, the untrained model's before step
         0 when ``eval_every`` is set, and any call of yours), with the weight version it judged."""
         with self._lock:
-            rows = self._state.evaluations  # the columns every row has, then what evaluate() added (split, mean@n, ...)
-            columns = list(dict.fromkeys([c.name for c in M.EVALUATION_COLUMNS] + [k for row in rows for k in row]))
-            return self._frame("evaluations", rows, columns)
+            return self._frame("evaluations", self._state.evaluations, M.evaluation_columns(self._state.evaluations))
 
     def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,
                  max_prompts: int | None = None) -> dict[str, float]:
@@ -397,7 +398,8 @@ class Controller:
             self._rollout.collect_finished()
             # The capacity is the restoring config's (its sampler may differ): the key stays, empty, as ever.
             return {**self._state.state_dict(), "buffer": {**self.buffer.state_dict(), "capacity": None},
-                    "in_step": {"train": self._train.step_state(), "gen": self._rollout.step_state()},
+                    "in_step": {"train": self._train.step_state(), "gen": self._rollout.step_state(),
+                                "versions": self._train.version_state()},
                     "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
                     "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
                     "torch_rng": torch.get_rng_state(), "data": getattr(self.task, "identity", None)}

@@ -11,7 +11,7 @@ position 0, prompt tokens and right padding never count.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,7 +31,9 @@ class GroupRollouts:
 
     ``gen_start_version`` / ``gen_end_version`` are the generator's weight versions when the group's generation
     began and ended (weight syncs do not wait for rollouts). They are facts about generation; the buffer slot's
-    ``weight_version`` (the generation version at *reservation*) is what staleness is judged by."""
+    ``weight_version`` (the generation version at *reservation*) is what staleness is judged by. ``token_versions``
+    says which version sampled each completion token (a generator that loads weights under running groups fills
+    it); None: every token was sampled by ``gen_start_version`` (``versions``)."""
 
     group_id: int
     prompt_ids: list[int]
@@ -43,10 +45,25 @@ class GroupRollouts:
     rewards: list[float] | None = None  # set by the controller when it scores the group
     texts: list[str] | None = None  # decoded completions, for people and for scoring
     replica: int | None = None  # which generation replica made it (asyncrl/backends/replicas.py); None: one engine
+    token_versions: list[list[int]] | None = None  # per completion, the weight version that sampled each token
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
+
+    def to_json(self) -> dict:
+        """What a checkpoint writes: every field, ``token_versions`` only when set (older checkpoints stay byte for
+        byte)."""
+        out = asdict(self)
+        if self.token_versions is None:
+            del out["token_versions"]
+        return out
+
+    def versions(self) -> list[list[int]]:
+        """The weight version that sampled each token of each completion (``token_versions``, or one version)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return [[self.gen_start_version] * len(c) for c in self.completion_ids]
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,11 @@ class TrainBatch:
     group_sizes: list[int]
     prev_logprobs: torch.Tensor | None = None  # [B, S], policy before this step's update
     ref_logprobs: torch.Tensor | None = None  # [B, S], reference model (KL)
+    # The two parts of the importance weight (the train pump fills these; asyncrl.algorithms.gap_contributions):
+    # 1 at completion tokens that older weights sampled, and there the trainer's logprobs at those weights (NaN
+    # where the trainer no longer holds them); at the other tokens the current weights sampled: prev is that.
+    stale_mask: torch.Tensor | None = None  # [B, S] float
+    version_logprobs: torch.Tensor | None = None  # [B, S] float32
 
     @property
     def num_sequences(self) -> int:
@@ -87,5 +109,5 @@ class TrainBatch:
         return TrainBatch(
             cut(self.input_ids), cut(self.attention_mask), cut(self.loss_mask), cut(self.gen_logprobs),
             cut(self.advantages), self.group_sizes if group_sizes is None else group_sizes,
-            cut(self.prev_logprobs), cut(self.ref_logprobs),
+            cut(self.prev_logprobs), cut(self.ref_logprobs), cut(self.stale_mask), cut(self.version_logprobs),
         )

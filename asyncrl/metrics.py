@@ -129,8 +129,9 @@ STEP_METRICS: tuple[Metric, ...] = (
     Metric("groups_aborted", "sum", "in-flight groups aborted after this step's weight sync"),
     Metric("chunks", "sum", "chunks (select calls that returned groups) this step trained"),
     Metric("groups", "sum", "prompt groups trained this step (groups_per_step once the step is finished)"),
-    Metric("completions", "sum", "completions trained this step"),
-    Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s counts these)"),
+    COMPLETIONS := Metric("completions", "sum", "completions trained this step"),
+    COMPLETION_TOKENS := Metric("completion_tokens", "sum", "completion tokens trained this step (tokens_per_s "
+                                "counts these)"),
     TRAIN_TIME_S := Metric("train_time_s", "sum", "seconds in the policy's calls this step: each chunk's logprobs "
                            "and forward/backward, and the optimizer step"),
 )
@@ -168,6 +169,67 @@ def skew(kind: str, groups: Iterable) -> dict[str, float]:
         out[SKEW_COUNT[kind]] = sum(len(g.rewards) for g in groups)
     return out
 
+
+# --- staleness as the tokens saw it: T minus the weight version that sampled each trained token (the train pump's
+# ``token_staleness``). With weights loaded under running groups (``weight_update: inflight``) a completion's tokens
+# come from several versions: then these differ from ``lag_mean``/``lag_max``, which count a group by its oldest.
+TOKEN_STALENESS_MEAN = Metric("token_staleness_mean", "mean", "mean over the completion tokens trained this step of "
+                              "T minus the weight version that sampled each", over="completion_tokens",
+                              empty=math.nan)
+TOKEN_STALENESS_MAX = Metric("token_staleness_max", "max", "largest T minus sampling version of a token trained this "
+                             "step", empty=math.nan)
+SPANNING_FRACTION = Metric("spanning_fraction", "mean", "share of the completions trained this step whose tokens were "
+                           "sampled by more than one weight version", over="completions", empty=math.nan)
+STALENESS_BINS = 4  # the histogram: token_staleness/0 .. /3, and /4+ for the rest
+TOKEN_STALENESS_SHARES: tuple[Metric, ...] = tuple(
+    Metric(f"token_staleness/{k}{'+' if k == STALENESS_BINS else ''}", "mean", f"share of the completion tokens "
+           f"trained this step sampled {k}{' or more' if k == STALENESS_BINS else ''} versions before T",
+           over="completion_tokens", empty=math.nan) for k in range(STALENESS_BINS + 1))
+STEP_METRICS += (TOKEN_STALENESS_MEAN, TOKEN_STALENESS_MAX, SPANNING_FRACTION, *TOKEN_STALENESS_SHARES)
+
+
+def token_staleness(groups: Iterable, T: int) -> dict[str, float]:
+    """Contributions of the trained ``groups`` (rollouts with ``versions()``) at trainer version ``T`` to the
+    token-staleness metrics (their denominators, ``completion_tokens`` and ``completions``, the chunk adds). A group
+    that spans versions without saying which token had which (no ``token_versions``) counts every token as its
+    oldest version's and every completion as spanning: upper bounds."""
+    total, top, spanning = 0, -math.inf, 0
+    bins = [0] * (STALENESS_BINS + 1)
+    for group in groups:
+        unsaid = group.token_versions is None and group.gen_start_version != group.gen_end_version
+        for versions in group.versions():
+            spanning += unsaid or len(set(versions)) > 1
+            for v in versions:
+                lag = T - v
+                total += lag
+                top = max(top, lag)
+                bins[min(lag, STALENESS_BINS)] += 1
+    return {TOKEN_STALENESS_MEAN.name: total, TOKEN_STALENESS_MAX.name: top, SPANNING_FRACTION.name: spanning,
+            **{m.name: n for m, n in zip(TOKEN_STALENESS_SHARES, bins)}}
+
+
+# --- the training-inference gap, apart: the importance weight exp(prev - gen) is exp(prev - v) x exp(v - gen), with
+# ``v`` the trainer's logprob at the weights that sampled the token: staleness (the weights moved since) times the
+# engines' numerical mismatch (two engines computing the same weights). A loss reports them
+# (``asyncrl.algorithms.gap_contributions``) over the tokens whose ``v`` the trainer had (``gap_tokens``).
+GAP_TOKENS = Metric("gap_tokens", "sum", "completion tokens whose sampling version's trainer logprobs were at hand "
+                    "(the tokens the gap metrics are over)")
+MISMATCH_KL = Metric("mismatch_kl", "mean", "k3 estimate per token of KL(behaviour || trainer at the sampling "
+                     "version): the engines' numerical mismatch, apart from staleness", over="gap_tokens",
+                     empty=math.nan)
+IS_MISMATCH_MEAN = Metric("is_mismatch_mean", "mean", "mean of exp(trainer logprob at the sampling version - "
+                          "behaviour logprob): the importance weight's mismatch part", over="gap_tokens",
+                          empty=math.nan)
+IS_MISMATCH_MAX = Metric("is_mismatch_max", "max", "largest mismatch part of a token's importance weight",
+                         empty=math.nan)
+IS_STALENESS_MEAN = Metric("is_staleness_mean", "mean", "mean of exp(trainer logprob at T - at the sampling "
+                           "version): the importance weight's staleness part (1 for fresh tokens)", over="gap_tokens",
+                           empty=math.nan)
+IS_STALENESS_MAX = Metric("is_staleness_max", "max", "largest staleness part of a token's importance weight",
+                          empty=math.nan)
+GAP_METRICS: tuple[Metric, ...] = (GAP_TOKENS, MISMATCH_KL, IS_MISMATCH_MEAN, IS_MISMATCH_MAX, IS_STALENESS_MEAN,
+                                   IS_STALENESS_MAX)
+
 STEP = Column("step", "the optimizer step the row reports (T - 1 once it is done)")
 TRAINER_VERSION = Column("trainer_version", "T after the step")
 STEP_TIME_S = Column("step_time_s", "seconds the step took, active time only (not a pause between hand ticks)")
@@ -193,6 +255,12 @@ EVAL_TEMPERATURE = Column("temperature", "0.0: greedy; else the sampling tempera
 EVAL_PROMPTS = Column("prompts", "prompts evaluated")
 EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY, EVAL_SPLIT, EVAL_N,
                                           EVAL_TEMPERATURE, EVAL_PROMPTS)  # then mean@n, pass@n for each n used
+
+
+def evaluation_columns(rows: Iterable[dict]) -> list[str]:
+    """The columns of ``Controller.evaluations``: ``EVALUATION_COLUMNS``, then each ``mean@n`` / ``pass@n`` the
+    rows hold, in the order they first appear."""
+    return list(dict.fromkeys([c.name for c in EVALUATION_COLUMNS] + [k for row in rows for k in row]))
 
 ENGINE_METRICS: tuple[Metric, ...] = (
     Metric("loss", "mean", "the step's loss: loss sums over the step divided by its normaliser", over="normaliser"),

@@ -152,7 +152,8 @@ def take(batch: TrainBatch, mb: MicroBatch) -> TrainBatch:
     """The micro-batch's sequences as ``[n, width]`` tensors (what the loss sees), from a batch on ``mb``'s device."""
     cut = lambda t: None if t is None else t[mb.rows][:, :mb.width]  # noqa: E731
     return TrainBatch(cut(batch.input_ids), cut(batch.attention_mask), cut(batch.loss_mask), cut(batch.gen_logprobs),
-                      batch.advantages[mb.rows], [], cut(batch.prev_logprobs), cut(batch.ref_logprobs))
+                      batch.advantages[mb.rows], [], cut(batch.prev_logprobs), cut(batch.ref_logprobs),
+                      cut(batch.stale_mask), cut(batch.version_logprobs))
 
 
 def packed_ids(batch: TrainBatch, mb: MicroBatch) -> torch.Tensor:

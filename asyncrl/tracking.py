@@ -14,7 +14,7 @@ import math
 import numbers
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 class TrackingConfig(BaseModel):
@@ -23,10 +23,11 @@ class TrackingConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    tensorboard_dir: str | None = None
-    wandb_project: str | None = None
-    wandb_run_name: str | None = None
-    wandb_mode: str | None = None  # wandb.init(mode=...): "online", "offline" or "disabled"; None: W&B's default
+    tensorboard_dir: str | None = Field(None, description="write each step's metrics row to TensorBoard here")
+    wandb_project: str | None = Field(None, description="log each step's metrics row to this W&B project")
+    wandb_run_name: str | None = Field(None, description="the W&B run's name (None: W&B's)")
+    wandb_mode: str | None = Field(
+        None, description="wandb.init(mode=...): 'online', 'offline' or 'disabled'; None: W&B's default")
 
     @field_validator("tensorboard_dir", "wandb_project")
     @classmethod

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl import metrics as M
-from asyncrl.algorithms import make_train_batch
+from asyncrl.algorithms import make_train_batch, mark_versions
 from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
@@ -56,6 +56,8 @@ class TrainPump:
         self.policy, self.generator, self.task, self.tokenizer = policy, generator, task, tokenizer
         self.rollout, self.faults, self.clock, self.save_checkpoint = rollout, faults, clock, save_checkpoint
         self.step = StepAccumulator(clock)  # the step in progress (STEP_METRICS); reset when it finishes
+        self.kept: set[int] = set()  # the earlier weight versions the policy holds (keeps_versions)
+        self.restored: dict[int, list] = {}  # buffered groups' logprobs under their versions, from a checkpoint
         self.reward_functions = reward_functions  # what evaluations score with (None: the task's own reward)
 
     # ------------------------------------------------------------------------------------------------ a tick
@@ -119,6 +121,9 @@ class TrainPump:
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
+        known = [x for g in groups for x in self.restored.pop(g.group_id, [None] * g.num_tokens)] \
+            if self.restored else None  # saved by a checkpoint (version_state)
+        batch = mark_versions(batch, groups, T, self._logprobs_at, known, self.cfg.loss.gap_completions)  # the importance weight's parts, apart
         if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:
@@ -132,13 +137,30 @@ class TrainPump:
             "reward_mean": sum(rewards), "completions": len(rewards), "lag_mean": sum(lags), "lag_max": max(lags),
             "groups": len(chunk), "chunks": 1, "completion_tokens": sum(g.num_tokens for g in groups),
             "train_time_s": time.perf_counter() - train_start, **M.skew("train", groups),
+            **M.token_staleness(groups, T),
         })
         self.state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
                           reason=f"chunk {chunk_index} of step {T}")
 
+    def _logprobs_at(self, batch, version: int):
+        """The trainer's logprobs under weights ``version`` if it kept them (``keeps_versions``), else None."""
+        return self.policy.logprobs_at(batch, version, self.state.trainer_version) if version in self.kept else None
+
+    def _keep_versions(self) -> None:
+        """Before the optimizer step: the policy keeps the weights of every version a buffered group may have been
+        sampled with (the oldest buffered ``weight_version`` up to the current ``T``, which batches admitted at the
+        step's end are generated with) and drops older ones (what that costs: docs/replay.md)."""
+        if not (self.cfg.loss.gap_metrics and capabilities(self.policy).keeps_versions):
+            return
+        with self.state.lock:
+            T = self.state.trainer_version
+            oldest = min([T] + [slot.weight_version for slot in self.buffer.slots()])
+        self.kept = set(self.policy.keep_versions(list(range(oldest, T + 1)), T))
+
     def _optimizer_step(self) -> dict[str, float]:
         """``policy.finish_train_step()`` (normalise, clip, one optimizer step): the policy's step metrics."""
         train_start = time.perf_counter()
+        self._keep_versions()
         out = self.policy.finish_train_step()
         self.step.add({"train_time_s": time.perf_counter() - train_start})  # what a simulation calibrates on
         return out
@@ -211,5 +233,21 @@ class TrainPump:
         it, so the resumed step's metrics row counts them too."""
         return dict(self.step.totals)
 
+    def version_state(self) -> dict[str, list]:
+        """For a checkpoint (the policy's kept weights are not in it): each ready buffered group's logprobs under the
+        older weights that sampled its tokens (None at its other tokens), so a resumed run measures the gap as an
+        uninterrupted one would (group id -> one value per completion token)."""
+        out = {}
+        for slot in self.buffer.ready_slots():
+            group = slot.rollouts
+            if any(v < self.state.trainer_version for c in group.versions() for v in c):
+                batch = mark_versions(make_train_batch([group], self.cfg.loss, self.tokenizer.pad_token_id), [group],
+                                      self.state.trainer_version, self._logprobs_at,
+                                      per_group=self.cfg.loss.gap_completions)
+                held = batch.version_logprobs[batch.loss_mask > 0].tolist()
+                out[str(slot.group_id)] = [None if math.isnan(x) else x for x in held]
+        return out
+
     def resume(self, in_step: dict | None) -> None:
+        self.restored = {int(g): lp for g, lp in ((in_step or {}).get("versions") or {}).items()}
         self.step.totals = dict((in_step or {}).get("train", {}))  # a checkpoint older than ``in_step``: nothing

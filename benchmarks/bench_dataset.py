@@ -219,7 +219,7 @@ def main() -> None:
             run = controller_resume(str(path), args.resume_at, Path(scratch))
             print(f"\ncontroller: {run['controller_steps']} steps to data position {run['controller_position']:,} "
                   f"({run['reach_s']:.0f} s, simulated backends); checkpoint {run['checkpoint_mb']:.1f} MB; "
-                  f"Controller.restore in a new process {run['restore_s']:.1f} s (reads and checks the 100k rows "
+                  f"Controller.restore in a new process {run['restore_s']:.1f} s (reads and checks the {args.rows:,} rows "
                   f"again); the next two steps' prompts the same: {run['controller_resume_matches']}")
     print(f"\n{args.rows:,} rows, resume at row {args.resume_at:,} (load average {before['machine']['load_1min']} "
           f"on {before['machine']['cores']} cores before the run)")

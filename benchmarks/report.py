@@ -554,10 +554,34 @@ def recording_table(*names: str) -> Callable[[], str]:
 # --- the registry: marker name -> the function that writes what goes between its markers -------------------------
 TWO_GPUS = "2026-11-30-balanced-g6-lr5e-4"
 QUICKSTART, SAMPLER, RUN_LOOP = "2026-12-01-seeds-0-2", "2026-12-01-loaded-box", "2026-12-01-loaded-box"
+DATASET, COUNTDOWN = "2026-12-02-100k", "2026-12-02-random-init"  # bench_dataset, bench_countdown (issue 31)
 SIMULATOR, SIMULATOR_REAL, ASYNC_LEARNING = "2026-12-01T2017Z", "2026-12-01-loaded-box", "2026-12-01-seeds-0-2"
 CALIBRATED, ACROSS = "2026-12-01T2026Z", "2026-12-01T2058Z"  # calibrate_gpus: on the two-H200 runs; across layouts
 G6, G8 = "two_gpus_balanced_lr5e-4 (two GPUs)", "two_gpus_balanced (two GPUs)"  # its outputs, as its rows name them
 ONE_H200 = "2026-12-01-balanced-colocated-one-h200 (one GPU)"
+GAP_RUNS = {"CPU, torch trains and generates": "2026-12-02-cpu", "one H200, vLLM generates, Megatron trains":
+            "2026-12-02-gpu-h200"}
+
+
+def gap_table() -> str:
+    """bench_gap's runs, one row each: what the gap metrics read, and what the kept weights cost."""
+    rows = []
+    for where, name in GAP_RUNS.items():
+        meta, _ = run("bench_gap", name)
+        r = meta["results"]
+        ab = r.get("train_time_ratio_with_over_without")
+        rows.append([where, f"`{r['preset']}` {json.dumps(r['overrides'])}, {r['steps']} steps",
+                     f"{r['mismatch_kl_median']:.2g} ({r['mismatch_kl_max']:.2g})", f"{r['is_mismatch_max']:.4f}",
+                     f"{r['is_staleness_mean_median']:.4f} ({r['is_staleness_max']:.2f})", f"{r['gap_token_share']:.0%}",
+                     f"{r['kept_versions_max']} x {r['param_bytes'] / 1e6:.1f} MB",
+                     f"{1e3 * r['logprobs_at_s_median']:.1f} + {1e3 * r['keep_versions_s_median']:.2f} ms "
+                     f"({r['extra_share_of_train_time']:.0%} of {1e3 * r['train_time_s_median']:.0f} ms)",
+                     "-" if ab is None else f"{ab:.2f}x", machine(meta)])
+    return table(rows, ["", "run", "mismatch_kl median (max)", "is_mismatch_max", "is_staleness_mean median (max)",
+                        "stale tokens measured", "kept weights", "extra pass + copy a step (share of train_time_s)",
+                        "train_time_s with / without (A/B)", "where and when"])
+
+
 REPLAY = "2026-12-02-cpu"
 REPLAY_FIDELITY = ["recording", "replayed_into", "steps_per_s_real", "steps_per_s_real_range", "steps_per_s_replay",
                    "steps_per_s_error", "lag_mean_real", "lag_mean_replay", "lag_tv_distance", "drop_frac_real",
@@ -603,6 +627,22 @@ REPORTS: dict[str, Callable[[], str]] = {
     "simulator_goal_streaming": simulator_goal(SIMULATOR, "streaming"),
     "simulator_calibration": csv_table("bench_simulator", SIMULATOR_REAL, "calibration.csv", digits=3),
     "recording": recording_table("28k-open", "2026-12-01-100k"),
+    "gap": gap_table,
+    "dataset_table": csv_table("bench_dataset", DATASET, columns=[
+        "format", "file_mb", "load_s", "cached_s", "render_and_check_s", "rss_kept_mb", "peak_rss_mb",
+        "resume_build_s", "resume_first_batch_s", "resume_matches"]),
+    "dataset_load": value("bench_dataset", DATASET, lambda r, rows: (
+        f"{r['rows']:,} rows load in {rows.load_s.min():.1f}-{rows.load_s.max():.1f} s (every format, each row "
+        f"checked) and keep {rows.rss_kept_mb.min():.0f}-{rows.rss_kept_mb.max():.0f} MB with the controller's "
+        f"rendering and length check")),
+    "dataset_resume": value("bench_dataset", DATASET, lambda r, _: (
+        f"a controller stepped {r['controller_steps']} steps to row {r['controller_position']:,}, saved and restored "
+        f"in a new process ({r['restore_s']:.1f} s, reading and checking the {r['rows']:,} rows again) dispatched "
+        f"{'the same' if r['controller_resume_matches'] else 'OTHER'} prompts for the next two steps")),
+    "countdown_random": value("bench_countdown", COUNTDOWN, lambda r, _: "; ".join(
+        f"seed {s['seed']}: held-out greedy accuracy {s['eval_accuracy_before']:.2f} untrained and "
+        f"{s['eval_accuracy_after']:.2f} after {s['steps']} steps, pass@8 {s['pass@8_after']:.2f}, training reward "
+        f"{s['train_reward_max']:.2f} at best ({s['s_per_step']:.1f} s a step)" for s in r["seeds"])),
     "replay_speed": csv_table("bench_replay", REPLAY, "speed.csv", columns=[
         "recording", "sampler", "steps", "tokens_per_step", "replay_s", "own_sampler", "same_schedule"]),
     "replay_fidelity": csv_table("bench_replay", REPLAY, "fidelity.csv", columns=REPLAY_FIDELITY, digits=3),

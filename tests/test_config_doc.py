@@ -30,3 +30,8 @@ def test_the_reference_lists_every_key_with_its_type_and_default():
     assert "| `generation.max_new_tokens` | `int` (≥ 1) | `4` | completion length limit" in text
     assert "### `trainer` with `backend: megatron`" in text and "| `task.options` | `dict[str, any]` | `{}` |" in text
     assert "| `filter_uniform_groups` | `bool` | `false` | skip a group whose completions all got the same reward" in text
+
+
+def test_every_key_has_a_description():
+    missing = _generator().undescribed()
+    assert not missing, f"keys without a description (give their Field a description=...): {missing}"

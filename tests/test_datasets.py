@@ -472,3 +472,95 @@ def test_a_prompt_too_long_after_templating_is_refused_when_the_controller_is_bu
                                          r"after the chat template .* more than the model's context "
                                          r"model.max_position_embeddings 64"):
         _controller(_task(str(path)))
+
+
+def test_countdown_runs_end_to_end_on_cpu():
+    from asyncrl import Controller, load_config
+
+    cfg = load_config("quickstart", groups_per_step=2, group_size=2, eval_every=1, torch_threads=1,
+                      task={"name": "countdown", "options": {"train_size": 8, "eval_size": 4}},
+                      model={"max_position_embeddings": 512}, generation={"max_new_tokens": 4})
+    with Controller.from_config(cfg) as ctrl:
+        ctrl.run(2, progress=False)
+        detail = ctrl.trace[ctrl.trace.event == "dispatch"].detail.iloc[0]
+        assert detail.startswith("<bos>system: You are a helpful assistant.") and "<answer>" in detail
+        assert detail.endswith("</answer>.\nassistant: ")
+        assert set(ctrl.metrics.reward_mean) <= {0.0, 0.25, 0.5, 0.75, 1.0} and len(ctrl.evaluations) == 3
+        ev = ctrl.evaluate(n=2, temperature=1.0)
+        assert ev["n"] == 4 and 0.0 <= ev["mean@2"] <= ev["pass@2"] <= 1.0
+
+
+def test_the_cli_refuses_bad_data_in_one_line_exit_2_and_writes_nothing(tmp_path, capsys):
+    from asyncrl.cli import main
+
+    out = tmp_path / "run"
+    no_prompt = _jsonl(tmp_path / "q.jsonl", [{"question": "2+2="}])
+    no_answer = _jsonl(tmp_path / "p.jsonl", [{"prompt": "2+2="}])
+    long = _jsonl(tmp_path / "l.jsonl", [{"prompt": "x" * 80, "answer": "1"}])
+    cases = [
+        ([f"task.options.train={tmp_path / 'nope.jsonl'}"], r"dataset file '.*nope.jsonl' \(task.options.train\) does "
+                                                             r"not exist"),
+        ([f"task.options.train={no_prompt}"], r"dataset '.*q.jsonl' row 0 \(line 1\) has no column 'prompt'"),
+        ([f"task.options.train={no_answer}", 'reward.funcs=["exact_match"]'],
+         r"dataset '.*p.jsonl' row 0 has no column 'solution' or 'answer', which reward function exact_match needs"),
+        ([f"task.options.train={long}", 'reward.funcs=["exact_match"]'],
+         r"dataset '.*l.jsonl' row 0 column 'prompt' is 81 tokens .* more than the model's context"),
+        ([f"task.options.train={_jsonl(tmp_path / 'a.jsonl', ROWS)}", 'reward.funcs=["exact_match"]'],
+         r"eval_every 25: task 'dataset' has no evaluation split; give it one \(task.options.eval or eval_fraction"),
+    ]
+    for sets, match in cases:
+        argv = ["run", "quickstart", "--steps", "1", "--out", str(out), "--set", "task.name=dataset"]
+        assert main(argv + [a for s in sets for a in ("--set", s)]) == 2
+        err = capsys.readouterr().err
+        assert re.search(match, err), err
+        # one line naming it (a configuration error is under the CLI's "invalid configuration" header), no traceback
+        assert len([line for line in err.splitlines() if re.search(match, line)]) == 1
+        assert len(err.strip().splitlines()) <= 2 and "Traceback" not in err and not out.exists()
+
+
+def test_from_config_takes_data_objects_and_model_chat_template():
+    from asyncrl import Controller, load_config
+
+    def exact(completions, answer, **kwargs):
+        return [float(c[0]["content"].strip().startswith(a)) for c, a in zip(completions, answer)]
+
+    template = "{{ bos_token }}{% for m in messages %}{{ '[' + m['role'] + '] ' + m['content'] }}{% endfor %}{{ '>' }}"
+    with pytest.raises(ValueError, match=r"task 'dataset' needs option\(s\) \['train'\]"):
+        load_config("quickstart", task={"name": "dataset", "options": {"system_prompt": "Add."}}).task
+    cfg = load_config("quickstart", eval_every=None, model={"chat_template": template})
+    with Controller.from_config(cfg, train_dataset=pd.DataFrame(WORDS[:12]), eval_dataset=WORDS[12:],
+                                reward_funcs=[exact]) as ctrl:
+        assert ctrl.task.sources == {"train": "train_dataset (a DataFrame)", "eval": "eval_dataset (a list of dicts)"}
+        assert [p.id for p in ctrl.task.eval_prompts] == ["eval/0", "eval/1", "eval/2", "eval/3"]
+        prompt = ctrl.stream.get(0)
+        assert prompt.text == f"<bos>[user] {prompt.messages[0]['content']}>"  # model.chat_template, not the byte one
+        assert ctrl.encode(prompt) == _template_ids(ctrl.tokenizer, prompt.messages, chat_template=template)
+        assert ctrl.state_dict()["data"] == ctrl.task.identity
+
+
+def test_a_trl_dataset_and_trl_reward_functions_train_unchanged_from_a_yaml_file(tmp_path, capsys):
+    """TRL's own conventions end to end: a conversational Parquet dataset with a solution column, and TRL's
+    accuracy_reward and think_format_reward named in a YAML file, through the CLI."""
+    pytest.importorskip("trl")
+    datasets = pytest.importorskip("datasets")
+    import pandas as pd
+    import yaml
+
+    from asyncrl.cli import main
+
+    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "solution": str(a + b)}
+            for a in range(5) for b in range(5)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "sums.parquet"))
+    config = {"groups_per_step": 2, "group_size": 4, "eval_every": 1, "torch_threads": 1,
+              "sampler": {"name": "in_order", "max_lookahead_versions": 1}, "generation": {"max_new_tokens": 4},
+              "loss": {"importance_correction": "token", "truncation": "tis"},
+              "task": {"name": "dataset", "options": {"train": str(tmp_path / "sums.parquet"), "eval_fraction": 0.2}},
+              "reward": {"funcs": ["trl.rewards:accuracy_reward", "trl.rewards:think_format_reward"]}}
+    (tmp_path / "trl_task.yaml").write_text(yaml.safe_dump(config))
+    out = tmp_path / "run"
+    assert main(["run", str(tmp_path / "trl_task.yaml"), "--steps", "2", "--out", str(out)]) == 0
+    metrics = pd.read_csv(out / "metrics.csv")
+    assert len(metrics) == 2 and {"reward/accuracy_reward", "reward/think_format_reward"} <= set(metrics.columns)
+    completions = pd.read_json(out / "completions.jsonl", lines=True)
+    assert completions.prompt.str.startswith("<bos>user: ").all() and completions.prompt_id.str.match(r"train/\d+$").all()
+    assert "held-out greedy accuracy" in capsys.readouterr().out

@@ -2,8 +2,8 @@
 no module takes part in an import cycle (``if TYPE_CHECKING:`` imports count: the tie they make is real), no engine
 imports another engine, no module outside ``asyncrl/controller.py`` reads or writes the controller's private state,
 no part of the controller (a pump, the checkpoint format, anything below it) holds the controller to reach its
-state, no package file grows past 600 lines, and nothing asks with ``isinstance`` what a backend or sampler may do
-beyond its Protocol (that is declared). Source is read with ``ast``, so nothing is imported to check it."""
+state, no package file grows past 510 lines (85% of the 600-line cap, so the next knob has room), and nothing asks
+with ``isinstance`` what a backend or sampler may do beyond its Protocol (that is declared). Source is read with ``ast``, so nothing is imported to check it."""
 
 from __future__ import annotations
 
@@ -35,12 +35,13 @@ TIERS = [
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
     ["asyncrl.backends.base", "asyncrl.backends.submit_queue"],
-    # what the engines share: HF helpers, placements, Megatron's weight map, process groups and forward, torch decoding
+    # what the engines share: HF helpers, placements, Megatron's weight map, process groups and forward, torch
+    # decoding, the simulated generator's clock and replica timelines
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.megatron_forward",
      "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode",
-     "asyncrl.backends.lr_schedule"],
+     "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline"],
     # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
     ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
@@ -56,7 +57,6 @@ TIERS = [
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets
-    ["asyncrl.simulate_plots"],
     # drives a controller on the simulated backends: the loop, the studies built on it, a fit to a real run
     ["asyncrl.simulate.simulation"], ["asyncrl.simulate.studies"], ["asyncrl.simulate.calibration"],
     ["asyncrl.simulate"],
@@ -300,10 +300,13 @@ def test_the_checks_see_the_imports_they_judge():
     assert "asyncrl.backends.ray" in GRAPH["asyncrl.backends.weight_sync"]
 
 
+LINE_CAP = 600  # a file near it has no room left: placement starts to follow the counter instead of the meaning
+
+
 @pytest.mark.parametrize("package", ["asyncrl", "widgets"])
-def test_no_package_file_over_600_lines(package):
+def test_no_package_file_over_85_percent_of_the_600_line_cap(package):
     long = {str(p.relative_to(ROOT)): n for p in (ROOT / package).rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > 600}
+            if (n := len(p.read_text().splitlines())) > LINE_CAP * 85 // 100}
     assert not long, long
 
 

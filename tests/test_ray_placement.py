@@ -127,13 +127,15 @@ def test_a_proxy_a_rank_group_and_a_replica_set_declare_what_they_wrap_and_a_bad
     from asyncrl.backends.vllm import VLLMGenerator
 
     assert capabilities(TorchPolicy).prev_logprobs_from_forward and not capabilities(TorchPolicy).actor
-    assert capabilities(VLLMGenerator).stages_weights and capabilities(TorchGenerator) == Capabilities()
+    assert capabilities(VLLMGenerator).stages_weights
+    assert capabilities(TorchGenerator) == Capabilities(sampled_evaluation=True)
     for cls in (TorchPolicy, TorchGenerator, VLLMGenerator, SimulatedPolicy):
         assert capabilities(proxy_class(cls)) == replace(capabilities(cls), actor=True), cls
     torch_ranks = RankGroupPolicy(SimpleNamespace(actors=[proxy_class(TorchPolicy)(None)] * 2))
     simulated_ranks = RankGroupPolicy(SimpleNamespace(actors=[proxy_class(SimulatedPolicy)(None)]))
-    assert capabilities(torch_ranks) == Capabilities(prev_logprobs_from_forward=True)
-    assert capabilities(simulated_ranks) == Capabilities() == capabilities(RankGroupPolicy)
+    assert capabilities(torch_ranks) == Capabilities(prev_logprobs_from_forward=True, keeps_versions=True)
+    assert capabilities(simulated_ranks) == Capabilities(keeps_versions=True)  # the ranks keep earlier weights
+    assert capabilities(RankGroupPolicy) == Capabilities()
     assert capabilities(ReplicaSet) == Capabilities(step_metrics=True)
     assert not is_dead_actor(ray.exceptions.RayActorError(), torch_ranks)  # a group of actors is not one
 

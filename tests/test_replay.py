@@ -21,31 +21,21 @@ QUICK = {"eval_every": None, "torch_threads": 1}
 
 
 def record(out: Path, steps: int, preset: str = "what_if", simulated_clock: bool = False, **overrides) -> Controller:
-    """A run directory as ``asyncrl run`` writes it (config.yaml, trace.csv, metrics.csv, trace_index.csv) and a
-    ``completions.jsonl`` with issue 31's columns, from a run stepped on one thread (so each committed group is
-    still in the buffer when its commit event is delivered). ``simulated_clock``: drive it with
-    ``asyncrl.simulate`` (virtual time) instead of hand ticks; its metrics.csv then has the simulated times."""
+    """A run directory as ``asyncrl run`` writes it (config.yaml, trace.csv, metrics.csv, trace_index.csv,
+    completions.jsonl), from a run stepped by hand or, with ``simulated_clock``, driven by ``asyncrl.simulate``
+    (virtual time; its metrics.csv then has the simulated times)."""
     out.mkdir(parents=True, exist_ok=True)
     cfg = load_config(preset, **overrides)
     ctrl = Controller.from_config(cfg)
     (out / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     files = RunFiles(out).attach(ctrl)
-    with open(out / "completions.jsonl", "w") as log:
-        def on_commit(row):
-            group, prompt = ctrl.buffer[row.group_id].rollouts, ctrl.buffer[row.group_id].prompt
-            for i, (tokens, reward) in enumerate(zip(group.completion_ids, group.rewards)):
-                log.write(json.dumps({"group_id": row.group_id, "prompt_id": prompt.id,
-                                      "weight_version": row.weight_version, "completion_index": i,
-                                      "prompt": prompt.text, "tokens": len(tokens), "reward": reward}) + "\n")
-
-        ctrl.subscribe(on_commit, events=[COMMIT])
-        sim = Simulation(ctrl) if simulated_clock else None
-        if sim is not None:
-            sim.run(steps)
-        else:
-            while ctrl.trainer_version < steps:
-                ctrl.tick()
-        files.close()
+    sim = Simulation(ctrl) if simulated_clock else None
+    if sim is not None:
+        sim.run(steps)
+    else:
+        while ctrl.trainer_version < steps:
+            ctrl.tick()
+    files.close()
     if sim is not None:
         sim.metrics.to_csv(out / "metrics.csv", index=False)
     return ctrl

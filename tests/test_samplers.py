@@ -554,6 +554,22 @@ def test_weight_fifo_never_skips_ahead_of_a_pending_version():
     assert ids(sampler.select(2, 1, 4)) == v2
 
 
+def test_weight_fifo_takes_a_complete_version_even_below_min_groups():
+    # A skipped group's replacement is generated with newer weights: its version can end a group short for good.
+    sampler, buf = make("weight_fifo", 1)
+    v1 = add(buf, 1, 3)
+    v2 = add(buf, 2, 4)
+    [verdict] = {v.code for v in sampler.explain(2, 4, 4) if v.group_id in v1}
+    assert verdict == "selected"
+    assert ids(sampler.select(2, 4, 4)) == v1  # nothing of version 1 is pending: waiting could never end
+    assert ids(sampler.select(2, 4, 4)) == v2
+    add(buf, 2, 1)
+    add(buf, 2, 1, ready=False)
+    before = state(buf)
+    assert sampler.select(2, 4, 4) is None  # a version with pending groups still waits for min_groups
+    assert state(buf) == before
+
+
 def test_weight_fifo_target_ignores_future_versions():
     sampler, buf = make("weight_fifo", 1)
     future = add(buf, 3, 2)

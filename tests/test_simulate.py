@@ -271,7 +271,7 @@ def test_the_sweeps_window_labels_do_not_overlap():
     import pandas as pd
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    from asyncrl.simulate_plots import plot_sweep
+    from asyncrl.plots.simulation import plot_sweep
 
     rows = [("in_order", 0, 0.0, 1035.5, 0.0), ("in_order", 1, 0.975, 1936.6, 0.0), ("in_order", 2, 1.925, 2674.5, 0.0),
             ("weight_fifo", 1, 0.975, 1988.3, 0.0), ("weight_fifo", 2, 1.925, 2755.5, 0.0),

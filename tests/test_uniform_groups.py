@@ -18,16 +18,11 @@ SAMPLERS = [
     {"name": "windowed", "max_staleness_versions": 1},
     {"name": "ready_first", "max_staleness_versions": 2},
 ]
-# weight_fifo trains a version only in chunks of that version, and a skipped group's replacement is stamped with the
-# newer version the generator holds: with whole-step chunks the oldest version can be left one group short for good
-# (a select that waits forever, for any skip). Chunks of one group let it finish.
-CHUNKS = {"weight_fifo": {"min_groups_per_chunk": 1}}
 UNIFORM = "filter_uniform_groups: all "
 
 
 def _config(sampler: dict, seed: int, group_size: int, filter_uniform: bool = True, p: float = 0.5, **over):
     """The simulated backends (no model, a success probability ``p`` per completion) at a size that steps fast."""
-    over = {**CHUNKS.get(sampler["name"], {}), **over}
     return load_config(
         "what_if", seed=seed, groups_per_step=2, group_size=group_size, sampler=sampler,
         filter_uniform_groups=filter_uniform,

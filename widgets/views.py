@@ -297,18 +297,22 @@ class CompletionsView(W.VBox):
 
 
 class MetricsView(W.VBox):
-    """Reward over steps, lag distribution by step, throughput."""
+    """Reward over steps, lag distribution by step, throughput; under them token staleness by step and the
+    training-inference gap (``plots.staleness_figure``)."""
 
     def __init__(self, ctrl):
         self.ctrl = ctrl
         self.image = W.Image(format="png")
         self.image.add_class("asyncrl-metrics-image")
-        super().__init__([self.image])
+        self.staleness = W.Image(format="png")
+        self.staleness.add_class("asyncrl-staleness-image")
+        super().__init__([self.image, self.staleness])
         self.add_class("asyncrl-metrics")
         self.refresh()
 
     def refresh(self) -> None:
         self.image.value = plots.png(plots.metrics_figure(self.ctrl))
+        self.staleness.value = plots.png(plots.staleness_figure(self.ctrl))
 
 
 class Dashboard(W.VBox):

@@ -144,6 +144,12 @@ class Capabilities:
     call. The collective weight sync hands it the weights that way instead of loading them now (``weight_sync.py``).
     ``step_metrics`` (a generator): it has ``step_metrics() -> dict[str, float]``, more columns for each step's row
     of ``Controller.metrics``, measured since the previous call (a replica set's tokens and busy seconds per replica).
+    ``keeps_versions`` (a policy): it can keep the weights of earlier versions and compute logprobs under them, so
+    the train pump can split a stale token's importance weight into staleness and mismatch
+    (``asyncrl.algorithms.gap_contributions``): ``keep_versions(versions, current) -> list[int]`` (before each
+    optimizer step, its weights being version ``current``: keep those of ``versions`` it has, the current ones
+    included if listed, drop the rest; returns the versions it now holds) and ``logprobs_at(batch, version,
+    current)`` (``logprobs`` under a held version). ``KeptVersions`` below is one way to have them.
     ``sampled_evaluation`` (a generator): it has ``generate_sampled(prompts, n, temperature, seed,
     max_new_tokens)``, ``n`` sampled completions of each prompt from a random stream of their own seeded by ``seed``
     (the rollouts' is not touched): ``Controller.evaluate`` with a temperature (``asyncrl/evaluation.py``).
@@ -157,6 +163,7 @@ class Capabilities:
     prev_logprobs_from_forward: bool = False
     stages_weights: bool = False
     step_metrics: bool = False
+    keeps_versions: bool = False
     sampled_evaluation: bool = False
     actor: bool = False
 
@@ -166,9 +173,44 @@ class Capabilities:
                              f"ray_max_concurrency={self.ray_max_concurrency}")
 
 
+class KeptVersions:
+    """``keep_versions`` / ``logprobs_at`` (``Capabilities.keeps_versions``) for a policy whose ``logprobs(batch)``
+    reads ``self.model``'s parameters. A kept version is a copy of every parameter, taken before the optimizer step
+    that leaves it, where the parameters live (the GPU for a GPU policy: one model's parameters per kept version,
+    ``kept_bytes``). ``logprobs_at`` swaps the copies' tensors into the parameters for one ``logprobs`` pass and
+    the current ones back, even if the pass fails: nothing is copied per call, the optimizer's parameter objects
+    never change, no gradient is taken under kept weights. Copies are not checkpointed: a checkpoint holds the
+    buffered groups' logprobs under their versions instead (``TrainPump.version_state``)."""
+
+    def keep_versions(self, versions: Sequence[int], current: int) -> list[int]:
+        wanted, kept = set(versions), getattr(self, "_kept", {})
+        self._kept = {v: w for v, w in kept.items() if v in wanted}
+        if current in wanted and current not in self._kept:
+            self._kept[current] = [p.detach().clone() for p in self.model.parameters()]
+        return sorted(self._kept)
+
+    def logprobs_at(self, batch: TrainBatch, version: int, current: int) -> torch.Tensor:
+        if version == current:
+            return self.logprobs(batch)
+        params = list(self.model.parameters())
+        now = [p.data for p in params]
+        try:
+            for p, kept in zip(params, self._kept[version]):
+                p.data = kept
+            return self.logprobs(batch)
+        finally:
+            for p, data in zip(params, now):
+                p.data = data
+
+    def kept_bytes(self) -> int:
+        """Bytes the kept copies take: what keeping versions costs in memory."""
+        return sum(t.numel() * t.element_size() for copies in getattr(self, "_kept", {}).values() for t in copies)
+
+
 DEFAULTS = Capabilities()
 MEMBERS = {"stages_weights": ("stage_weights",), "step_metrics": ("step_metrics",),
-           "sampled_evaluation": ("generate_sampled",), "actor": ("actor_id", "restart")}
+           "keeps_versions": ("keep_versions", "logprobs_at"), "sampled_evaluation": ("generate_sampled",),
+           "actor": ("actor_id", "restart")}
 
 
 def capabilities(backend: object) -> Capabilities:
@@ -200,5 +242,5 @@ def is_dead_actor(exc: BaseException, backend: object) -> bool:
     return exc.actor_id in (None, backend.actor_id)
 
 
-__all__ = ["Capabilities", "capabilities", "is_dead_actor", "GenerationBackend", "PolicyBackend", "GenerationRequest",
-           "GroupRollouts", "TrainBatch"]
+__all__ = ["Capabilities", "KeptVersions", "capabilities", "is_dead_actor", "GenerationBackend", "PolicyBackend",
+           "GenerationRequest", "GroupRollouts", "TrainBatch"]

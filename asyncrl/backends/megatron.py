@@ -53,7 +53,7 @@ import torch
 
 from asyncrl import micro_batches
 from asyncrl.algorithms import Loss, chunked_logprobs
-from asyncrl.backends.base import Capabilities
+from asyncrl.backends.base import Capabilities, KeptVersions
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
@@ -96,14 +96,14 @@ def check_megatron_core(version: str | None = None) -> str:
 # --------------------------------------------------------------------------------------------------------------
 
 
-class MegatronPolicy:
+class MegatronPolicy(KeptVersions):
     """A ``PolicyBackend`` on Megatron-core's ``GPTModel``. See the module docstring."""
 
     # prev_logprobs_from_forward: exact with dropout off (module docstring). A Ray rank group builds it only after
     # its actor joined torch.distributed's default group (ranks.py). Through a Ray proxy the pipelined calls return
     # at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing reads what they return,
     # and a step's calls reach the actor back to back.
-    capabilities = Capabilities(prev_logprobs_from_forward=True, needs_process_group=True,
+    capabilities = Capabilities(prev_logprobs_from_forward=True, needs_process_group=True, keeps_versions=True,
                                 ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: MegatronTrainerConfig, loss: Loss, seed: int = 0,

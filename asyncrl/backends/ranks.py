@@ -125,7 +125,9 @@ class RankGroupPolicy:
         self.tensor_parallel = 1 + max(t for _, t in self.layout)
         self._ended: str | None = None  # why the group ended (a rank died), once it did
         # Each rank takes its rows' prev_logprobs from its forward when its class does: the controller skips logprobs.
-        self.capabilities = Capabilities(prev_logprobs_from_forward=capabilities(ranks[0]).prev_logprobs_from_forward)
+        theirs = capabilities(ranks[0])
+        self.capabilities = Capabilities(prev_logprobs_from_forward=theirs.prev_logprobs_from_forward,
+                                         keeps_versions=theirs.keeps_versions)
 
     @classmethod
     def start(cls, policy_cls: type, args: tuple, cfg: Any) -> RankGroupPolicy:
@@ -193,8 +195,8 @@ class RankGroupPolicy:
     def _all(self, name: str, *args: Any) -> list[Any]:
         return self._get([(i, rank.call_remote(name, *args)) for i, rank in enumerate(self.ranks)], name)
 
-    def _sharded(self, name: str, batch: TrainBatch) -> list[tuple[int, Any]]:
-        """``name(share)`` on every rank whose data-parallel rank has a share of ``batch``, at once:
+    def _sharded(self, name: str, batch: TrainBatch, *args: Any) -> list[tuple[int, Any]]:
+        """``name(share, *args)`` on every rank whose data-parallel rank has a share of ``batch``, at once:
         ``[(first row, result)]``, one per data-parallel share (its tensor-parallel rank 0's)."""
         shards = shard_rows(batch.group_sizes, self.data_parallel)
         calls, starts = [], []
@@ -202,7 +204,7 @@ class RankGroupPolicy:
             start, end, sizes = shards[d]
             if end > start:
                 shard = batch.map(lambda x, a=start, b=end: x[a:b], group_sizes=sizes)
-                calls.append((i, rank.call_remote(name, shard)))
+                calls.append((i, rank.call_remote(name, shard, *args)))
                 starts.append((start, t))
         results = self._get(calls, name)
         return sorted((start, out) for (start, t), out in zip(starts, results) if t == 0)
@@ -215,6 +217,12 @@ class RankGroupPolicy:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return torch.cat([out for _, out in self._sharded("logprobs", batch)])
+
+    def keep_versions(self, versions, current: int) -> list[int]:  # Capabilities.keeps_versions, if the ranks' is
+        return self._all("keep_versions", list(versions), current)[0]  # every rank holds the same versions
+
+    def logprobs_at(self, batch: TrainBatch, version: int, current: int) -> torch.Tensor:
+        return torch.cat([out for _, out in self._sharded("logprobs_at", batch, version, current)])
 
     def begin_train_step(self) -> None:
         self._all("begin_train_step")

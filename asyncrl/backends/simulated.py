@@ -45,19 +45,22 @@ decrease, and a group never starts on weights older than those current at its su
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import math
 import random
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from asyncrl.algorithms import gap_contributions
+from asyncrl.backends.base import Capabilities
 from asyncrl.config import SimulatedGeneration, SimulatedGenerationConfig, SimulatedTrainerConfig, SimulatedTraining
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
+from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock
+from asyncrl.metrics import GAP_METRICS, Accumulator
 
 __all__ = ["SimulatedGeneration", "SimulatedTraining", "SimulatedGenerator", "SimulatedPolicy", "draw_length"]
 
@@ -77,27 +80,6 @@ def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Ran
     return min(max_new_tokens, max(1, math.ceil(x)))
 
 
-class SimClock:
-    """Virtual seconds shared by a simulation's parts. ``stepping``: each generator poll advances ``now``."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self.stepping = True
-
-
-class WallClock:
-    """Real seconds since the generator was built (``clock: wall``)."""
-
-    stepping = False
-
-    def __init__(self) -> None:
-        self._origin = time.perf_counter()
-
-    @property
-    def now(self) -> float:
-        return time.perf_counter() - self._origin
-
-
 @dataclass
 class _Flight:
     request: GenerationRequest
@@ -108,37 +90,6 @@ class _Flight:
     replica: int = 0
     start: float = math.inf  # planned by _schedule; fixed once the clock passed it; inf: not planned yet
     finish: float = math.inf
-
-
-@dataclass
-class _Replica:
-    """One simulated engine's weights over time and what holds its next starts back."""
-
-    versions: list[tuple[float, int]]  # (from when, version) of the weights it decodes with, in time order
-    free_at: float = 0.0  # no group starts before this (a weight load, a pause)
-    pending: list[tuple[float, float, int]] = field(default_factory=list)  # timed updates: (begin, load s, version)
-    draining: tuple[float, int] | None = None  # drain: (load s, version) once it stopped taking groups
-
-    def version_at(self, t: float) -> int:
-        return self.versions[bisect.bisect_right(self.versions, t, key=lambda entry: entry[0]) - 1][1]
-
-    def versions_at(self, times: Sequence[float]) -> list[int]:
-        """``version_at`` of each of ``times`` (ascending): one pass along both."""
-        out, i, versions = [], bisect.bisect_right(self.versions, times[0], key=lambda e: e[0]) - 1, self.versions
-        for t in times:
-            while i + 1 < len(versions) and versions[i + 1][0] <= t:
-                i += 1
-            out.append(versions[i][1])
-        return out
-
-    def ready(self, version: int) -> float:
-        """When this replica first holds ``version`` or newer (inf while that update is still to come)."""
-        when = math.inf
-        for w, v in reversed(self.versions):  # versions never decrease: the newest entries answer
-            if v < version:
-                break
-            when = w
-        return when
 
 
 class SimulatedGenerator:
@@ -153,7 +104,7 @@ class SimulatedGenerator:
         # In a Ray actor of its own each replica is one engine (asyncrl/backends/replicas.py); in-process this
         # object models all of them.
         self.replicas = gen_cfg.replicas if gen_cfg.placement != "ray" else 1
-        self._replicas = [_Replica([(-math.inf, 0)]) for _ in range(self.replicas)]
+        self._replicas = [Replica([(-math.inf, 0)]) for _ in range(self.replicas)]
         self.timed_updates = False  # asyncrl.simulate times each replica's update itself (``receive``)
         self.hold = False  # asyncrl.simulate: while a train tick's chunk trains, finished groups wait to be polled
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
@@ -287,9 +238,12 @@ class SimulatedGenerator:
             self._schedule()
 
     def _drained(self, r: int, t: float) -> None:
-        """A draining replica whose running groups all ended by ``t`` loads its weights now."""
-        rep = self._replicas[r]
-        if rep.draining is None or any(f.replica == r and f.start <= t < f.finish for f in self._flights.values()):
+        """A draining replica whose groups all ended by ``t`` loads its weights from ``t`` on. A group that started
+        by now counts even if it started after ``t`` (a drain that began a float's width before a group's planned
+        start): loading under it would make it span versions, which ``drain`` never does."""
+        rep, now = self._replicas[r], max(t, self.clock.now)
+        if rep.draining is None or any(f.replica == r and f.start <= now and t < f.finish
+                                       for f in self._flights.values()):
             return
         (load, version), rep.draining = rep.draining, None
         self._stop(r, t, load)
@@ -335,7 +289,7 @@ class SimulatedGenerator:
             start, end = rep.version_at(f.start), rep.version_at(f.finish)
         else:  # updates are instant: the version it was submitted under, and the current one
             start, end = f.version, self._version
-        longest = max(f.lengths)
+        longest, versions = max(f.lengths), None
         per_step = [LOG_HALF - DRIFT * start] * longest
         if start != end:  # weights loaded under it (inflight): each token keeps the logprob of the weights it was
             # sampled with; decoding step j falls at a share (j + 1) / longest of the decoding time (pauses spread)
@@ -347,7 +301,9 @@ class SimulatedGenerator:
         logprobs = [per_step[:n] for n in f.lengths]
         reasons = ["length" if n == self.max_new_tokens else "stop" for n in f.lengths]
         return GroupRollouts(req.group_id, list(req.prompt_ids), completions, logprobs, start, end,
-                             reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None)
+                             reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None,
+                             texts=["x" * (n - 1) for n in f.lengths],  # what the ids say, for the completions log
+                             token_versions=None if versions is None else [versions[:n] for n in f.lengths])
 
     def busy_s(self, start: float, end: float) -> list[float]:
         """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""
@@ -412,7 +368,7 @@ class SimulatedGenerator:
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
             self._version, self.progress = int(state["version"]), float(state["progress"])
-            self._replicas = [_Replica([(-math.inf, self._version)]) for _ in range(self.replicas)]
+            self._replicas = [Replica([(-math.inf, self._version)]) for _ in range(self.replicas)]
             self.rng.setstate(state["rng"])
             if "now" in state and isinstance(self.clock, SimClock):
                 self.clock.now = float(state["now"])
@@ -423,6 +379,10 @@ class SimulatedGenerator:
 
 
 class SimulatedPolicy:
+    # Every version's logprobs are LOG_HALF - DRIFT * version: it "keeps" them all, so what-if runs and replays
+    # report the importance weight's two parts (no mismatch: one engine; the staleness part exp(-DRIFT * lag)).
+    capabilities = Capabilities(keeps_versions=True)
+
     def __init__(self, model_cfg, trainer_cfg: SimulatedTrainerConfig, loss_cfg, seed: int, tokenizer) -> None:
         self.model = trainer_cfg  # its knobs were checked when the config loaded
         self.steps = 0
@@ -430,6 +390,7 @@ class SimulatedPolicy:
         self.version = 0  # = steps
         self._tokens = self.last_tokens = 0.0
         self._kept = 0.0  # this step's progress weights: tokens x stale_progress ** lag
+        self._gap = Accumulator(GAP_METRICS)  # this step's importance-weight parts (it calls no Loss)
 
     def train_seconds(self, tokens: float, finishes_step: bool) -> float:
         """Virtual seconds to train a chunk of ``tokens`` completion tokens (and the optimizer step, if it ends
@@ -463,8 +424,15 @@ class SimulatedPolicy:
         means = ((batch.gen_logprobs * mask).sum(1) / mask.sum(1).clamp(min=1)).tolist()
         return [max(0, self.version - round((LOG_HALF - lp) / DRIFT)) for lp in means]
 
+    def keep_versions(self, versions: Sequence[int], current: int) -> list[int]:
+        return sorted(versions)
+
+    def logprobs_at(self, batch: TrainBatch, version: int, current: int) -> torch.Tensor:
+        return torch.where(batch.loss_mask.bool(), LOG_HALF - DRIFT * version, batch.gen_logprobs)
+
     def begin_train_step(self) -> None:
         self._tokens = self._kept = 0.0
+        self._gap.reset()
 
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         per_row = batch.loss_mask.sum(1).tolist()
@@ -473,6 +441,8 @@ class SimulatedPolicy:
         self._tokens += self.last_tokens
         self._sleep(self.train_seconds(self.last_tokens, finishes_step=False))
         self._kept += sum(n * keep ** lag for n, lag in zip(per_row, self._lags(batch)))
+        if batch.prev_logprobs is not None:
+            self._gap.add(gap_contributions(batch.prev_logprobs, batch))
         return {"tokens": float(sum(per_row))}
 
     def _sleep(self, seconds: float) -> None:
@@ -485,7 +455,8 @@ class SimulatedPolicy:
         self.progress += self.model.reward_gain * share
         self.steps += 1
         self.version = self.steps
-        return {"loss": 0.0, "tokens": self._tokens, "progress": self.progress, "progress_share": share}
+        return {"loss": 0.0, "tokens": self._tokens, "progress": self.progress, "progress_share": share,
+                **self._gap.result()}
 
     def export_weights(self) -> dict[str, torch.Tensor]:
         self._sleep(self.model.sync_s)

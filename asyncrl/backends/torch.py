@@ -38,7 +38,7 @@ import torch
 
 from asyncrl import micro_batches
 from asyncrl.algorithms import Loss, chunked_logprobs
-from asyncrl.backends.base import Capabilities
+from asyncrl.backends.base import Capabilities, KeptVersions
 from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.sampling import group_max_tokens
@@ -109,7 +109,7 @@ def policy_logprobs(model, seqs: TrainBatch, mb, chunk_tokens: int, entropy: str
 
 # --- policy --------------------------------------------------------------------------------------------------------
 
-class TorchPolicy:
+class TorchPolicy(KeptVersions):
     """The PolicyBackend on plain torch: AdamW over a ``LlamaForCausalLM`` (see ``hf.build_model``).
 
     A step is ``begin_train_step()``, any number of ``train_microbatches(batch)`` (each cut into micro-batches by
@@ -139,7 +139,7 @@ class TorchPolicy:
     # prev_logprobs_from_forward: one optimizer step per RL step makes it exact (docstring). Through a Ray proxy the
     # pipelined calls return at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing
     # reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(prev_logprobs_from_forward=True,
+    capabilities = Capabilities(prev_logprobs_from_forward=True, keeps_versions=True,
                                 ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):

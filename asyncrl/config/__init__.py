@@ -70,25 +70,35 @@ class Config(BaseModel):
     """The whole run: the run's own knobs here, each section typed in the module that holds it."""
 
     model_config = ConfigDict(extra="forbid")
-    seed: int = 0
-    groups_per_step: int = Field(8, ge=1)  # N: prompt groups per optimizer step (one batch)
-    group_size: int = Field(8, ge=1)  # G: completions per prompt
-    min_groups_per_chunk: int | None = Field(None, ge=1)  # None: the whole step in one chunk
-    max_groups_per_chunk: int | None = Field(None, ge=1)
-    max_buffered_groups: int | None = Field(None, ge=1)  # None: the sampler's required capacity (or 4N)
-    max_inflight_groups: int | None = Field(None, ge=1)  # None: no bound beyond the buffer
-    max_epochs: int | None = Field(None, ge=1)  # None: the prompt stream never runs out
-    eval_every: int | None = Field(None, ge=1)
+    seed: int = Field(0, description="seeds the model's init, the prompt stream's shuffle and the sampling")
+    groups_per_step: int = Field(8, ge=1, description="N: prompt groups per optimizer step (one batch)")
+    group_size: int = Field(8, ge=1, description="G: completions per prompt (TRL's num_generations)")
+    min_groups_per_chunk: int | None = Field(
+        None, ge=1, description="fewest groups a train tick trains at once (a chunk); None: the whole step in one")
+    max_groups_per_chunk: int | None = Field(
+        None, ge=1, description="most groups a chunk takes; None: groups_per_step")
+    max_buffered_groups: int | None = Field(
+        None, ge=1, description="the replay buffer's capacity in groups; None: the sampler's required capacity (or 4N)")
+    max_inflight_groups: int | None = Field(
+        None, ge=1, description="groups dispatched and not yet back, at most; None: no bound beyond the buffer")
+    max_epochs: int | None = Field(
+        None, ge=1, description="passes over the training prompts; None: the prompt stream never runs out")
+    eval_every: int | None = Field(
+        None, ge=1, description="evaluate (greedy, on the task's evaluation split) every K steps and before step 0; "
+        "the eval_reward / eval_accuracy metrics; None: never")
     filter_uniform_groups: bool = Field(
         False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
         "dynamic sampling) and admit another in its place")
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
-    torch_threads: int | None = Field(None, ge=1)
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process (None: "
+                                      "torch's default)")
     # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
     # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
     # Generous by default, for slow generation on big models.
-    stall_timeout_s: float = Field(60.0, gt=0)
+    stall_timeout_s: float = Field(
+        60.0, gt=0, description="a run fails with a StallError (what each pump waits for, and the sampler's "
+        "verdicts) when no group was committed, trained, evicted or aborted for this long")
     # Checkpoints (asyncrl/checkpoint.py): every K steps into checkpoint_dir/step-XXXXXX, keeping the newest few.
     checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
     checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")

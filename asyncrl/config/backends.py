@@ -27,16 +27,19 @@ class ModelConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    hidden_size: int = Field(128, ge=1)
-    intermediate_size: int = Field(344, ge=1)
-    num_hidden_layers: int = Field(2, ge=1)
-    num_attention_heads: int = Field(4, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    max_position_embeddings: int = Field(64, ge=8)
-    rope_theta: float = 10000.0
-    tie_word_embeddings: bool = True
-    hf_path: str | None = None  # a local Hugging Face checkpoint directory (config + safetensors + tokenizer)
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    hidden_size: int = Field(128, ge=1, description="the width of the model (Llama's hidden_size)")
+    intermediate_size: int = Field(344, ge=1, description="the MLP's inner width")
+    num_hidden_layers: int = Field(2, ge=1, description="transformer layers")
+    num_attention_heads: int = Field(4, ge=1, description="attention heads")
+    num_key_value_heads: int = Field(2, ge=1, description="key/value heads (grouped-query attention)")
+    max_position_embeddings: int = Field(
+        64, ge=8, description="the context: a prompt (after its chat template) plus max_new_tokens must fit it")
+    rope_theta: float = Field(10000.0, description="the rotary embedding's base")
+    tie_word_embeddings: bool = Field(True, description="the output layer shares the embedding's weights")
+    hf_path: str | None = Field(
+        None, description="a local Hugging Face model directory (config, safetensors, tokenizer) to load instead of "
+        "a model built from these fields")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="the weights' dtype")
     chat_template: str | None = Field(
         None, description="the chat template conversational prompts are rendered with (a Jinja template, or the "
         "path of a file holding one); None: the tokenizer's own (asyncrl/chat.py)")

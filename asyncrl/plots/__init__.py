@@ -6,7 +6,7 @@ Everything here reads the read API only (``asyncrl.read_view.ReadView``: ``state
 (``Recording.at``) and an attached run (``asyncrl.attach``) alike. Nothing here imports Jupyter packages.
 
     buffer_figure(ctrl)    buffer_table(ctrl)    verdict_table(ctrl, action="evict")
-    metrics_figure(ctrl)   lag_table(ctrl)       bias_figure(ctrl)    skew_table(ctrl)
+    metrics_figure(ctrl)   lag_table(ctrl)       bias_figure(ctrl)    skew_table(ctrl)    staleness_figure(ctrl)
     replay_figure(rec.at(step, event))           plot_simulation(sim) / plot_sweep / plot_grid  (asyncrl.simulate)
 """
 
@@ -21,6 +21,7 @@ from asyncrl.plots.metrics import (
 from asyncrl.plots.recording import replay_figure
 from asyncrl.plots.simulation import plot_grid, plot_simulation, plot_sweep
 from asyncrl.plots.skew import SKEW_COLOURS, SKEW_LABELS, bias_figure, draw_bias, skew_table
+from asyncrl.plots.staleness import draw_gap, draw_token_staleness, staleness_figure
 
 
 def png(fig, dpi: int = 80) -> bytes:
@@ -34,4 +35,5 @@ __all__ = [
     "LABELS", "STATES", "SKEW_COLOURS", "SKEW_LABELS", "bias_figure", "buffer_figure", "buffer_table", "draw_bias",
     "draw_buffer", "draw_lag_history", "draw_lags", "draw_reward", "draw_throughput", "lag_table", "metrics_figure",
     "plot_grid", "plot_simulation", "plot_sweep", "png", "replay_figure", "skew_table", "step_events", "verdict_table",
+    "draw_gap", "draw_token_staleness", "staleness_figure",
 ]

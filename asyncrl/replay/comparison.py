@@ -58,6 +58,15 @@ def summarize(trace: pd.DataFrame, metrics: pd.DataFrame, cfg=None) -> dict[str,
         "lag_max": int(lags.max()) if len(lags) else 0,
         "lag_counts": " ".join(f"{k}:{v}" for k, v in sorted(lags.value_counts().items())),
     }
+    staleness = [M.TOKEN_STALENESS_MEAN, M.TOKEN_STALENESS_MAX, *M.TOKEN_STALENESS_SHARES, M.SPANNING_FRACTION]
+    out.update({m.name: math.nan for m in staleness})  # a run from before these metrics has none
+    tokens, n = (metrics.get(c.name) for c in (M.COMPLETION_TOKENS, M.COMPLETIONS))
+    if M.TOKEN_STALENESS_MEAN.name in metrics and tokens is not None and tokens.sum() > 0:  # token-weighted
+        for m in staleness:
+            values = metrics[m.name]
+            out[m.name] = (float(values.max()) if m is M.TOKEN_STALENESS_MAX else
+                           float((values.fillna(0) * n).sum() / n.sum()) if m is M.SPANNING_FRACTION else
+                           float((values.fillna(0) * tokens).sum() / tokens.sum()))
     out.update({"groups_dispatched": dispatched, "groups_trained": len(lags), **{f"groups_{k}": v for k, v in
                                                                                  dropped.items()},
                 "drop_frac": (dropped["evicted"] + dropped["aborted"]) / dispatched if dispatched else 0.0})

@@ -257,7 +257,7 @@ class SamplerBase:
         T = check_int("trainer_version", trainer_version)
         _check_chunk(min_groups, max_groups)
         picked = list(islice(self._candidates(T), max_groups))
-        return T, (picked if len(picked) >= min_groups else None)
+        return T, (picked if len(picked) >= min_groups or (picked and self._candidates_final(T)) else None)
 
     def evict(self, trainer_version: int) -> list[Slot]:
         return [slot for slot, _ in self.evict_reasoned(trainer_version)]
@@ -290,7 +290,7 @@ class SamplerBase:
                 action, (code, reason) = "evict", self._evict_reason(slot, T)
             elif gid in order:
                 pos = order[gid]
-                if n < min_groups:
+                if n < min_groups and not self._candidates_final(T):
                     action, code = "keep", "below_min_groups"
                     reason = (
                         f"eligible, but a chunk needs {min_groups} group(s) (min_groups) and only {n} qualify: "
@@ -318,6 +318,12 @@ class SamplerBase:
         """The slots ``select`` may take now, in the order it takes them (only ready ones)."""
         raise NotImplementedError(f"{type(self).__name__} must implement _candidates(T): the ready slots select "
                                   "may take now, in order (docs/samplers.md, 'Writing your own')")
+
+    def _candidates_final(self, T: int) -> bool:
+        """True when no further candidate can join ``_candidates(T)`` before something is trained: ``select`` then
+        takes what there is even below ``min_groups``, since waiting could never end (default: False, a policy's
+        candidates may still grow)."""
+        return False
 
     def _candidate_count(self, T: int) -> int:
         """How many slots ``_candidates(T)`` yields (the "of n" of a selected verdict). A policy that reads its

@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import Any, Literal
 
-from pydantic import ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from asyncrl.samplers.base import KnobModel, SamplerBase
 
@@ -83,7 +83,8 @@ class CustomConfig(KnobModel):
 
     model_config = ConfigDict(extra="allow", frozen=True)
     name: Literal["custom"] = "custom"
-    target: str
+    target: str = Field(description="the sampler class, 'package.module:Class' (a SamplerBase subclass); its "
+                        "keyword arguments are the section's other keys")
 
     @field_validator("target")
     @classmethod

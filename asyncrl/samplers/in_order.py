@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 class InOrderConfig(KnobModel):
     name: Literal["in_order"] = "in_order"
-    max_lookahead_versions: int = Field(1, ge=0, strict=True)
+    max_lookahead_versions: int = Field(
+        1, ge=0, strict=True, description="L: batches admitted ahead of the step being trained; each group is "
+        "trained exactly at the step it was stamped for (0: synchronous GRPO)")
 
 
 class InOrderSampler(SamplerBase):

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 class ReadyFirstConfig(KnobModel):
     name: Literal["ready_first"] = "ready_first"
-    max_staleness_versions: int = Field(1, ge=0, strict=True)
+    max_staleness_versions: int = Field(
+        1, ge=0, strict=True, description="W: weight versions admission may run ahead of training (the gate); "
+        "nothing is dropped")
 
 
 class ReadyFirstSampler(SamplerBase):

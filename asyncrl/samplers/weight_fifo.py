@@ -2,8 +2,11 @@
 
 The target version is the oldest ``w`` among *all* in-window slots (``lo <= w <= T``), ready or pending; only
 ready slots of exactly that version are candidates. It never skips ahead: while the oldest in-window version
-still has pending rollouts and too few ready ones, ``select`` waits rather than mixing in newer data. Gated
-admission bounds the buffer to ``N (W + 1)``. Never aborts in-flight work: every admitted batch is waited for.
+still has pending rollouts and too few ready ones, ``select`` waits rather than mixing in newer data. Once that
+version has nothing pending, its ready groups are all it will ever have (a skipped group's replacement is generated,
+and stamped, with the newer weights), so they are taken as a chunk even below ``min_groups``: a chunk never mixes
+versions, and a step can always finish. Gated admission bounds the buffer to ``N (W + 1)``. Never aborts in-flight
+work: every admitted batch is waited for.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ if TYPE_CHECKING:
 
 class WeightFifoConfig(KnobModel):
     name: Literal["weight_fifo"] = "weight_fifo"
-    max_staleness_versions: int = Field(1, ge=0, strict=True)
+    max_staleness_versions: int = Field(
+        1, ge=0, strict=True, description="W: groups older than T - W weight versions are evicted; versions "
+        "are trained oldest first")
 
 
 class WeightFifoSampler(SamplerBase):
@@ -37,6 +42,10 @@ class WeightFifoSampler(SamplerBase):
         target = self.target_version(T)
         if target is not None:
             yield from self.buffer.by_version.ready[target]
+
+    def _candidates_final(self, T: int) -> bool:
+        target = self.target_version(T)
+        return target is not None and not self.buffer.by_version.pending[target]
 
     def _candidate_count(self, T: int) -> int:
         target = self.target_version(T)

@@ -21,8 +21,10 @@ if TYPE_CHECKING:
 
 class WindowedConfig(KnobModel):
     name: Literal["windowed"] = "windowed"
-    max_staleness_versions: int = Field(1, ge=0, strict=True)
-    freshest_first: bool = Field(False, strict=True)
+    max_staleness_versions: int = Field(
+        1, ge=0, strict=True, description="W: ready groups older than T - W weight versions are evicted")
+    freshest_first: bool = Field(False, strict=True, description="select the freshest ready groups first "
+                                 "(default: buffer order)")
 
 
 class WindowedSampler(SamplerBase):
