@@ -304,7 +304,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """``chunked_logprobs``' autograd: the forward keeps only the hidden states (its input), the log-sum-exp and
     the entropy per position; the backward recomputes each chunk's logits and turns them into that chunk's
     gradient at once (d logprob / d z = onehot - p; d entropy / d z = -p (log p + H)), so memory is bounded by one
-    chunk both ways. The weight's gradient is accumulated over chunks in float32."""
+    chunk both ways. A pass of one chunk keeps that chunk's logits for its backward instead of recomputing them (the
+    same numbers; the bound holds): on CPU-sized models that matmul was a third of the backward. The weight's
+    gradient is accumulated over chunks in float32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, chunk, entropy, rows, start, group):
@@ -313,9 +315,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         lp = torch.empty(n, dtype=torch.promote_types(weight.dtype, torch.float32), device=hidden.device)
         lses = torch.empty_like(lp)
         ent = torch.empty_like(lp) if entropy else None
+        ctx.logits = None
         for a in range(0, n, chunk):
             z = _chunk_logits(hidden[a:a + chunk], weight, rows)
             lse, picked, pz, _, _ = _chunk_stats(z, targets[a:a + chunk], start, group, entropy)
+            if n <= chunk and any(ctx.needs_input_grad[:2]):
+                ctx.logits = z  # the whole pass is one chunk: the backward reuses its logits (the same numbers)
             del z
             lp[a:a + chunk] = picked - lse
             lses[a:a + chunk] = lse
@@ -339,7 +344,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
             return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None, None, None
         for a in range(0, hidden.shape[0], chunk):
             h = hidden[a:a + chunk]
-            logp = _chunk_logits(h, weight, rows).sub_(lses[a:a + chunk].unsqueeze(-1))  # log p, in place
+            z = ctx.logits if ctx.logits is not None else _chunk_logits(h, weight, rows)
+            ctx.logits = None
+            logp = z.sub_(lses[a:a + chunk].unsqueeze(-1))  # log p, in place
             p = logp.exp()
             if g_ent is not None:  # d H / d z = -p (log p + H), into log p's buffer
                 grad = logp.add_(ents[a:a + chunk].unsqueeze(-1)).mul_(p).mul_(-g_ent[a:a + chunk].unsqueeze(-1))

@@ -150,8 +150,8 @@ class TrainPump:
         """Before the optimizer step: the policy keeps the weights of every version a buffered group may have been
         sampled with (the oldest buffered ``weight_version`` up to the current ``T``, which batches admitted at the
         step's end are generated with) and drops older ones (what that costs: docs/replay.md)."""
-        if not (self.cfg.loss.gap_metrics and capabilities(self.policy).keeps_versions):
-            return
+        if self.sampler.is_on_policy or not (self.cfg.loss.gap_metrics and capabilities(self.policy).keeps_versions):
+            return  # an on-policy sampler trains no stale token: nothing to keep
         with self.state.lock:
             T = self.state.trainer_version
             oldest = min([T] + [slot.weight_version for slot in self.buffer.slots()])
