@@ -41,7 +41,7 @@ def completions(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, n: in
         return [[list(c)] * n for c in greedy]
     if not capabilities(generator).sampled_evaluation:
         raise ValueError(f"evaluate(temperature={temperature}): the generator {type(generator).__name__} samples only "
-                         "rollouts; evaluate with temperature=0.0 (greedy), or use the torch generator")
+                         "rollouts; evaluate with temperature=0.0 (greedy), or use the torch or vLLM generator")
     flat = generator.generate_sampled(ids, n, temperature, seed, max_new_tokens)
     return [list(flat[i * n:(i + 1) * n]) for i in range(len(prompts))]
 

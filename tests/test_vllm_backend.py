@@ -645,6 +645,28 @@ def test_a_weight_load_in_another_thread_gets_its_turn_between_steps_of_the_back
         gen.close()
 
 
+def test_sampled_evaluation_is_seeded_by_prompt_and_runs_beside_the_groups():
+    """``Controller.evaluate(temperature > 0)`` on vLLM: ``n`` completions a prompt, rows in prompt order, the same
+    for the same seed whatever else runs, another seed samples otherwise; the running group is not disturbed."""
+    from asyncrl.backends.base import capabilities
+
+    assert capabilities(VLLMGenerator).sampled_evaluation
+    gen, llm = make_gen(max_new_tokens=30)
+    gen.submit([req(1)])
+    step_until_running(gen, llm)
+    prompts = [[257, 50], [257, 51], [257, 52]]
+    out = gen.generate_sampled(prompts, 4, 0.7, seed=11, max_new_tokens=5)
+    assert len(out) == 12 and all(1 <= len(c) <= 5 for c in out)
+    added = [r for r, _ in llm.llm_engine.added if r.startswith("eval-")]
+    params = [llm.llm_engine.requests.get(r) for r in added]
+    assert len(added) == 3 and params == [None] * 3  # one request a prompt, all finished
+    assert gen.generate_sampled(prompts[1:], 4, 0.7, seed=12, max_new_tokens=5) == out[4:]  # seed + index
+    assert gen.generate_sampled(prompts, 4, 0.7, seed=11, max_new_tokens=5) == out
+    assert gen.generate_sampled(prompts, 4, 0.7, seed=99, max_new_tokens=5) != out
+    assert gen.generate_sampled([], 4, 0.7, seed=11) == []
+    assert [g.group_id for g in gen.poll()] == [1]
+
+
 def test_generate_greedy_runs_beside_the_groups_and_loses_none_of_them():
     gen, llm = make_gen(max_new_tokens=30)
     gen.submit([req(1)])
@@ -894,6 +916,19 @@ def test_real_vllm_abort_and_greedy(real):
     prompts = [tok.encode("7="), tok.encode("xyz")]
     a, b = gen.generate_greedy(prompts, 6), gen.generate_greedy(prompts, 6)
     assert a == b and all(1 <= len(c) <= 6 for c in a)
+
+
+@pytest.mark.gpu
+def test_real_vllm_sampled_evaluation(real):
+    """``generate_sampled``: n completions a prompt from the real engine, reproducible by seed, varied across
+    samples at temperature 1 (a random model), greedy unaffected."""
+    gen, tok = real.gen, real.tok
+    prompts = [tok.encode("7="), tok.encode("xyz")]
+    a = gen.generate_sampled(prompts, 4, 1.0, seed=5, max_new_tokens=8)
+    assert len(a) == 8 and all(1 <= len(c) <= 8 for c in a)
+    assert gen.generate_sampled(prompts, 4, 1.0, seed=5, max_new_tokens=8) == a
+    assert len({tuple(c) for c in a[:4]}) > 1  # four samples of one prompt, not one greedy answer four times
+    assert gen.generate_greedy(prompts, 6) == gen.generate_greedy(prompts, 6)
 
 
 @pytest.mark.gpu

@@ -60,7 +60,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,7 +68,8 @@ from asyncrl.backends.base import Capabilities
 from asyncrl.backends.device_lock import device_waiters, exclusive_device, make_way
 from asyncrl.backends.sampling import group_seed
 from asyncrl.backends.vllm_build import build_llm
-from asyncrl.backends.vllm_requests import eos_token_id, greedy_params, group_rollouts, sampling_params
+from asyncrl.backends.vllm_requests import (Group, eos_token_id, eval_sampling_params, greedy_params,
+                                            group_rollouts, sampling_params)
 from asyncrl.backends.vllm_weights import Staged, load_in_place
 from asyncrl.config import ModelConfig, VLLMGenerationConfig
 from asyncrl.data import GenerationRequest, GroupRollouts
@@ -83,16 +83,6 @@ STREAM_SLICE_S = 0.02
 GROUP = "group-"  # a group's request id in the engine: GROUP + group id
 
 
-@dataclass
-class _Group:
-    """A submitted group: its request, ``version`` when submitted, and once in the engine its first step's version."""
-
-    request: GenerationRequest
-    submitted_version: int
-    seq: int  # submission order (a drain runs the groups submitted before it)
-    start_version: int | None = None
-
-
 class VLLMGenerator:
     """A ``GenerationBackend`` streaming through vLLM's engine. See the module docstring.
 
@@ -103,7 +93,7 @@ class VLLMGenerator:
     # Ray may serve two calls of this actor at once (asyncrl.backends.ray): a weight receive runs during a poll.
     # Safe: every engine use holds ``_engine`` and staged weights ``_staging`` (module docstring). The collective
     # weight sync stages weights into it (``stage_weights``) while the engine runs.
-    capabilities = Capabilities(ray_max_concurrency=2, stages_weights=True)
+    capabilities = Capabilities(ray_max_concurrency=2, stages_weights=True, sampled_evaluation=True)
 
     def __init__(self, model_cfg: ModelConfig, gen_cfg: VLLMGenerationConfig, seed: int = 0, tokenizer: Any = None, *,
                  llm: Any = None, sampling_params_cls: Any = None):
@@ -144,10 +134,10 @@ class VLLMGenerator:
         self._state = threading.Lock()  # queue / running / done
         self._changed = threading.Condition(self._state)
         self._wanted = 0  # threads waiting for ``_engine`` that the stepping loop lets in after its step
-        self._queue: deque[_Group] = deque()  # submitted, not yet in the engine
+        self._queue: deque[Group] = deque()  # submitted, not yet in the engine
         self._submitted = 0  # groups ever queued: the next one's ``seq``
-        self._running: dict[int, _Group] = {}  # in the engine
-        self._greedy: dict[str, list[int] | None] = {}  # greedy request id -> its tokens once finished
+        self._running: dict[int, Group] = {}  # in the engine
+        self._greedy: dict[str, list[list[int]] | None] = {}  # evaluation request id -> its completions
         self._greedy_ids = 0
         self._done: list[GroupRollouts] = []
         self._error: BaseException | None = None
@@ -181,7 +171,7 @@ class VLLMGenerator:
             known = {g.request.group_id for g in self._queue} | set(self._running)
             for r in requests:
                 if r.group_id not in known:
-                    self._queue.append(_Group(r, version, self._submitted))
+                    self._queue.append(Group(r, version, self._submitted))
                     self._submitted += 1
                     known.add(r.group_id)
             self._changed.notify_all()
@@ -271,22 +261,35 @@ class VLLMGenerator:
         """Greedy (temperature 0) completions of token-id prompts under the current weights, eos included. Staged
         weights are swapped in first (``drain``: after the groups submitted before them); running groups go on
         meanwhile and are returned by ``poll`` as usual."""
-        if not prompts:
-            return []
         params = greedy_params(self._sp, max_new_tokens or self.gen_cfg.max_new_tokens, self.eos_id,
                                self._final_only, self.gen_cfg.stop)
+        return [outs[0] for outs in self._evaluate([(p, params) for p in prompts])]
+
+    def generate_sampled(self, prompts: Sequence[Sequence[int]], n: int, temperature: float, seed: int,
+                         max_new_tokens: int | None = None) -> list[list[int]]:
+        """``n`` sampled completions of each prompt (rows in prompt order) at ``temperature``, the run's top-p/k and
+        stop strings; a prompt's request is seeded by ``seed`` + its index (rollouts' seeds untouched)."""
+        limit = max_new_tokens or self.gen_cfg.max_new_tokens
+        requests = [(p, eval_sampling_params(self._sp, self.gen_cfg, n, temperature, limit, seed + i, self.eos_id,
+                                             self._final_only)) for i, p in enumerate(prompts)]
+        return [c for outs in self._evaluate(requests) for c in outs]
+
+    def _evaluate(self, requests: Sequence[tuple[Sequence[int], Any]]) -> list[list[list[int]]]:
+        """Each (prompt, params) request's completions, run beside the groups once staged weights are in."""
+        if not requests:
+            return []
         with self._engine_turn():
             if self._staged is not None:
                 if self.gen_cfg.weight_update == "drain":
                     self._run_engine(lambda finished: False, drain=self._submitted)
                 self._swap_staged()
             ids = []
-            for p in prompts:
+            for prompt, params in requests:
                 self._greedy_ids += 1
                 rid = f"eval-{self._greedy_ids}"
                 self._greedy[rid] = None
                 ids.append(rid)
-                self.engine.add_request(rid, {"type": "token", "prompt_token_ids": list(p)}, params)
+                self.engine.add_request(rid, {"type": "token", "prompt_token_ids": list(prompt)}, params)
             try:
                 while any(self._greedy[r] is None for r in ids):  # interrupted turns included
                     self._run_engine(lambda finished: all(self._greedy[r] is not None for r in ids))
@@ -436,7 +439,7 @@ class VLLMGenerator:
                 continue
             rid = str(out.request_id)
             if rid in self._greedy:
-                self._greedy[rid] = list(out.outputs[0].token_ids)
+                self._greedy[rid] = [list(c.token_ids) for c in sorted(out.outputs, key=lambda c: c.index)]
                 continue
             with self._state:
                 group = self._running.pop(int(rid.removeprefix(GROUP)), None)

@@ -12,10 +12,22 @@ request and the ``GroupRollouts`` of its finished output.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.backends.sampling import group_max_tokens, group_seed
 from asyncrl.data import GenerationRequest, GroupRollouts
+
+
+@dataclass
+class Group:
+    """A group submitted to the vLLM generator: its request, ``version`` when submitted, and once in the engine its
+    first step's version."""
+
+    request: GenerationRequest
+    submitted_version: int
+    seq: int  # submission order (a drain runs the groups submitted before it)
+    start_version: int | None = None
 
 
 def eos_token_id(model_cfg: Any, tokenizer: Any) -> int | None:
@@ -56,6 +68,17 @@ def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind:
     """The ``SamplingParams`` of one greedy (evaluation) request; it stops at the run's stop strings too."""
     return sp_cls(n=1, temperature=0.0, max_tokens=max_tokens, stop_token_ids=[eos_id] if eos_id is not None else None,
                   **({"stop": list(stop)} if stop else {}), detokenize=bool(stop), output_kind=output_kind)
+
+
+def eval_sampling_params(sp_cls: Any, gen_cfg: Any, n: int, temperature: float, max_tokens: int, seed: int,
+                         eos_id: int | None, output_kind: Any) -> Any:
+    """The ``SamplingParams`` of one sampled evaluation request: ``n`` completions of a prompt at ``temperature``
+    with the run's ``top_p``/``top_k``/stop strings, seeded, no logprobs."""
+    stop = {"stop": list(gen_cfg.stop)} if gen_cfg.stop else {}
+    return sp_cls(n=n, temperature=temperature, top_p=gen_cfg.top_p,
+                  **({"top_k": gen_cfg.top_k} if gen_cfg.top_k > 0 else {}), max_tokens=max_tokens, seed=seed,
+                  stop_token_ids=[eos_id] if eos_id is not None else None, **stop, detokenize=bool(stop),
+                  output_kind=output_kind)
 
 
 def sampled_logprob(entry: Any, token_id: int) -> float:
