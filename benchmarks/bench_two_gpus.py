@@ -351,12 +351,13 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
         policy = fresh_policy(cfg, tok, policy)
     generator.poll(0.0)  # nothing of an earlier run may come back under a reused group id
     use_sampling(generator, cfg.generation)
-    ctrl = Controller(cfg, task, policy, generator, tok)  # its first sync loads version 0 into the generator
+    # The pumps hold the policy they were built with: the stamping wrapper is what the controller is built around.
+    stamped = StampedPolicy(policy, time.perf_counter())
+    ctrl = Controller(cfg, task, stamped, generator, tok)  # its first sync loads version 0 into the generator
     build_s = time.perf_counter() - t_build
     gen, train = Engine(generator, GEN_ENGINE, GEN_CALLS), Engine(policy, TRAIN_ENGINE, TRAIN_CALLS)
     parts0 = len(generator.sync_parts()) if hasattr(generator, "sync_parts") else 0
-    t0 = time.perf_counter()
-    stamped = ctrl.policy = StampedPolicy(policy, t0)
+    t0 = stamped.t0 = time.perf_counter()
     timeline = Timeline() if timeline_out is not None else None
     if timeline is not None:
         timeline.instrument(ctrl, stamped)
