@@ -892,6 +892,32 @@ def render(text: str, where: str, problems: list[str]) -> str:
     return MARKER.sub(body, text)
 
 
+# --- one H200, 2026-12-03: the GPU checks after issues 30-33, countdown on a GPU preset, gpu_gen_heavy again ------
+CHECKS_1203, GEN_HEAVY_1203 = "2026-12-03-one-h200", "2026-12-03-gen-heavy-one-h200"
+COUNTDOWN_GPU = "2026-12-03-gpu-quickstart-one-h200"
+
+
+def checks_1203(what: str) -> Callable[[], str]:
+    return value("gpu_checks", CHECKS_1203, lambda r, _: r[what])
+
+
+REPORTS.update({
+    "checks_1203_tests": checks_1203("pytest_tests_gpu_one_process"),
+    "checks_1203_gap": checks_1203("test_gap_rerun"),
+    "checks_1203_vllm": checks_1203("pytest_vllm_backend_gpu"),
+    "checks_1203_notebook": checks_1203("notebook_gpu_quickstart"),
+    "gen_heavy_1203": two_gpus_table(GEN_HEAVY_1203),
+    "gen_heavy_1203_async_over_sync": value("bench_two_gpus", GEN_HEAVY_1203, lambda r, _: (
+        f"{r['async_over_sync']:.2f}x (per repeat " + ", ".join(f"{x:.2f}" for x in r["async_over_sync_per_repeat"])
+        + ")")),
+    "countdown_gpu": value("bench_countdown", COUNTDOWN_GPU, lambda r, _: "; ".join(
+        f"`{r['preset']}`'s 3.1M model (context 1,024, {r['max_new_tokens']} new tokens), seed {s['seed']}: held-out "
+        f"greedy accuracy {s['eval_accuracy_before']:.2f} untrained and {s['eval_accuracy_after']:.2f} after "
+        f"{s['steps']} steps, pass@8 {s['pass@8_after']:.2f} (sampled by vLLM), training reward "
+        f"{s['train_reward_max']:.2f} at best ({s['s_per_step']:.1f} s a step)" for s in r["seeds"])),
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
