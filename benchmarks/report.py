@@ -837,7 +837,8 @@ REPORTS.update({
 })
 
 # --- bench_rewards / bench_completions (issue 31: rewards off the rollout pump, the completions log) -------------
-REWARDS_RUN, COMPLETIONS_RUN = "2026-12-02-handover", "2026-12-02"
+REWARDS_RUN, COMPLETIONS_RUN = "2026-12-03-lookahead-1", "2026-12-02"
+REWARDS_L2 = "2026-12-03-lookahead-2"  # the same bench with in_order's max_lookahead_versions 2, right after it
 
 
 def rewards_table(name: str) -> Callable[[], str]:
@@ -850,6 +851,13 @@ def rewards_table(name: str) -> Callable[[], str]:
         return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_rewards/{name}/`.\n"
                 + table(body, ["reward", "workers", "steps/s, median (min..max)", "vs instant inline"]))
     return make
+
+
+def rewards_ceiling(r: dict) -> str:
+    """The ceiling the sampler's lookahead L leaves (bench_rewards.py): (L+1) x step / (L x step + gen + scoring)."""
+    c, L = r["ceiling"], r.get("lookahead", 1)
+    return (f"{L + 1} x {c['step_s'] * 1e3:.1f} ms / ({L} x {c['step_s'] * 1e3:.1f} ms + {c['gen_s'] * 1e3:.1f} ms "
+            f"generating + {c['scoring_s'] * 1e3:.0f} ms scoring) = {c['ratio']:.2f}")
 
 
 def completions_table(name: str) -> Callable[[], str]:
@@ -867,9 +875,11 @@ REPORTS.update({
     "bench_rewards": rewards_table(REWARDS_RUN),
     "bench_rewards_waits_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['waits_10ms/4']['ratio']:.2f}"),
     "bench_rewards_instant_4": value("bench_rewards", REWARDS_RUN, lambda r, _: f"{r['instant/4']['ratio']:.2f}"),
-    "bench_rewards_ceiling": value("bench_rewards", REWARDS_RUN, lambda r, _: (lambda c: (
-        f"2 x {c['step_s'] * 1e3:.1f} ms / ({c['step_s'] * 1e3:.1f} ms + {c['gen_s'] * 1e3:.1f} ms generating + "
-        f"{c['scoring_s'] * 1e3:.0f} ms scoring) = {c['ratio']:.2f}"))(r["ceiling"])),
+    "bench_rewards_ceiling": value("bench_rewards", REWARDS_RUN, lambda r, _: rewards_ceiling(r)),
+    "bench_rewards_l2": rewards_table(REWARDS_L2),
+    "bench_rewards_l2_waits_4": value("bench_rewards", REWARDS_L2, lambda r, _: f"{r['waits_10ms/4']['ratio']:.2f}"),
+    "bench_rewards_l2_instant_4": value("bench_rewards", REWARDS_L2, lambda r, _: f"{r['instant/4']['ratio']:.2f}"),
+    "bench_rewards_l2_ceiling": value("bench_rewards", REWARDS_L2, lambda r, _: rewards_ceiling(r)),
     "bench_completions": completions_table(COMPLETIONS_RUN),
 })
 
