@@ -17,7 +17,8 @@ Prints three tables (about 2-3 minutes on 2 quiet cores):
    with generation in a child process, against one after the other.
 3. Modes, alternating ``--repeats`` times so machine noise hits all: stepped synchronous; synchronous ``run``
    (``in_order`` L=0); asynchronous ``run`` (``weight_fifo`` W=1) with the generator in-process and in a child
-   process (``generation.placement: process``). For each: ms/step, speed-up over stepped synchronous, and that
+   process (``generation.placement: process``); on request (``--modes``) also ``async run (no gap metrics)``
+   (``loss.gap_metrics: false``: what measuring the training-inference gap costs). For each: ms/step, speed-up over stepped synchronous, and that
    speed-up as a fraction of the two-stage bound. Last, the controller's own cost per tick with simulated
    backends that do no work.
 """
@@ -51,7 +52,11 @@ MODES = {  # name -> (sampler, generation placement, stepped)
     "async run": (ASYNC, "local", False),
     "async run (gen process)": (ASYNC, "process", False),
     "sync run (gen process)": (SYNC, "process", False),
+    "async run (no gap metrics)": (ASYNC, "local", False),
 }
+# What a mode sets beyond its sampler and placement: the gap metrics' extra no-grad pass under kept weights is what
+# an asynchronous run on CPU pays for measuring the training-inference gap (loss.gap_metrics; docs/staleness.md).
+EXTRA = {"async run (no gap metrics)": {"loss": {"gap_metrics": False}}}
 WARMUP = 3
 
 
@@ -225,7 +230,7 @@ def gil_probe(preset: str, work: dict, reps: int = 20) -> pd.DataFrame:
 # ------------------------------------------------------------------------------------------------------ modes
 def timed_run(preset: str, mode: str, steps: int, work: dict) -> dict:
     sampler, placement, stepped = MODES[mode]
-    ctrl = Controller.from_config(config(preset, sampler, placement, **work))
+    ctrl = Controller.from_config(config(preset, sampler, placement, **work, **EXTRA.get(mode, {})))
     ctrl.run(WARMUP, progress=False)  # first forward passes, allocator, the child's first batches
     stages = None
     if stepped:
