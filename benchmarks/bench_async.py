@@ -19,8 +19,8 @@ Prints three tables (about 2-3 minutes on 2 quiet cores):
    (``in_order`` L=0); asynchronous ``run`` (``weight_fifo`` W=1) with the generator in-process and in a child
    process (``generation.placement: process``); on request (``--modes``) also ``async run (no gap metrics)``
    (``loss.gap_metrics: false``: what measuring the training-inference gap costs). For each: ms/step, speed-up
-   over stepped synchronous, and that speed-up as a fraction of the two-stage bound. Last, the controller's own cost per tick with simulated
-   backends that do no work.
+   over stepped synchronous, and that speed-up as a fraction of the two-stage bound. Last, the controller's own
+   cost per tick with simulated backends that do no work.
 """
 
 from __future__ import annotations
