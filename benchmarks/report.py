@@ -604,6 +604,19 @@ REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_push_ms": two_gpus_number(TWO_GPUS, "push_ms"),
     "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
     "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
+    "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost"),
+    "bench_async_gap_cost": value("bench_async", "2026-12-03-gap-cost", lambda r, _: (
+        f"{r['speedup_vs_stepped']['async run']:.2f}x with the gap metrics and "
+        f"{r['speedup_vs_stepped']['async run (no gap metrics)']:.2f}x without (best of 3 each)")),
+    "bench_async_vs_2b45af3": value("bench_async", "2026-12-03-vs-2b45af3", lambda r, rows: (
+        "stepped sync " + f"{r['old/stepped sync']:.1f} ms (2b45af3) vs {r['new/stepped sync']:.1f} ms (main); async "
+        f"`run` {r['old/async run']:.1f} vs {r['new/async run']:.1f} ms ({r['new_over_old_async_ms']:.2f}x the time); "
+        f"async speed-up {r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of 3 "
+        "invocations each; per invocation " + ", ".join(
+            f"{side} " + "/".join(f"{o / a:.2f}" for o, a in zip(
+                rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
+                rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step)) for side in ("old", "new"))
+        + ")")),
     "bench_async_stages": bench_async_stages("2026-12-01-issue20-run1"),
     "bench_async_sync_run": lambda: bench_async_number("2026-12-01-issue20-run1", "2026-12-01-issue20-run2",
                                                         "sync_run_over_stepped"),
