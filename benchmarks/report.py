@@ -409,6 +409,17 @@ def bench_async_table(*names: str) -> Callable[[], str]:
     return make
 
 
+def busy_table(name: str) -> Callable[[], str]:
+    """bench_async_busy: ms a step of each timed call, a column per run."""
+    def make() -> str:
+        meta, rows = run("bench_async_busy", name)
+        wide = rows.pivot(index="what", columns="run", values="ms_per_step")[list(meta["results"])]
+        body = [[what, *("" if v != v else f"{v:.2f}" for v in values)] for what, values in wide.iterrows()]
+        return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_async_busy/{name}/`.\n"
+                + table(body, ["ms a step", *wide.columns]))
+    return make
+
+
 def bench_async_stages(name: str) -> Callable[[], str]:
     """The stage times of the fastest stepped synchronous repeat, and the interpreter-lock probe."""
     def make() -> str:
@@ -605,6 +616,13 @@ REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
     "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
     "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost"),
+    "bench_async_busy": busy_table("2026-12-03"),
+    "bench_async_busy_line": value("bench_async_busy", "2026-12-03", lambda r, _: (
+        f"the train pump's ticks took {r['async']['train pump: its ticks']:.1f} of the asynchronous run's "
+        f"{r['async']['wall']:.1f} ms a step; the gap metrics' pass {r['async']['policy.logprobs_at']:.1f} ms and keeping "
+        f"the weights {r['async']['policy.keep_versions']:.1f} ms of it; without them the step took "
+        f"{r['async, no gap metrics']['wall']:.1f} ms, against {r['sync']['wall']:.1f} ms synchronous "
+        f"({r['sync']['wall'] / r['async']['wall']:.2f}x and {r['sync']['wall'] / r['async, no gap metrics']['wall']:.2f}x)")),
     "bench_async_gap_cost": value("bench_async", "2026-12-03-gap-cost", lambda r, _: (
         f"{r['speedup_vs_stepped']['async run']:.2f}x with the gap metrics and "
         f"{r['speedup_vs_stepped']['async run (no gap metrics)']:.2f}x without (best of 3 each)")),
