@@ -217,4 +217,8 @@ def test_a_long_tailed_cpu_run_reports_its_throughput():
         ctrl.close()
     assert (m.train_tokens > m.completion_tokens).all()  # prompts are computed too
     assert (m.train_tokens <= m.train_padded_tokens).all()
-    assert (m.train_tflops > 0).all() and m.mfu.isna().all() and (m.gen_tokens_per_s > 0).all()
+    assert (m.train_tflops > 0).all() and m.mfu.isna().all()
+    # gen_tokens_per_s counts what the generator returned since the previous step: a step in which the running
+    # rollout pump returned nothing (its batch came back before the previous step ended) has none, so NaN
+    generated = m.gen_tokens_per_s.dropna()
+    assert len(generated) >= 1 and (generated > 0).all()
