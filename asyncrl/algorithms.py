@@ -201,12 +201,18 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
     completion tokens weights older than ``trainer_version`` sampled (``GroupRollouts.versions``), and there
     ``version_logprobs``, the trainer's logprobs under those weights, ``logprobs_at(batch, version)`` for each such
     version (None: not held; those tokens stay NaN, unless ``known``, one value or None per completion token in
-    order, has them). ``per_group``: only the first that many completions of each group are passed to
-    ``logprobs_at`` (its rows, as a smaller batch); the other rows' stale tokens stay NaN (``loss.gap_completions``)."""
+    order, has them: a row whose tokens of a version are all known is not passed again). ``per_group``: only the
+    first that many completions of each group are passed to ``logprobs_at`` (its rows, as a smaller batch); the
+    other rows' stale tokens stay NaN (``loss.gap_completions``)."""
     on = batch.loss_mask > 0
-    flat = [v for g in groups for completion in g.versions() for v in completion]
-    versions = torch.full(on.shape, trainer_version, dtype=torch.long)
-    versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order: make_train_batch's
+    if all(g.token_versions is None for g in groups):  # one version a group: per row, not per token (hot path)
+        per_row = torch.tensor([g.gen_start_version for g in groups for _ in g.completion_ids], dtype=torch.long)
+        versions = torch.where(on, per_row.unsqueeze(-1), trainer_version)
+        flat = set(per_row.tolist())
+    else:
+        flat = [v for g in groups for completion in g.versions() for v in completion]
+        versions = torch.full(on.shape, trainer_version, dtype=torch.long)
+        versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order (make_train_batch)
     stale = on & (versions < trainer_version)
     held = torch.full(on.shape, float("nan"), dtype=torch.float32)
     if known is not None:
@@ -219,7 +225,7 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
             rows[start:start + min(size, per_group)] = True
             start += size
     for version in sorted({v for v in flat if v < trainer_version}):
-        take = rows & (versions == version).any(-1)
+        take = rows & ((versions == version) & on & torch.isnan(held)).any(-1)
         if not take.any():
             continue
         index = take.nonzero().squeeze(-1)

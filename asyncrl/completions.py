@@ -49,10 +49,12 @@ def group_rows(group_id: int, prompt: Any, weight_version: int, rollouts: Any,
     function's values, or None when the generation backend scored it)."""
     texts = rollouts.texts or [""] * len(rollouts.completion_ids)
     reasons = rollouts.finish_reasons or [""] * len(texts)
+    prompt_id = getattr(prompt, "id", "")
+    prompt_text = prompt.text if hasattr(prompt, "text") else str(prompt)  # once a group: str() of a Prompt is slow
     rows = []
     for i, (ids, text, reason, reward) in enumerate(zip(rollouts.completion_ids, texts, reasons, rollouts.rewards)):
-        row = {"group_id": group_id, "prompt_id": getattr(prompt, "id", ""), "weight_version": weight_version,
-               "completion_index": i, "prompt": getattr(prompt, "text", str(prompt)),
+        row = {"group_id": group_id, "prompt_id": prompt_id, "weight_version": weight_version,
+               "completion_index": i, "prompt": prompt_text,
                "prompt_tokens": len(rollouts.prompt_ids), "tokens": len(ids), "completion": text,
                "finish_reason": reason, "reward": float(reward)}
         for name, values in (parts or {}).items():

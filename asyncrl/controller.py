@@ -186,6 +186,7 @@ class Controller:
                                "another")
         handle = RunHandle(self, steps, until, progress, on_step)  # validates steps and until: nothing changes
         self._run = handle
+        self._train.measure_beside(lambda: handle.running)  # the gap pass's thread, for the run's length
         handle._launch()
         return handle
 
@@ -342,9 +343,7 @@ class Controller:
                 cfg=self.cfg, sampler=self.sampler, buffer=self.buffer, trainer_version=self.trainer_version,
                 generation_version=self.generator.version, capacity=self.capacity, inflight=len(self.inflight),
                 step_groups_trained=self._train.step.groups, data_position=self.data_position,
-                exhausted=self.exhausted,
-                last_report=self.last_report,
-            )
+                exhausted=self.exhausted, last_report=self.last_report)
 
     @property
     def evaluations(self) -> pd.DataFrame:

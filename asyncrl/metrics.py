@@ -197,6 +197,14 @@ def token_staleness(groups: Iterable, T: int) -> dict[str, float]:
     bins = [0] * (STALENESS_BINS + 1)
     for group in groups:
         unsaid = group.token_versions is None and group.gen_start_version != group.gen_end_version
+        if group.token_versions is None:  # one version for every token: per completion, not per token (hot path)
+            lag = T - group.gen_start_version
+            for completion in group.completion_ids:
+                total += lag * len(completion)
+                top = max(top, lag) if completion else top
+                bins[min(lag, STALENESS_BINS)] += len(completion)
+                spanning += unsaid
+            continue
         for versions in group.versions():
             spanning += unsaid or len(set(versions)) > 1
             for v in versions:

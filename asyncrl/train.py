@@ -30,6 +30,7 @@ from asyncrl.algorithms import make_train_batch, mark_versions
 from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
+from asyncrl.gap_pass import GapPass
 from asyncrl.metrics import StepAccumulator
 from asyncrl.reports import TickReport
 from asyncrl.state import RunState
@@ -56,9 +57,15 @@ class TrainPump:
         self.policy, self.generator, self.task, self.tokenizer = policy, generator, task, tokenizer
         self.rollout, self.faults, self.clock, self.save_checkpoint = rollout, faults, clock, save_checkpoint
         self.step = StepAccumulator(clock)  # the step in progress (STEP_METRICS); reset when it finishes
-        self.kept: set[int] = set()  # the earlier weight versions the policy holds (keeps_versions)
-        self.restored: dict[int, list] = {}  # buffered groups' logprobs under their versions, from a checkpoint
+        self.kept: set[int] = set()  # the weight versions the policy holds (keeps_versions), the current included
+        # Buffered groups' logprobs under the weights that sampled them, measured ahead (a checkpoint's, the gap
+        # pass's): group id -> one value or None per completion token.
+        self.known: dict[int, list] = {}
         self.reward_functions = reward_functions  # what evaluations score with (None: the task's own reward)
+        # an on-policy sampler trains no stale token: nothing to keep, nothing to measure
+        self.keeping = not sampler.is_on_policy and cfg.loss.gap_metrics and capabilities(policy).keeps_versions
+        beside = capabilities(policy).concurrent_logprobs_at and not capabilities(policy).actor  # in this process
+        self.gap = GapPass(state, buffer, self.measure, lambda: self.kept) if self.keeping and beside else None
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self) -> TickReport:
@@ -69,6 +76,8 @@ class TrainPump:
             if T == 0 and self.cfg.eval_every and not state.evaluations:
                 self.evaluate()  # the untrained model: where the held-out curve starts
             report = TickReport("train", T)
+            if self.keeping and T not in self.kept:  # the first tick, or the first after a restore
+                self._keep_versions(T)
             for slot, reason in self.sampler.evict_reasoned(T):  # each with the words its verdict gives
                 report.evicted.append(slot.group_id)
                 self.step.add({"groups_evicted": 1, **M.skew("drop", [slot.rollouts])})
@@ -85,6 +94,8 @@ class TrainPump:
                 )
                 return report
             chunk = [slot for slot, _ in chosen]
+            if self.gap is not None:  # what the gap pass measured of them (it waits for one it is measuring)
+                self.known.update(self.gap.claim(slot.group_id for slot in chunk))
             for slot, reason in chosen:
                 report.selected.append(slot.group_id)
                 state.record(SELECT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
@@ -121,8 +132,8 @@ class TrainPump:
         train_start = time.perf_counter()
         groups = [slot.rollouts for slot in chunk]
         batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
-        known = [x for g in groups for x in self.restored.pop(g.group_id, [None] * g.num_tokens)] \
-            if self.restored else None  # saved by a checkpoint (version_state)
+        known = [x for g in groups for x in self.known.pop(g.group_id, [None] * g.num_tokens)] \
+            if any(g.group_id in self.known for g in groups) else None
         batch = mark_versions(batch, groups, T, self._logprobs_at, known, self.cfg.loss.gap_completions)  # the importance weight's parts, apart
         if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
@@ -142,27 +153,44 @@ class TrainPump:
         self.state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
                           reason=f"chunk {chunk_index} of step {T}")
 
-    def _logprobs_at(self, batch, version: int):
+    def _logprobs_at(self, batch, version: int, current: int | None = None):
         """The trainer's logprobs under weights ``version`` if it kept them (``keeps_versions``), else None."""
-        return self.policy.logprobs_at(batch, version, self.state.trainer_version) if version in self.kept else None
+        current = self.state.trainer_version if current is None else current
+        return self.policy.logprobs_at(batch, version, current) if version in self.kept else None
 
-    def _keep_versions(self) -> None:
-        """Before the optimizer step: the policy keeps the weights of every version a buffered group may have been
-        sampled with (the oldest buffered ``weight_version`` up to the current ``T``, which batches admitted at the
-        step's end are generated with) and drops older ones (what that costs: docs/replay.md)."""
-        if self.sampler.is_on_policy or not (self.cfg.loss.gap_metrics and capabilities(self.policy).keeps_versions):
-            return  # an on-policy sampler trains no stale token: nothing to keep
+    def _keep_versions(self, current: int) -> None:
+        """The policy's weights being version ``current`` (at the first tick, and right after each optimizer step):
+        it keeps them, and those of every version a buffered group may have been sampled with (the oldest buffered
+        ``weight_version`` on, and ``current - 1``, which batches admitted at the step's end are generated with),
+        and drops older ones (what that costs: docs/replay.md). Kept from the step that made them, the current
+        weights can be read while they are trained (the gap pass)."""
         with self.state.lock:
-            T = self.state.trainer_version
-            oldest = min([T] + [slot.weight_version for slot in self.buffer.slots()])
-        self.kept = set(self.policy.keep_versions(list(range(oldest, T + 1)), T))
+            oldest = min([max(current - 1, 0)] + [slot.weight_version for slot in self.buffer.slots()])
+        self.kept = set(self.policy.keep_versions(list(range(oldest, current + 1)), current))
 
     def _optimizer_step(self) -> dict[str, float]:
         """``policy.finish_train_step()`` (normalise, clip, one optimizer step): the policy's step metrics."""
         train_start = time.perf_counter()
-        self._keep_versions()
         out = self.policy.finish_train_step()
+        if self.keeping:
+            self._keep_versions(self.state.trainer_version + 1)
         self.step.add({"train_time_s": time.perf_counter() - train_start})  # what a simulation calibrates on
+        return out
+
+    def measure(self, groups: list, current: int | None = None) -> dict[int, list]:
+        """``groups``' logprobs under the weights that sampled their tokens, as far as the policy kept them and
+        ``loss.gap_completions`` asks (``mark_versions``): group id -> one value or None per completion token, None
+        also at a token sampled by version ``current`` or later (default: every kept version is measured)."""
+        current = max(self.kept, default=-1) + 1 if current is None else current
+        batch = make_train_batch(groups, self.cfg.loss, self.tokenizer.pad_token_id)
+        known = [x for g in groups for x in self.known.get(g.group_id, [None] * g.num_tokens)]
+        batch = mark_versions(batch, groups, current, lambda b, v: self._logprobs_at(b, v, current), known,
+                              self.cfg.loss.gap_completions)
+        held = batch.version_logprobs.masked_fill(batch.stale_mask == 0, math.nan)[batch.loss_mask > 0].tolist()
+        out, start = {}, 0
+        for g in groups:
+            out[g.group_id] = [None if math.isnan(x) else x for x in held[start:start + g.num_tokens]]
+            start += g.num_tokens
         return out
 
     def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
@@ -228,6 +256,11 @@ class TrainPump:
                                            f"mean@{n}": ev[f"mean@{n}"], f"pass@{n}": ev[f"pass@{n}"]})
         return ev
 
+    def measure_beside(self, running: Callable[[], bool]) -> None:
+        """A run's: the gap pass's thread, while ``running()``, if this policy's ``logprobs_at`` allows one."""
+        if self.gap is not None:
+            self.gap.start(running)
+
     def step_state(self) -> dict:
         """What this pump counted towards the next step (evictions before a select that waited): a checkpoint keeps
         it, so the resumed step's metrics row counts them too."""
@@ -237,17 +270,13 @@ class TrainPump:
         """For a checkpoint (the policy's kept weights are not in it): each ready buffered group's logprobs under the
         older weights that sampled its tokens (None at its other tokens), so a resumed run measures the gap as an
         uninterrupted one would (group id -> one value per completion token)."""
-        out = {}
-        for slot in self.buffer.ready_slots():
-            group = slot.rollouts
-            if any(v < self.state.trainer_version for c in group.versions() for v in c):
-                batch = mark_versions(make_train_batch([group], self.cfg.loss, self.tokenizer.pad_token_id), [group],
-                                      self.state.trainer_version, self._logprobs_at,
-                                      per_group=self.cfg.loss.gap_completions)
-                held = batch.version_logprobs[batch.loss_mask > 0].tolist()
-                out[str(slot.group_id)] = [None if math.isnan(x) else x for x in held]
-        return out
+        T = self.state.trainer_version
+        stale = [slot.rollouts for slot in self.buffer.ready_slots()
+                 if any(v < T for c in slot.rollouts.versions() for v in c)]
+        return {str(g): values for g, values in self.measure(stale, T).items()} if stale else {}
 
     def resume(self, in_step: dict | None) -> None:
-        self.restored = {int(g): lp for g, lp in ((in_step or {}).get("versions") or {}).items()}
+        self.known = {int(g): lp for g, lp in ((in_step or {}).get("versions") or {}).items()}
+        if self.keeping:  # copies of the weights before the restore: dropped; the next tick keeps the current ones
+            self.kept = set(self.policy.keep_versions([], self.state.trainer_version))
         self.step.totals = dict((in_step or {}).get("train", {}))  # a checkpoint older than ``in_step``: nothing

@@ -150,6 +150,10 @@ class Capabilities:
     optimizer step, its weights being version ``current``: keep those of ``versions`` it has, the current ones
     included if listed, drop the rest; returns the versions it now holds) and ``logprobs_at(batch, version,
     current)`` (``logprobs`` under a held version). ``KeptVersions`` below is one way to have them.
+    ``concurrent_logprobs_at`` (a policy with ``keeps_versions``): its ``logprobs_at`` for a kept version reads a
+    copy of the model of its own, never the parameters being trained, so it may run on another thread while the
+    policy trains; the train pump then measures buffered groups beside training during a run
+    (``asyncrl/gap_pass.py``), for an in-process policy only (a Ray actor serves one call at a time).
     ``sampled_evaluation`` (a generator): it has ``generate_sampled(prompts, n, temperature, seed,
     max_new_tokens)``, ``n`` sampled completions of each prompt from a random stream of their own seeded by ``seed``
     (the rollouts' is not touched): ``Controller.evaluate`` with a temperature (``asyncrl/evaluation.py``).
@@ -164,6 +168,7 @@ class Capabilities:
     stages_weights: bool = False
     step_metrics: bool = False
     keeps_versions: bool = False
+    concurrent_logprobs_at: bool = False
     sampled_evaluation: bool = False
     actor: bool = False
 

@@ -139,7 +139,7 @@ class TorchPolicy(KeptVersions):
     # prev_logprobs_from_forward: one optimizer step per RL step makes it exact (docstring). Through a Ray proxy the
     # pipelined calls return at once and the proxy's next call waits for them (asyncrl/backends/ray.py): nothing
     # reads what they return, and a step's calls reach the actor back to back.
-    capabilities = Capabilities(prev_logprobs_from_forward=True, keeps_versions=True,
+    capabilities = Capabilities(prev_logprobs_from_forward=True, keeps_versions=True, concurrent_logprobs_at=True,
                                 ray_pipelined=frozenset({"begin_train_step", "train_microbatches"}))
 
     def __init__(self, model_cfg: ModelConfig, trainer_cfg: TorchTrainerConfig, loss: Loss, seed: int, tokenizer=None):
@@ -166,6 +166,7 @@ class TorchPolicy(KeptVersions):
             self.ref_model = copy.deepcopy(self.model).eval()
             for p in self.ref_model.parameters():
                 p.requires_grad_(False)
+        self._copy, self._copy_lock = None, threading.Lock()  # logprobs_at's model: one pass at a time
         self.steps_done = 0
         self._step = Accumulator(loss.metrics + ENGINE_METRICS)
         self._in_step = False
@@ -196,6 +197,25 @@ class TorchPolicy(KeptVersions):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
         return self._logprobs_with(self.model, batch)
+
+    def logprobs_at(self, batch: TrainBatch, version: int, current: int) -> torch.Tensor:
+        """``KeptVersions.logprobs_at`` on a copy of the model (built once; its parameters are the kept tensors),
+        never the one being trained: it may run on another thread while this policy trains
+        (``Capabilities.concurrent_logprobs_at``). The same modules and weights as the swap: the same numbers."""
+        kept = getattr(self, "_kept", {}).get(version)
+        if kept is None:
+            if version == current:
+                return self.logprobs(batch)
+            raise KeyError(f"weights {version} are not kept (kept: {sorted(getattr(self, '_kept', {}))})")
+        with self._copy_lock:
+            if self._copy is None:
+                self._copy = copy.deepcopy(self.model)
+                for p in self._copy.parameters():
+                    p.grad = None
+                    p.requires_grad_(False)
+            for p, tensor in zip(self._copy.parameters(), kept):
+                p.data = tensor
+            return self._logprobs_with(self._copy, batch)
 
     def ref_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs under the frozen reference (initial) weights; only when the loss needs a reference."""
