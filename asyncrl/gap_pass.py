@@ -37,10 +37,15 @@ Measure = Callable[[list[Any]], dict[int, list]]  # groups -> group id -> one va
 
 class GapPass:
     """The thread. ``measure(groups)`` computes the values (``TrainPump.measure``); ``kept()`` is the set of weight
-    versions the policy holds now; a ready group whose oldest version is among them is measured."""
+    versions the policy holds now; a ready group whose oldest version is among them is measured, unless it is among
+    the ``needed()`` oldest ready groups (the step in progress needs that many more, not counting a chunk being
+    trained) and was sampled by the current weights: that step will most likely train it fresh, where it needs no
+    measure (a guess about the sampler, for the cost only: a group it gets wrong is measured later, here or by the
+    train pump)."""
 
-    def __init__(self, state: RunState, buffer: ReplayBuffer, measure: Measure, kept: Callable[[], set[int]]):
-        self.state, self.buffer, self.measure, self.kept = state, buffer, measure, kept
+    def __init__(self, state: RunState, buffer: ReplayBuffer, measure: Measure, kept: Callable[[], set[int]],
+                 needed: Callable[[], int]):
+        self.state, self.buffer, self.measure, self.kept, self.needed = state, buffer, measure, kept, needed
         # Locks: the state's, then ``_measured``, never the other way round (the thread stores what it measured
         # under ``_measured`` alone, so ``claim``, waiting under the state's lock, cannot block it).
         self._measured = threading.Condition()  # guards ``known`` and ``_busy``; notified when a measurement ends
@@ -76,8 +81,12 @@ class GapPass:
         self._done &= here  # a group that left the buffer never comes back
         with self._measured:
             self.known = {g: v for g, v in self.known.items() if g in here}
-        return [slot.rollouts for slot in ready if slot.group_id not in self._done
-                and (slot.weight_version if slot.start_weight_version is None else slot.start_weight_version) in kept]
+        T = self.state.trainer_version
+        oldest = {slot.group_id: slot.weight_version if slot.start_weight_version is None else slot.start_weight_version
+                  for slot in ready}
+        fresh = [g for g, v in list(oldest.items())[:max(0, self.needed())] if v >= T]  # dispatch order
+        return [slot.rollouts for slot in ready if slot.group_id not in self._done and oldest[slot.group_id] in kept
+                and slot.group_id not in fresh]
 
     def _loop(self) -> None:
         while True:

@@ -65,7 +65,9 @@ class TrainPump:
         # an on-policy sampler trains no stale token: nothing to keep, nothing to measure
         self.keeping = not sampler.is_on_policy and cfg.loss.gap_metrics and capabilities(policy).keeps_versions
         beside = capabilities(policy).concurrent_logprobs_at and not capabilities(policy).actor  # in this process
-        self.gap = GapPass(state, buffer, self.measure, lambda: self.kept) if self.keeping and beside else None
+        self.chosen = 0  # groups of the chunk being trained (selected, not yet counted in ``step``)
+        needed = lambda: cfg.groups_per_step - self.step.groups - self.chosen  # noqa: E731  (more the step needs)
+        self.gap = GapPass(state, buffer, self.measure, lambda: self.kept, needed) if self.keeping and beside else None
 
     # ------------------------------------------------------------------------------------------------ a tick
     def tick(self) -> TickReport:
@@ -94,6 +96,7 @@ class TrainPump:
                 )
                 return report
             chunk = [slot for slot, _ in chosen]
+            self.chosen = len(chunk)
             if self.gap is not None:  # what the gap pass measured of them (it waits for one it is measuring)
                 self.known.update(self.gap.claim(slot.group_id for slot in chunk))
             for slot, reason in chosen:
@@ -150,6 +153,7 @@ class TrainPump:
             "train_time_s": time.perf_counter() - train_start, **M.skew("train", groups),
             **M.token_staleness(groups, T),
         })
+        self.chosen = 0
         self.state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
                           reason=f"chunk {chunk_index} of step {T}")
 
