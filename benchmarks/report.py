@@ -959,6 +959,66 @@ REPORTS.update({
 })
 
 
+# --- 2026-12-03, later: the gap pass beside training (issue 30), TRL in one invocation and gen_heavy again (32) ---
+GAP_PASS, VS_OLD_GAP_PASS = "2026-12-03-gap-pass", "2026-12-03-vs-2b45af3-gap-pass"
+TRL_1203, GEN_HEAVY_1203B = "2026-12-03-one-invocation", "2026-12-03-gen-heavy-inflight-one-h200"
+
+
+def vs_old_line(name: str) -> Callable[[], str]:
+    """Each side's own bench_async against its own package, alternating: the medians and each invocation's."""
+    return value("bench_async", name, lambda r, rows: (
+        "stepped sync " + f"{r['old/stepped sync']:.1f} ms (2b45af3) vs {r['new/stepped sync']:.1f} ms (main); async "
+        f"`run` {r['old/async run']:.1f} vs {r['new/async run']:.1f} ms ({r['new_over_old_async_ms']:.2f}x the time); "
+        f"async speed-up {r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of 3 "
+        "invocations each; per invocation " + ", ".join(
+            f"{side} " + "/".join(f"{o / a:.2f}" for o, a in zip(
+                rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
+                rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step)) for side in ("old", "new"))
+        + ")"))
+
+
+def gap_pass_line(r: dict, rows: pd.DataFrame) -> str:
+    best, up = r["best_ms"], r["speedup_vs_stepped"]
+    return (f"stepped sync {best['stepped sync']:.1f} ms a step; sync `run` {r['sync_run_over_stepped']:.2f}x the "
+            f"stepped time; async `run` {best['async run']:.1f} ms, **{up['async run']:.2f}x** faster than stepped "
+            f"(without the gap metrics {up['async run (no gap metrics)']:.2f}x, generator in a child process "
+            f"{up['async run (gen process)']:.2f}x); best of 3 repeats alternating")
+
+
+def trl_rows(name: str) -> Callable[[], str]:
+    def make() -> str:
+        meta, rows = run("bench_trl_gpu", name)
+        out = [[f"{x.side} ({x.mode})", f"**{x.steps_per_s:.4f}**", f"{x.gen_s:.2f} s", f"{x.train_s:.2f} s",
+                f"{x.completion_tokens_per_step / 1e3:.1f}k", f"**{x.useful_train_tflops:.1f}**",
+                f"{x.peak_allocated_gib:.1f}"] for x in rows.itertuples()]
+        return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_trl_gpu/{name}/`.\n"
+                + table(out, ["side", "steps/s", "generation a step", "training a step", "completion tokens a step",
+                              "useful train TFLOP/s", "peak GiB allocated"]))
+    return make
+
+
+def gen_heavy_1203b(r: dict, rows: pd.DataFrame) -> str:
+    med = lambda mode, col="steps_per_s": rows[rows["mode"] == mode][col].median()  # noqa: E731
+    return (f"async/sync {r['async_over_sync']:.2f}x (per repeat "
+            + ", ".join(f"{x:.2f}" for x in r["async_over_sync_per_repeat"])
+            + f"), async with `weight_update: inflight` {med('async_inflight') / med('sync'):.2f}x; the trainer's "
+            f"push waited {1e3 * med('async', 'push_wait_s_median'):.0f} ms a step (median) with `drain`, "
+            f"{1e3 * med('async_inflight', 'push_wait_s_median'):.0f} ms with `inflight`, "
+            f"{1e3 * med('sync', 'push_wait_s_median'):.0f} ms synchronous")
+
+
+REPORTS.update({
+    "bench_async_gap_pass": value("bench_async", GAP_PASS, gap_pass_line),
+    "bench_async_vs_2b45af3_gap_pass": vs_old_line(VS_OLD_GAP_PASS),
+    "trl_1203": trl_rows(TRL_1203),
+    "trl_1203_sync_steps": value("bench_trl_gpu", TRL_1203,
+                                 lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_steps_per_s']:.2f}x"),
+    "trl_1203_sync_tflops": value("bench_trl_gpu", TRL_1203,
+                                  lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_useful_train_tflops']:.2f}x"),
+    "gen_heavy_1203b": value("bench_two_gpus", GEN_HEAVY_1203B, gen_heavy_1203b),
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
