@@ -626,15 +626,6 @@ REPORTS: dict[str, Callable[[], str]] = {
     "bench_async_gap_cost": value("bench_async", "2026-12-03-gap-cost", lambda r, _: (
         f"{r['speedup_vs_stepped']['async run']:.2f}x with the gap metrics and "
         f"{r['speedup_vs_stepped']['async run (no gap metrics)']:.2f}x without (best of 3 each)")),
-    "bench_async_vs_2b45af3": value("bench_async", "2026-12-03-vs-2b45af3", lambda r, rows: (
-        "stepped sync " + f"{r['old/stepped sync']:.1f} ms (2b45af3) vs {r['new/stepped sync']:.1f} ms (main); async "
-        f"`run` {r['old/async run']:.1f} vs {r['new/async run']:.1f} ms ({r['new_over_old_async_ms']:.2f}x the time); "
-        f"async speed-up {r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of 3 "
-        "invocations each; per invocation " + ", ".join(
-            f"{side} " + "/".join(f"{o / a:.2f}" for o, a in zip(
-                rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
-                rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step)) for side in ("old", "new"))
-        + ")")),
     "bench_async_stages": bench_async_stages("2026-12-01-issue20-run1"),
     "bench_async_sync_run": lambda: bench_async_number("2026-12-01-issue20-run1", "2026-12-01-issue20-run2",
                                                         "sync_run_over_stepped"),
@@ -823,12 +814,16 @@ def real_shape_number(what: str) -> Callable[[], str]:
 
 def trl_table() -> str:
     meta, rows = run("bench_trl_gpu", TRL_GPU)
+    return (f"\n{machine(meta)}; data `benchmarks/data/bench_trl_gpu/{TRL_GPU}/` ({meta['note'].split('; ')[-1]}).\n"
+            + trl_side_table(rows))
+
+
+def trl_side_table(rows: pd.DataFrame) -> str:
     out = [[f"{r.side} ({r.mode})", f"**{r.steps_per_s:.4f}**", f"{r.gen_s:.2f} s", f"{r.train_s:.2f} s",
             f"{r.completion_tokens_per_step / 1e3:.1f}k", f"**{r.useful_train_tflops:.1f}**",
             f"{r.peak_allocated_gib:.1f}"] for r in rows.itertuples()]
-    return (f"\n{machine(meta)}; data `benchmarks/data/bench_trl_gpu/{TRL_GPU}/` ({meta['note'].split('; ')[-1]}).\n"
-            + table(out, ["side", "steps/s", "generation a step", "training a step", "completion tokens a step",
-                          "useful train TFLOP/s", "peak GiB allocated"]))
+    return table(out, ["side", "steps/s", "generation a step", "training a step", "completion tokens a step",
+                       "useful train TFLOP/s", "peak GiB allocated"])
 
 
 def trl_ratio(key: str) -> Callable[[], str]:
@@ -988,12 +983,8 @@ def gap_pass_line(r: dict, rows: pd.DataFrame) -> str:
 def trl_rows(name: str) -> Callable[[], str]:
     def make() -> str:
         meta, rows = run("bench_trl_gpu", name)
-        out = [[f"{x.side} ({x.mode})", f"**{x.steps_per_s:.4f}**", f"{x.gen_s:.2f} s", f"{x.train_s:.2f} s",
-                f"{x.completion_tokens_per_step / 1e3:.1f}k", f"**{x.useful_train_tflops:.1f}**",
-                f"{x.peak_allocated_gib:.1f}"] for x in rows.itertuples()]
         return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_trl_gpu/{name}/`.\n"
-                + table(out, ["side", "steps/s", "generation a step", "training a step", "completion tokens a step",
-                              "useful train TFLOP/s", "peak GiB allocated"]))
+                + trl_side_table(rows))
     return make
 
 
@@ -1009,6 +1000,7 @@ def gen_heavy_1203b(r: dict, rows: pd.DataFrame) -> str:
 
 REPORTS.update({
     "bench_async_gap_pass": value("bench_async", GAP_PASS, gap_pass_line),
+    "bench_async_vs_2b45af3": vs_old_line("2026-12-03-vs-2b45af3"),
     "bench_async_vs_2b45af3_gap_pass": vs_old_line(VS_OLD_GAP_PASS),
     "trl_1203": trl_rows(TRL_1203),
     "trl_1203_sync_steps": value("bench_trl_gpu", TRL_1203,
