@@ -128,6 +128,39 @@ def test_chunked_logprobs_equal_the_full_logits_forward_and_gradients(chunk, dty
         assert float((x - y).norm() / y.norm()) < tol, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk", [4, 64])
+def test_fused_chunk_equals_the_eager_path_forward_and_gradients(monkeypatch, chunk, dtype):
+    """The fused chunk (what CUDA runs compiled: one function over a chunk's logits in the weight's dtype) computes
+    the eager path's logprobs, entropy and both gradients, up to float reassociation, with the output layer padded
+    past the vocabulary, and with only one of the two outputs used (the other's gradient None)."""
+    from asyncrl import logprobs as L
+
+    g = torch.Generator().manual_seed(chunk)
+    N, H, V, real = 21, 16, 50, 45
+    hidden0 = torch.randn(N, H, generator=g).mul(2).to(dtype)
+    weight0 = torch.randn(V, H, generator=g).to(dtype)
+    targets = torch.randint(0, real, (N,), generator=g)
+    a = torch.randn(N, generator=g)
+
+    def run(fused, use):
+        monkeypatch.setattr(L, "FUSED_DEVICES", {"cpu"} if fused else set())
+        hidden, weight = hidden0.clone().requires_grad_(), weight0.clone().requires_grad_()
+        lp, ent = chunked_logprobs(hidden, weight, targets, chunk, entropy=True, vocab_size=real)
+        loss = {"both": (lp * a).sum() + (ent * a).sum(), "lp": (lp * a).sum(), "ent": (ent * a).sum()}[use]
+        loss.backward()
+        return lp.detach(), ent.detach(), hidden.grad.float(), weight.grad.float()
+
+    # bf16: the two paths round the weight's gradient to bf16 from float32 sums taken in another order
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for use in ("both", "lp", "ent"):
+        got, ref = run(True, use), run(False, use)
+        for name, x, y in zip(("logprobs", "entropy", "d hidden", "d weight"), got, ref):
+            assert x.dtype == y.dtype, name
+            assert float((x - y).norm() / y.norm()) < tol, (use, name)
+        assert float(got[3][real:].abs().max()) == 0.0  # rows past the vocabulary get no gradient
+
+
 def test_chunked_logprobs_without_entropy_and_with_a_padded_vocabulary():
     """Rows past ``vocab_size`` (a vocabulary padded for tensor parallelism) are left out of the softmax and get
     no gradient; without ``entropy`` none is returned; under no_grad nothing is kept for a backward."""

@@ -25,6 +25,8 @@ TIERS = [
     ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
+    # token logprobs and entropy from logits, or from hidden states a chunk of the output layer at a time: torch only
+    ["asyncrl.logprobs"],
     # GRPO maths and the Loss; how engines cut a chunk into micro-batches: data and metrics only, never the backends
     ["asyncrl.algorithms", "asyncrl.micro_batches"],
     ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts

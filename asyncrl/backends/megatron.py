@@ -33,8 +33,8 @@
   (with ``micro_batch_size``) is the old fixed-size cut. The chunk goes to the device once, the loss's values come
   back once a chunk; ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
 - The forward (``megatron_forward``): the last hidden states, never the full-vocabulary logits (token logprobs
-  and entropy from ``algorithms.chunked_logprobs``, ``logprob_chunk_tokens`` positions at a time, only where the
-  loss mask is), and FlexAttention under a document mask on CUDA (``trainer.attention``).
+  and entropy from ``logprobs.chunked_logprobs``, ``logprob_chunk_tokens`` positions at a time, only where the
+  loss mask is); on CUDA FlexAttention under a document mask (``trainer.attention``) and a fused SwiGLU.
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
@@ -52,7 +52,8 @@ from typing import Any
 import torch
 
 from asyncrl import micro_batches
-from asyncrl.algorithms import Loss, chunked_logprobs
+from asyncrl.algorithms import Loss
+from asyncrl.logprobs import chunked_logprobs
 from asyncrl.backends.base import Capabilities, KeptVersions
 from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
@@ -178,12 +179,11 @@ class MegatronPolicy(KeptVersions):
             perform_initialization=False,  # the weights come from HF (checkpoint or HF's own init)
             calculate_per_token_loss=True,  # DDP sums gradients over DP ranks; we normalise once per step
             attention_softmax_in_fp32=True,
-            bias_activation_fusion=False,
+            bias_activation_fusion=self.device.type == "cuda",  # one compiled SwiGLU kernel each way
             bias_dropout_fusion=False,
             masked_softmax_fusion=False,
             apply_rope_fusion=False,
-            persist_layer_norm=False,
-            gradient_accumulation_fusion=False,
+            persist_layer_norm=False, gradient_accumulation_fusion=False,
         )
 
     def _build_model(self) -> torch.nn.Module:

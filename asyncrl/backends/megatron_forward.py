@@ -5,7 +5,7 @@ pass of it needs.
   (``post_process`` off for the call: the decoder, built with its final norm, still applies it) and returns the
   ``[S, B, H]`` hidden states; ``micro_batches.predicting_positions`` says which of them predict a token under the
   loss mask, and
-  ``asyncrl.algorithms.chunked_logprobs`` turns those into logprobs and entropy ``logprob_chunk_tokens`` at a time
+  ``asyncrl.logprobs.chunked_logprobs`` turns those into logprobs and entropy ``logprob_chunk_tokens`` at a time
   (vocabulary-parallel under tensor parallelism). Only positions under the loss mask get a logit at all: a
   prompt's positions and padding cost nothing in the output layer. Every value the loss reads is what the full
   logits gave, up to float reassociation (tests/test_megatron_backend.py against transformers).

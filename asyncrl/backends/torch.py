@@ -37,7 +37,8 @@ from typing import Any
 import torch
 
 from asyncrl import micro_batches
-from asyncrl.algorithms import Loss, chunked_logprobs
+from asyncrl.algorithms import Loss
+from asyncrl.logprobs import chunked_logprobs
 from asyncrl.backends.base import Capabilities, KeptVersions
 from asyncrl.backends.hf import build_model, special_ids
 from asyncrl.backends.lr_schedule import set_lr
@@ -83,7 +84,7 @@ def _chunkable(model) -> bool:
 
 def policy_logprobs(model, seqs: TrainBatch, mb, chunk_tokens: int, entropy: str | None):
     """``(logprobs, entropy or None)`` [n, width] of a micro-batch's sequences (values under the loss mask, 0
-    elsewhere): from the last hidden states through ``algorithms.chunked_logprobs``, ``chunk_tokens`` positions at
+    elsewhere): from the last hidden states through ``logprobs.chunked_logprobs``, ``chunk_tokens`` positions at
     a time, never the whole pass's full-vocabulary logits. ``entropy``: None, ``"detached"`` or ``"grad"``. A model
     whose logits are more than that product (a bias, a soft cap, a scale) takes the full-logits path."""
     if not _chunkable(model):

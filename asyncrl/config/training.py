@@ -57,7 +57,7 @@ class _MicroBatched(_Trainer):
     logprob_chunk_tokens: int = Field(
         2048, ge=1, description="positions per chunk of the output layer: token logprobs and entropy are computed "
         "from the last hidden states this many positions at a time, forward and backward, never as a whole "
-        "pass's [positions, vocabulary] logits (asyncrl.algorithms.chunked_logprobs)")
+        "pass's [positions, vocabulary] logits (asyncrl.logprobs.chunked_logprobs)")
 
     @model_validator(mode="before")
     @classmethod
