@@ -776,9 +776,9 @@ TRL_GPU, CHECKS_32 = "2026-12-02-one-h200", "2026-12-02-one-h200-issue32"
 ISSUE_32_TODAY_TFLOPS = 128  # issue 32's train_tflops at this shape on main 2b45af3 (its data was not committed)
 
 
-def real_shape_table() -> str:
+def real_shape_table(name: str = REAL_SHAPE) -> str:
     """The gpu_real_shape preset's sync and async runs: steps/s, stage times, training rate, memory, waits."""
-    meta, rows = run("bench_two_gpus", REAL_SHAPE)
+    meta, rows = run("bench_two_gpus", name)
     out = []
     for r in rows.itertuples():
         plan = json.loads(r.memory_plan)
@@ -788,19 +788,23 @@ def real_shape_table() -> str:
                     f"{r.peak_allocated_gib:.1f} / {r.peak_reserved_gib:.1f}",
                     f"{plan['micro_batch_tokens']:,} ({plan['free_gib']:.0f} GiB free)",
                     f"{r.device_lock_wait_per_step_s:.2f} s / {r.push_wait_s_median:.2f} s"])
-    return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_two_gpus/{REAL_SHAPE}/`.\n"
+    return (f"\n{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_two_gpus/{name}/`.\n"
             + table(out, ["mode", "steps/s", "generation / training a step", "`train_tflops` / `mfu`",
                           "useful train TFLOP/s", "completion tokens / positions a step",
                           "peak GiB allocated / reserved", "micro_batch_tokens chosen",
                           "device-lock wait / push wait a step"]))
 
 
-def real_shape_number(what: str) -> Callable[[], str]:
+def real_shape_number(what: str, name: str = REAL_SHAPE) -> Callable[[], str]:
     def make() -> str:
-        meta, rows = run("bench_two_gpus", REAL_SHAPE)
+        meta, rows = run("bench_two_gpus", name)
         sync = rows[rows["mode"] == "sync"].iloc[0]
         if what == "async_over_sync":
             return f"{meta['results']['async_over_sync']:.3f}x"
+        if what == "inflight_over_sync":
+            return f"{_inflight_over_sync(rows)}"
+        if what == "useful_over_today":
+            return f"{sync.useful_train_tflops / ISSUE_32_TODAY_TFLOPS:.2f}x"
         if what == "over_today":
             return f"{sync.train_tflops_median / ISSUE_32_TODAY_TFLOPS:.2f}x"
         if what == "estimate":
@@ -1008,6 +1012,61 @@ REPORTS.update({
     "trl_1203_sync_tflops": value("bench_trl_gpu", TRL_1203,
                                   lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_useful_train_tflops']:.2f}x"),
     "gen_heavy_1203b": value("bench_two_gpus", GEN_HEAVY_1203B, gen_heavy_1203b),
+})
+
+
+# --- issue 32, later on 2026-12-03: the fused logprob chunk and Megatron's fused SwiGLU ----------------------------
+REAL_FUSED, REAL_FUSED_INFLIGHT = "2026-12-03-real-shape-fused", "2026-12-03-real-shape-fused-inflight"
+TRL_FUSED, CHECKS_FUSED = "2026-12-03-fused", "2026-12-03-one-h200-fused"
+STEP_RUNS = ("2026-12-03-fused-chunk", "2026-12-03-fused-swiglu")
+STEP_VARIANTS = {"eager-2048": "eager chunk, SwiGLU unfused (before)", "fused-2048": "fused chunk, SwiGLU unfused",
+                 "fused-8192": "fused chunk of 8,192 positions, SwiGLU unfused",
+                 "swiglu-2048": "fused chunk and fused SwiGLU (now the CUDA default)"}
+
+
+def _fused_check(file: str) -> dict:
+    """A JSON file of the GPU checks after the fused chunk (written by the tests or by hand: no meta.json)."""
+    return json.loads((DATA / "gpu_checks" / CHECKS_FUSED / file).read_text())
+
+
+def megatron_step_table() -> str:
+    out, metas = [], []
+    for i, name in enumerate(STEP_RUNS, 1):
+        meta, rows = run("bench_megatron_step", name)
+        metas.append(f"invocation {i}: {meta['date_utc'][11:16]} UTC, `{meta['command']}`, data "
+                     f"`benchmarks/data/bench_megatron_step/{name}/`")
+        out += [[str(i), STEP_VARIANTS[r.variant], f"{r.step_s:.3f} s", f"**{r.useful_train_tflops:.1f}**",
+                 f"{r.peak_allocated_gib:.1f}"] for r in rows.itertuples()]
+    return (f"\n{machine(meta)}: the dirty tree was this change, before its commit; "
+            + "; ".join(metas) + ".\n"
+            + table(out, ["invocation", "variant", "step", "useful train TFLOP/s", "peak GiB allocated"]))
+
+
+def fused_chunk_line(r: dict, _rows: pd.DataFrame) -> str:
+    t, m, e = r["forward_backward_ms"], r["peak_gib_above_inputs"], r["relative_error_vs_float64"]
+    return (f"{r['positions']:,} positions x {r['vocab']:,} ids, bf16, forward and backward: {t['fused']:.1f} ms fused "
+            f"against {t['eager']:.1f} ms eager ({t['eager_over_fused']:.2f}x), {m['fused']:.2f} against "
+            f"{m['eager']:.2f} GiB at the peak; relative error against float64, fused / eager: "
+            + ", ".join(f"{k} {v['fused']:.2e} / {v['eager']:.2e}" for k, v in e.items()))
+
+
+REPORTS.update({
+    "megatron_step": megatron_step_table,
+    "checks_fused_tests": lambda: _fused_check("summary.json")["pytest_tests_gpu_one_process"],
+    "fused_chunk_test": lambda: fused_chunk_line(_fused_check("fused_logprobs.json"), None),
+    "real_shape_fused": lambda: real_shape_table(REAL_FUSED),
+    "real_shape_fused_inflight": lambda: real_shape_table(REAL_FUSED_INFLIGHT),
+    "real_shape_fused_over_today": real_shape_number("over_today", REAL_FUSED),
+    "real_shape_fused_useful_over_today": real_shape_number("useful_over_today", REAL_FUSED),
+    "real_shape_fused_async_over_sync": real_shape_number("async_over_sync", REAL_FUSED),
+    "real_shape_fused_inflight_async_over_sync": real_shape_number("async_over_sync", REAL_FUSED_INFLIGHT),
+    "real_shape_fused_inflight_over_sync": real_shape_number("inflight_over_sync", REAL_FUSED_INFLIGHT),
+    "real_shape_fused_inflight_over_today": real_shape_number("over_today", REAL_FUSED_INFLIGHT),
+    "trl_fused": trl_rows(TRL_FUSED),
+    "trl_fused_steps": value("bench_trl_gpu", TRL_FUSED,
+                             lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_steps_per_s']:.2f}x"),
+    "trl_fused_tflops": value("bench_trl_gpu", TRL_FUSED,
+                              lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_useful_train_tflops']:.2f}x"),
 })
 
 
