@@ -1053,6 +1053,7 @@ def fused_chunk_line(r: dict, _rows: pd.DataFrame) -> str:
 REPORTS.update({
     "megatron_step": megatron_step_table,
     "checks_fused_tests": lambda: _fused_check("summary.json")["pytest_tests_gpu_one_process"],
+    "checks_fused_notebook": lambda: _fused_check("summary.json")["notebook_gpu_quickstart"],
     "fused_chunk_test": lambda: fused_chunk_line(_fused_check("fused_logprobs.json"), None),
     "real_shape_fused": lambda: real_shape_table(REAL_FUSED),
     "real_shape_fused_inflight": lambda: real_shape_table(REAL_FUSED_INFLIGHT),
