@@ -212,17 +212,17 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
     other rows' stale tokens stay NaN (``loss.gap_completions``)."""
     on = batch.loss_mask > 0
     if all(g.token_versions is None for g in groups):  # one version a group: per row, not per token (hot path)
-        per_row = torch.tensor([g.gen_start_version for g in groups for _ in g.completion_ids], dtype=torch.long)
+        per_row = _tensor([g.gen_start_version for g in groups for _ in g.completion_ids], np.int64)
         versions = torch.where(on, per_row.unsqueeze(-1), trainer_version)
         flat = set(per_row.tolist())
     else:
         flat = [v for g in groups for completion in g.versions() for v in completion]
         versions = torch.full(on.shape, trainer_version, dtype=torch.long)
-        versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order (make_train_batch)
+        versions[on] = _tensor(flat, np.int64)  # completion tokens in row-major order (make_train_batch)
     stale = on & (versions < trainer_version)
     held = torch.full(on.shape, float("nan"), dtype=torch.float32)
     if known is not None:
-        held[on] = torch.tensor([math.nan if x is None else x for x in known], dtype=torch.float32)
+        held[on] = _tensor([math.nan if x is None else x for x in known], np.float32)
     rows = torch.ones(on.shape[0], dtype=torch.bool)
     if per_group is not None:  # the first per_group rows of each group (make_train_batch keeps groups in order)
         rows[:] = False
