@@ -21,6 +21,7 @@ from dataclasses import replace
 from itertools import chain, repeat
 from typing import Any, Literal, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -158,6 +159,12 @@ def group_advantages(
     return adv
 
 
+def _tensor(values: list, dtype: type) -> torch.Tensor:
+    """``torch.tensor(values, dtype=...)`` through numpy: the same values (Python ints to int64, floats rounded to
+    float32 alike), in a quarter of the time (``torch.tensor`` inspects a list element by element)."""
+    return torch.from_numpy(np.array(values, dtype=dtype))
+
+
 def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: int) -> TrainBatch:
     """Pad the completions of ``groups`` into one batch and compute their advantages (per group).
 
@@ -169,7 +176,7 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
             raise ValueError(f"group {group.group_id} has no rewards; score it before training")
     sizes = [len(g.completion_ids) for g in groups]
     if len(set(sizes)) == 1:
-        rewards = torch.tensor([g.rewards for g in groups], dtype=torch.float32)
+        rewards = _tensor([g.rewards for g in groups], np.float32)
         adv = group_advantages(rewards, cfg.advantage, cfg.scale_by_std).flatten()
     else:
         adv = torch.cat([group_advantages(torch.tensor([g.rewards]), cfg.advantage, cfg.scale_by_std)[0] for g in groups])
@@ -178,13 +185,12 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
     stops = [len(p) + len(c) for p, c, _ in rows]
     width = max(stops)
     pos = torch.arange(width)
-    start, stop = torch.tensor(starts).unsqueeze(-1), torch.tensor(stops).unsqueeze(-1)
+    start, stop = _tensor(starts, np.int64).unsqueeze(-1), _tensor(stops, np.int64).unsqueeze(-1)
     real = pos < stop
     ids = torch.full(real.shape, pad_id, dtype=torch.long)
-    ids[real] = torch.tensor(list(chain.from_iterable(chain(p, c) for p, c, _ in rows)), dtype=torch.long)
+    ids[real] = _tensor(list(chain.from_iterable(chain(p, c) for p, c, _ in rows)), np.int64)
     gen = torch.zeros(real.shape, dtype=torch.float32)
-    gen[real] = torch.tensor(list(chain.from_iterable(chain(repeat(0.0, len(p)), lp) for p, _, lp in rows)),
-                             dtype=torch.float32)
+    gen[real] = _tensor(list(chain.from_iterable(chain(repeat(0.0, len(p)), lp) for p, _, lp in rows)), np.float32)
     return TrainBatch(
         input_ids=ids,
         attention_mask=real.long(),
@@ -207,17 +213,17 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
     other rows' stale tokens stay NaN (``loss.gap_completions``)."""
     on = batch.loss_mask > 0
     if all(g.token_versions is None for g in groups):  # one version a group: per row, not per token (hot path)
-        per_row = torch.tensor([g.gen_start_version for g in groups for _ in g.completion_ids], dtype=torch.long)
+        per_row = _tensor([g.gen_start_version for g in groups for _ in g.completion_ids], np.int64)
         versions = torch.where(on, per_row.unsqueeze(-1), trainer_version)
         flat = set(per_row.tolist())
     else:
         flat = [v for g in groups for completion in g.versions() for v in completion]
         versions = torch.full(on.shape, trainer_version, dtype=torch.long)
-        versions[on] = torch.tensor(flat, dtype=torch.long)  # completion tokens in row-major order (make_train_batch)
+        versions[on] = _tensor(flat, np.int64)  # completion tokens in row-major order (make_train_batch)
     stale = on & (versions < trainer_version)
     held = torch.full(on.shape, float("nan"), dtype=torch.float32)
     if known is not None:
-        held[on] = torch.tensor([math.nan if x is None else x for x in known], dtype=torch.float32)
+        held[on] = _tensor([math.nan if x is None else x for x in known], np.float32)
     rows = torch.ones(on.shape[0], dtype=torch.bool)
     if per_group is not None:  # the first per_group rows of each group (make_train_batch keeps groups in order)
         rows[:] = False

@@ -51,14 +51,16 @@ def group_rows(group_id: int, prompt: Any, weight_version: int, rollouts: Any,
     reasons = rollouts.finish_reasons or [""] * len(texts)
     prompt_id = getattr(prompt, "id", "")
     prompt_text = prompt.text if hasattr(prompt, "text") else str(prompt)  # once a group: str() of a Prompt is slow
+    prompt_tokens = len(rollouts.prompt_ids)
+    named = [(f"reward/{name}", values) for name, values in (parts or {}).items()]  # column names once a group
     rows = []
     for i, (ids, text, reason, reward) in enumerate(zip(rollouts.completion_ids, texts, reasons, rollouts.rewards)):
         row = {"group_id": group_id, "prompt_id": prompt_id, "weight_version": weight_version,
                "completion_index": i, "prompt": prompt_text,
-               "prompt_tokens": len(rollouts.prompt_ids), "tokens": len(ids), "completion": text,
+               "prompt_tokens": prompt_tokens, "tokens": len(ids), "completion": text,
                "finish_reason": reason, "reward": float(reward)}
-        for name, values in (parts or {}).items():
-            row[f"reward/{name}"] = values[i]
+        for key, values in named:
+            row[key] = values[i]
         rows.append(row)
     return rows
 

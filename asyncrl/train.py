@@ -62,9 +62,12 @@ class TrainPump:
         # pass's): group id -> one value or None per completion token.
         self.known: dict[int, list] = {}
         self.reward_functions = reward_functions  # what evaluations score with (None: the task's own reward)
+        # What the backends declare is fixed by their classes: read once, not per tick (``capabilities`` checks
+        # the declaration each call).
+        self.policy_can, self.generator_can = capabilities(policy), capabilities(generator)
         # an on-policy sampler trains no stale token: nothing to keep, nothing to measure
-        self.keeping = not sampler.is_on_policy and cfg.loss.gap_metrics and capabilities(policy).keeps_versions
-        beside = capabilities(policy).concurrent_logprobs_at and not capabilities(policy).actor  # in this process
+        self.keeping = not sampler.is_on_policy and cfg.loss.gap_metrics and self.policy_can.keeps_versions
+        beside = self.policy_can.concurrent_logprobs_at and not self.policy_can.actor  # in this process
         self.chosen = 0  # groups of the chunk being trained (selected, not yet counted in ``step``)
         needed = lambda: cfg.groups_per_step - self.step.groups - self.chosen  # noqa: E731  (more the step needs)
         self.gap = GapPass(state, buffer, self.measure, lambda: self.kept, needed) if self.keeping and beside else None
@@ -110,7 +113,7 @@ class TrainPump:
             # to dispatch and commit); T and the generator's weights move at the sync, under it. Not if a restart can
             # reload the trainer's weights as T under the lock (a restart in the rollout pump): never mid-update or
             # ahead of T.
-            restartable = self.cfg.faults.restart_generator and capabilities(self.generator).actor
+            restartable = self.cfg.faults.restart_generator and self.generator_can.actor
             update = self._optimizer_step() if finished and not restartable else None
             with state.changed:
                 if finished:
@@ -138,7 +141,7 @@ class TrainPump:
         known = [x for g in groups for x in self.known.pop(g.group_id, [None] * g.num_tokens)] \
             if any(g.group_id in self.known for g in groups) else None
         batch = mark_versions(batch, groups, T, self._logprobs_at, known, self.cfg.loss.gap_completions)  # the importance weight's parts, apart
-        if not capabilities(self.policy).prev_logprobs_from_forward:  # such a policy takes them from its forward
+        if not self.policy_can.prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:
             self.policy.begin_train_step()
@@ -229,7 +232,7 @@ class TrainPump:
         row.update(M.throughput(out, self.step.total(M.TRAIN_TIME_S.name)))  # train_tflops, mfu
         gen_tokens, gen_s = rollout.take_generation_counts()
         row[M.GEN_TOKENS_PER_S.name] = gen_tokens / gen_s if gen_s > 0 else math.nan
-        if capabilities(self.generator).step_metrics:  # e.g. a replica set's tokens and busy time per replica
+        if self.generator_can.step_metrics:  # e.g. a replica set's tokens and busy time per replica
             row.update(self.generator.step_metrics())
         if self.cfg.eval_every and T % self.cfg.eval_every == 0:
             ev = self.evaluate()

@@ -191,13 +191,21 @@ class KeptVersions:
         wanted, kept = set(versions), getattr(self, "_kept", {})
         self._kept = {v: w for v, w in kept.items() if v in wanted}
         if current in wanted and current not in self._kept:
-            self._kept[current] = [p.detach().clone() for p in self.model.parameters()]
+            self._kept[current] = [p.detach().clone() for p in self._parameters()]
         return sorted(self._kept)
+
+    def _parameters(self) -> list:
+        """``self.model``'s parameters, listed once per model object: ``parameters()`` walks every submodule (a few
+        hundred calls a step for a small Llama), while loads and optimizer steps change the tensors in place."""
+        listed = getattr(self, "_listed", None)
+        if listed is None or listed[0] is not self.model:
+            listed = self._listed = (self.model, list(self.model.parameters()))
+        return listed[1]
 
     def logprobs_at(self, batch: TrainBatch, version: int, current: int) -> torch.Tensor:
         if version == current:
             return self.logprobs(batch)
-        params = list(self.model.parameters())
+        params = self._parameters()
         now = [p.data for p in params]
         try:
             for p, kept in zip(params, self._kept[version]):

@@ -211,10 +211,11 @@ class TorchPolicy(KeptVersions):
         with self._copy_lock:
             if self._copy is None:
                 self._copy = copy.deepcopy(self.model)
-                for p in self._copy.parameters():
+                self._copy_params = list(self._copy.parameters())  # listed once: zipped with a kept version per call
+                for p in self._copy_params:
                     p.grad = None
                     p.requires_grad_(False)
-            for p, tensor in zip(self._copy.parameters(), kept):
+            for p, tensor in zip(self._copy_params, kept):
                 p.data = tensor
             return self._logprobs_with(self._copy, batch)
 
