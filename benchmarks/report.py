@@ -1006,6 +1006,9 @@ REPORTS.update({
     "bench_async_gap_pass": value("bench_async", GAP_PASS, gap_pass_line),
     "bench_async_vs_2b45af3": vs_old_line("2026-12-03-vs-2b45af3"),
     "bench_async_vs_2b45af3_gap_pass": vs_old_line(VS_OLD_GAP_PASS),
+    "bench_async_vs_2b45af3_after_merge": vs_old_line("2026-12-03-vs-2b45af3-after-merge"),
+    "call_counts": value("bench_async", "2026-12-03-call-counts", lambda r, _: "; ".join(
+        f"{tick} tick " + " / ".join(f"{r[c][tick]:,.0f} ({c})" for c in r) for tick in ("rollout", "train"))),
     "trl_1203": trl_rows(TRL_1203),
     "trl_1203_sync_steps": value("bench_trl_gpu", TRL_1203,
                                  lambda r, _: f"{r['ratios']['asyncrl_sync_over_trl_steps_per_s']:.2f}x"),
