@@ -1007,6 +1007,10 @@ REPORTS.update({
     "bench_async_vs_2b45af3": vs_old_line("2026-12-03-vs-2b45af3"),
     "bench_async_vs_2b45af3_gap_pass": vs_old_line(VS_OLD_GAP_PASS),
     "bench_async_vs_2b45af3_after_merge": vs_old_line("2026-12-03-vs-2b45af3-after-merge"),
+    "bench_async_vs_2b45af3_no_gap": value("bench_async", "2026-12-03-vs-2b45af3-no-gap", lambda r, _: (
+        f"async `run` {r['old/async run']:.1f} ms (2b45af3), {r['new/async run']:.1f} ms (main), "
+        f"{r['new/async run (no gap metrics)']:.1f} ms (main without the gap metrics); async speed-up "
+        f"{r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of 3 invocations each)")),
     "call_counts": value("bench_async", "2026-12-03-call-counts", lambda r, _: "; ".join(
         f"{tick} tick " + " / ".join(f"{r[c][tick]:,.0f} ({c})" for c in r) for tick in ("rollout", "train"))),
     "trl_1203": trl_rows(TRL_1203),
