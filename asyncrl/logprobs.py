@@ -11,6 +11,7 @@ multiplies (issue 32). Elsewhere (CPU, tensor-parallel vocabularies, float64) th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -218,4 +219,13 @@ def _fused_fn(name: str, device: torch.device):
 
 
 def _use_fused(weight: torch.Tensor, group: Any) -> bool:
-    return weight.device.type in FUSED_DEVICES and group is None and weight.dtype != torch.float64
+    return (weight.device.type in FUSED_DEVICES and group is None and weight.dtype != torch.float64
+            and (weight.device.type != "cuda" or _can_compile()))
+
+
+@functools.cache
+def _can_compile() -> bool:
+    """Whether torch.compile can build CUDA kernels here (Triton): without it the eager chunk runs, not an error."""
+    from torch.utils._triton import has_triton
+
+    return bool(has_triton())
