@@ -13,8 +13,6 @@ Skipped without CUDA or Megatron-core (CI has neither; the CPU tests cover the u
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from dataclasses import replace
 
@@ -28,6 +26,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("torch.nn.attention.flex_attention")
 
 from asyncrl.algorithms import GRPOLoss  # noqa: E402
+from tests.gpu.results import Results  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.config import MegatronTrainerConfig, ModelConfig  # noqa: E402
 from asyncrl.data import TrainBatch  # noqa: E402
@@ -37,17 +36,8 @@ MODEL = ModelConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4
                     num_key_value_heads=2, max_position_embeddings=320, tie_word_embeddings=True, dtype="bfloat16")
 LENGTHS = [300, 17, 45, 120, 9, 260, 33, 33, 80, 12, 150, 61, 7, 200, 95, 40]  # widest row 300: not 128k
 U = 2.0 ** -8
-RESULTS: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d")}
-
-
-def record(key, value):
-    RESULTS[key] = value
-    print(f"RESULT {key} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("ASYNCRL_GPU_RESULTS")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "flex_attention.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+RESULTS = Results("flex_attention")
+record = RESULTS.record
 
 
 def batch_of(lengths, prompt=6, seed=0) -> TrainBatch:

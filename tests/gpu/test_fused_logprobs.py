@@ -7,8 +7,6 @@ Numbers go to stdout and, when ``ASYNCRL_GPU_RESULTS`` names a folder, to ``fuse
 
 from __future__ import annotations
 
-import json
-import os
 import time
 
 import pytest
@@ -19,20 +17,11 @@ if not torch.cuda.is_available():
     pytest.skip("needs CUDA", allow_module_level=True)
 
 from asyncrl import logprobs as L  # noqa: E402
+from tests.gpu.results import Results  # noqa: E402
 
 N, H, V = 10_000, 896, 151_936  # five chunks of 2,048 positions, the last one shorter
-RESULTS: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d"), "positions": N,
-                 "hidden": H, "vocab": V}
-
-
-def record(key, value):
-    RESULTS[key] = value
-    print(f"RESULT {key} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("ASYNCRL_GPU_RESULTS")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "fused_logprobs.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+RESULTS = Results("fused_logprobs", positions=N, hidden=H, vocab=V)
+record = RESULTS.record
 
 
 def one_pass(fused: bool, hidden0, weight0, targets, a, b, chunk=2048):

@@ -13,7 +13,6 @@ Run: ``pytest -m gpu tests/gpu/test_megatron_vllm.py -s`` (each file of tests/gp
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
@@ -30,6 +29,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch, token_logprobs  # noqa: E402
+from tests.gpu.results import Results  # noqa: E402
 from asyncrl.backends.hf import init_hf_model  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.backends.vllm import VLLMGenerator  # noqa: E402
@@ -38,19 +38,10 @@ from asyncrl.data import GenerationRequest  # noqa: E402
 from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 
 MAX_NEW_TOKENS = 16
-RESULTS: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d")}
+RESULTS = Results("megatron_vllm")
+record = RESULTS.record
 MODEL = ModelConfig(hidden_size=384, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=6,
                     num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, dtype="bfloat16")
-
-
-def record(key, value):
-    RESULTS[key] = value
-    print(f"RESULT {key} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("ASYNCRL_GPU_RESULTS")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "megatron_vllm.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
 
 
 def trainer(**kw):

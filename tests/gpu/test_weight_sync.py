@@ -7,7 +7,6 @@ Run: ``pytest -m gpu tests/gpu/test_weight_sync.py -s``.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
 import time
@@ -25,6 +24,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from asyncrl.algorithms import GRPOLoss, LossConfig, make_train_batch  # noqa: E402
+from tests.gpu.results import Results  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
 from asyncrl.backends.vllm import VLLMGenerator  # noqa: E402
 from asyncrl.config import MegatronTrainerConfig, ModelConfig, VLLMGenerationConfig  # noqa: E402
@@ -34,17 +34,8 @@ from asyncrl.tokenizer import build_tokenizer  # noqa: E402
 # 32 layers x 1024 hidden, SwiGLU 4096, 16 heads / 8 KV heads, vocab 259, tied: 503.6M parameters
 HALF_B = ModelConfig(hidden_size=1024, intermediate_size=4096, num_hidden_layers=32, num_attention_heads=16,
                      num_key_value_heads=8, max_position_embeddings=256, tie_word_embeddings=True, dtype="bfloat16")
-RESULTS: dict = {"machine": torch.cuda.get_device_name(0), "date": time.strftime("%Y-%m-%d")}
-
-
-def record(key, value):
-    RESULTS[key] = value
-    print(f"RESULT {key} = {json.dumps(value)}", flush=True)
-    out = os.environ.get("ASYNCRL_GPU_RESULTS")
-    if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "weight_sync.json"), "w") as f:
-            json.dump(RESULTS, f, indent=1)
+RESULTS = Results("weight_sync")
+record = RESULTS.record
 
 
 def test_weight_sync_of_a_half_billion_parameter_model():
