@@ -1078,6 +1078,31 @@ REPORTS.update({
 })
 
 
+# --- issue 32, evening of 2026-12-03: both one-GPU presets again on 90ad84d, and the GPU tests after results.py ----
+REAL_90AD, GEN_HEAVY_90AD, CHECKS_90AD = ("2026-12-03-real-shape-90ad84d", "2026-12-03-gen-heavy-90ad84d",
+                                          "2026-12-03-one-h200-90ad84d")
+
+
+def gen_heavy_line(r: dict, rows: pd.DataFrame) -> str:
+    med = lambda mode, col: rows[rows["mode"] == mode][col].median()  # noqa: E731
+    return (f"sync {med('sync', 'steps_per_s'):.3f}, async {med('async', 'steps_per_s'):.3f} steps/s (medians of "
+            f"{r['repeats']} repeats); async/sync {r['async_over_sync']:.2f}x (per repeat "
+            + ", ".join(f"{x:.2f}" for x in r["async_over_sync_per_repeat"])
+            + f"); generation busy {1e3 * med('sync', 'gen_busy_per_step_s'):.0f} ms a step synchronous against "
+            f"{1e3 * med('async', 'gen_busy_per_step_s'):.0f} ms asynchronous; the trainer's push waited "
+            f"{1e3 * med('async', 'push_wait_s_median'):.0f} ms a step (median) asynchronous, "
+            f"{1e3 * med('sync', 'push_wait_s_median'):.0f} ms synchronous")
+
+
+REPORTS.update({
+    "real_shape_90ad84d": lambda: real_shape_table(REAL_90AD),
+    "real_shape_90ad84d_async_over_sync": real_shape_number("async_over_sync", REAL_90AD),
+    "gen_heavy_90ad84d": value("bench_two_gpus", GEN_HEAVY_90AD, gen_heavy_line),
+    "checks_90ad84d_tests": lambda: json.loads(
+        (DATA / "gpu_checks" / CHECKS_90AD / "summary.json").read_text())["pytest_tests_gpu_one_process"],
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
