@@ -28,6 +28,8 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import threading
 import time
 import warnings
@@ -138,6 +140,7 @@ class RunHandle:
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
 
     def _launch(self) -> None:
+        release_idle_openmp_workers()
         self._subscription = self.ctrl.subscribe(self._on_event)
         with self._cv:
             self.ctrl.clock.__enter__()
@@ -360,6 +363,7 @@ class RunHandle:
                 return
             self._pause = False
             if not self._finished.is_set():
+                release_idle_openmp_workers()  # hand ticks while paused may have started a pool here again
                 self.status = "running"
                 self._progress_at = time.monotonic()
                 if not self._clocked:
@@ -425,6 +429,30 @@ class RunHandle:
         error = f", error {type(self.error).__name__}: {self.error}" if self.error is not None else ""
         return (f"RunHandle({self.status}, T={self.ctrl.trainer_version} of {self.target}, "
                 f"until={self.until!r}{where}{error})")
+
+
+def release_idle_openmp_workers() -> bool:
+    """Let the calling thread's idle OpenMP workers go; True if a pool was let go.
+
+    Why: GNU libgomp (torch's intra-op threads on Linux) spins a worker between two parallel regions only while it
+    manages no more threads than there are CPUs; above that it puts them to sleep after each region, and every op
+    then pays a wake-up. The person's thread keeps a pool from its own torch work (building the model, hand ticks);
+    beside a pump thread's pool that is one pool too many: on 2 cores with 2 torch threads a lockstep run took
+    ~1.25x the time of the same ticks by hand (benchmarks/README.md). ``omp_pause_resource_all`` in libgomp frees only
+    the calling thread's pool (and refuses inside a parallel region); the next torch op on this thread builds a new
+    one. A no-op where libgomp is not loaded (other OpenMP runtimes pause every thread's pool: not safe here)."""
+    pause = _libgomp_pause()
+    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
+
+
+@functools.cache
+def _libgomp_pause():
+    try:
+        with open("/proc/self/maps") as maps:  # Linux: the libgomp torch loaded, wherever its wheel put it
+            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
+        return ctypes.CDLL(path).omp_pause_resource_all if path else None
+    except (OSError, AttributeError):
+        return None
 
 
 def _progress_bar(start: int, target: int):

@@ -445,3 +445,30 @@ def test_a_sampler_that_cannot_admit_ahead_runs_both_ticks_on_one_thread(sampler
     pumps = {name for name in seen if name.endswith("-pump")}
     assert pumps == ({"asyncrl-lockstep-pump"} if lockstep else {"asyncrl-rollout-pump", "asyncrl-train-pump"})
     accounting(ctrl)
+
+
+def test_a_run_lets_the_callers_idle_openmp_workers_go_so_the_pumps_pool_keeps_spinning():
+    """With libgomp, a pool too many (the caller's, idle, beside the pump's) puts the pump's workers to sleep after
+    every op: release_idle_openmp_workers frees the calling thread's workers only, and torch builds them again."""
+    script = """
+import os, torch
+from asyncrl.run_loop import _libgomp_pause, release_idle_openmp_workers
+if _libgomp_pause() is None:
+    print("NO_LIBGOMP"); raise SystemExit
+torch.set_num_threads(2)
+x = torch.randn(4_000_000)
+def threads():
+    return len(os.listdir("/proc/self/task"))
+(x * 2).sum()  # a parallel region on this thread: its pool now holds a worker
+before = threads()
+released = release_idle_openmp_workers()
+after = threads()
+(x * 2).sum()
+print(released, before - after, threads() - after)
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    if "NO_LIBGOMP" in out.stdout:
+        pytest.skip("torch does not use GNU libgomp here")
+    released, gone, rebuilt = out.stdout.split()
+    assert (released, gone, rebuilt) == ("True", "1", "1"), out.stdout
