@@ -438,7 +438,7 @@ def release_idle_openmp_workers() -> bool:
     manages no more threads than there are CPUs; above that it puts them to sleep after each region, and every op
     then pays a wake-up. The person's thread keeps a pool from its own torch work (building the model, hand ticks);
     beside a pump thread's pool that is one pool too many: on 2 cores with 2 torch threads a lockstep run took
-    ~1.25x the time of the same ticks by hand (benchmarks/README.md). ``omp_pause_resource_all`` in libgomp frees only
+    1.2-1.45x the time of the same ticks by hand (benchmarks/README.md, "Two torch threads"). ``omp_pause_resource_all`` in libgomp frees only
     the calling thread's pool (and refuses inside a parallel region); the next torch op on this thread builds a new
     one. A no-op where libgomp is not loaded (other OpenMP runtimes pause every thread's pool: not safe here)."""
     pause = _libgomp_pause()

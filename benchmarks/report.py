@@ -1103,6 +1103,19 @@ REPORTS.update({
 })
 
 
+# --- a run lets the caller's idle OpenMP workers go (2 torch threads on 2 cores) ------------------------------------
+def openmp_pools_line(r: dict, rows: pd.DataFrame) -> str:
+    ratio = lambda side: " / ".join(  # noqa: E731
+        f"{s / st:.2f}" for s, st in zip(rows[(rows.side == side) & (rows["mode"] == "sync run")].ms_per_step,
+                                          rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step))
+    return (f"sync `run` / stepped {r['old/sync_run_over_stepped_median']:.2f}x before (60564a5; per invocation "
+            f"{ratio('old')}) and **{r['new/sync_run_over_stepped_median']:.2f}x** after (0476edc; {ratio('new')}); "
+            f"sync `run` {r['old/sync run']:.1f} vs {r['new/sync run']:.1f} ms a step (medians of 3 invocations each)")
+
+
+REPORTS.update({"openmp_pools": value("bench_async", "2026-12-03-openmp-pools", openmp_pools_line)})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
