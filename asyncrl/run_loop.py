@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pandas as pd
+import torch
 
 from asyncrl.reports import TickReport
 from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
@@ -131,6 +132,8 @@ class RunHandle:
         self._progress_at = time.monotonic()  # last commit/select/evict/abort/step: the stall watchdog's clock
         pumps = ({"lockstep": self._lockstep_pump} if ctrl.lockstep else
                  {"rollout": self._rollout_pump, "train": self._train_pump})
+        self._torch_threads = torch_threads_per_pump(ctrl.cfg, len(pumps))  # read on the person's thread
+        self._caller_threads = torch.get_num_threads()
         self._pumps = tuple(pumps)
         self._doing = {name: ("starting", time.monotonic()) for name in self._pumps}
         self._finished = threading.Event()
@@ -226,6 +229,8 @@ class RunHandle:
 
     def _guarded(self, name: str, pump: Callable[[], None]) -> None:
         try:
+            if self._torch_threads is not None:
+                torch.set_num_threads(self._torch_threads)  # this thread's pool (and threads started after it)
             pump()
         except BaseException as exc:  # the run's error, re-raised by wait() in the caller's thread
             self._request_end("failed", exc)
@@ -319,6 +324,8 @@ class RunHandle:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
             self._bar.close()
+        if self._torch_threads is not None:  # back to the caller's count for threads started later (and MKL's)
+            torch.set_num_threads(self._caller_threads)
         if self._subscription is not None:
             self._subscription.cancel()
         with self._cv:
@@ -429,6 +436,22 @@ class RunHandle:
         error = f", error {type(self.error).__name__}: {self.error}" if self.error is not None else ""
         return (f"RunHandle({self.status}, T={self.ctrl.trainer_version} of {self.target}, "
                 f"until={self.until!r}{where}{error})")
+
+
+def torch_threads_per_pump(cfg: Any, pumps: int) -> int | None:
+    """Torch intra-op threads for each pump thread of a run, or None to leave them as they are.
+
+    Two pumps that both compute on this process's CPU (the torch generator in the rollout pump, the torch policy in
+    the train pump) each with torch's default of a thread per core ask for twice the cores: their pools then wait
+    on each other, and an asynchronous run on 2 cores was slower than stepping (benchmarks/README.md, "Two torch
+    threads"). So when ``torch_threads`` is left unset, each of two such pumps gets half the caller's threads; a
+    lockstep run (one pump) keeps them all. A set ``torch_threads`` is the person's choice and is kept."""
+    if cfg.torch_threads is not None or pumps < 2:
+        return None
+    gen, trainer = cfg.generation, cfg.trainer
+    on_cpu = all(getattr(section, "placement", "local") == "local" and str(getattr(section, "device", "cpu")) == "cpu"
+                 for section in (gen, trainer))
+    return max(1, torch.get_num_threads() // 2) if on_cpu else None
 
 
 def release_idle_openmp_workers() -> bool:

@@ -265,7 +265,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=4, help="TRL's reference point used 4")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (1 on 2 cores)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (1 on 2 cores; "
+                        "0: torch_threads unset, torch's default of a thread per core, what quickstart uses)")
     parser.add_argument("--modes", default=",".join(list(MODES)[:4]),
                         help=f"comma-separated, of: {', '.join(MODES)}")
     parser.add_argument("--out", default=None, help="run directory (default benchmarks/data/bench_async/<UTC time>)")
@@ -278,7 +279,7 @@ def main() -> None:
         parser.error(f"unknown modes {unknown}; known: {list(MODES)}")
     if "stepped sync" not in modes:
         parser.error("the stage times, the bound and every speed-up come from the 'stepped sync' mode: include it")
-    work = {"generation": {"max_new_tokens": args.max_new_tokens}, "torch_threads": args.threads}
+    work = {"generation": {"max_new_tokens": args.max_new_tokens}, "torch_threads": args.threads or None}
     pd.set_option("display.width", 160)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"preset={args.preset} steps={args.steps} max_new_tokens={args.max_new_tokens} threads={args.threads} "

@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 import pandas as pd
+import torch
 import pytest
 from tests.test_controller import accounting
 
@@ -472,3 +473,23 @@ print(released, before - after, threads() - after)
         pytest.skip("torch does not use GNU libgomp here")
     released, gone, rebuilt = out.stdout.split()
     assert (released, gone, rebuilt) == ("True", "1", "1"), out.stdout
+
+
+@pytest.mark.parametrize("sampler, torch_threads, expected", [
+    ({"name": "weight_fifo", "max_staleness_versions": 1}, None, 2),  # two pumps computing on this CPU: half each
+    ({"name": "weight_fifo", "max_staleness_versions": 1}, 4, 4),  # the person's own choice is kept
+    ({"name": "in_order", "max_lookahead_versions": 0}, None, 4),  # lockstep: one pump, every thread
+])
+def test_two_pumps_on_one_cpu_share_its_torch_threads_and_the_caller_keeps_its_own(sampler, torch_threads, expected):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        ctrl = Controller.from_config(load_config("quickstart", eval_every=None, sampler=sampler,
+                                                  torch_threads=torch_threads, generation={"max_new_tokens": 4}))
+        seen = set()
+        ctrl.start(2, progress=False, on_step=lambda row, events: seen.add(torch.get_num_threads())).wait()
+        assert seen == {expected}, f"the pump trained with {seen} torch threads"
+        assert torch.get_num_threads() == 4, "the caller's thread count changed"
+        ctrl.close()
+    finally:
+        torch.set_num_threads(previous)

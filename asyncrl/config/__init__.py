@@ -92,7 +92,8 @@ class Config(BaseModel):
     # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
     # run torch code; one thread each avoids oversubscribing the cores.
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process (None: "
-                                      "torch's default)")
+                                      "torch's default, a thread per core; then a run whose two pumps both compute "
+                                      "on this CPU gives each half: asyncrl/run_loop.py)")
     # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
     # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
     # Generous by default, for slow generation on big models.
