@@ -1121,6 +1121,24 @@ REPORTS.update({
 })
 
 
+# --- two pumps on one CPU share its torch threads when torch_threads is unset -------------------------------------
+def threads_per_pump_line(r: dict, rows: pd.DataFrame) -> str:
+    per = lambda side: "/".join(  # noqa: E731
+        f"{st / a:.2f}" for st, a in zip(rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
+                                         rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step))
+    return (f"async `run` {r['old/async run']:.1f} ms a step before (e18d80e) and **{r['new/async run']:.1f} ms** "
+            f"after (d75eabf); its speed-up over stepping {r['old/async_speedup_median']:.2f}x before (per invocation "
+            f"{per('old')}) and {r['new/async_speedup_median']:.2f}x after ({per('new')}); stepped "
+            f"{r['old/stepped sync']:.1f} / {r['new/stepped sync']:.1f} ms (medians of 3 invocations each)")
+
+
+REPORTS.update({
+    "threads_per_pump": value("bench_async", "2026-12-03-threads-per-pump", threads_per_pump_line),
+    "threads_per_pump_short": value("bench_async", "2026-12-03-threads-per-pump", lambda r, _: (
+        f"{r['old/async_speedup_median']:.2f}x the stepped speed before, {r['new/async_speedup_median']:.2f}x now")),
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
