@@ -615,7 +615,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_push_ms": two_gpus_number(TWO_GPUS, "push_ms"),
     "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
     "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
-    "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost"),
+    "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost",
+                                              "2026-12-03-after-thread-fixes"),
     "bench_async_busy": busy_table("2026-12-03"),
     "bench_async_busy_line": value("bench_async_busy", "2026-12-03", lambda r, _: (
         f"the train pump's ticks took {r['async']['train pump: its ticks']:.1f} of the asynchronous run's "
@@ -1098,6 +1099,9 @@ REPORTS.update({
     "real_shape_90ad84d": lambda: real_shape_table(REAL_90AD),
     "real_shape_90ad84d_async_over_sync": real_shape_number("async_over_sync", REAL_90AD),
     "gen_heavy_90ad84d": value("bench_two_gpus", GEN_HEAVY_90AD, gen_heavy_line),
+    "checks_e8112ad": lambda: "; ".join(json.loads(
+        (DATA / "gpu_checks" / "2026-12-03-one-h200-e8112ad" / "summary.json").read_text())[k]
+        for k in ("notebook_gpu_quickstart", "colocated_async")),
     "checks_90ad84d_tests": lambda: json.loads(
         (DATA / "gpu_checks" / CHECKS_90AD / "summary.json").read_text())["pytest_tests_gpu_one_process"],
 })
