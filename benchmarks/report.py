@@ -1108,10 +1108,14 @@ REPORTS.update({
 
 
 # --- a run lets the caller's idle OpenMP workers go (2 torch threads on 2 cores) ------------------------------------
+def per_invocation(rows: pd.DataFrame, side: str, over: str, under: str, sep: str = " / ") -> str:
+    """One side's ratio of two modes' ms/step in each invocation of an alternating run (``over / under``)."""
+    ms = lambda mode: rows[(rows.side == side) & (rows["mode"] == mode)].ms_per_step  # noqa: E731
+    return sep.join(f"{a / b:.2f}" for a, b in zip(ms(over), ms(under)))
+
+
 def openmp_pools_line(r: dict, rows: pd.DataFrame) -> str:
-    ratio = lambda side: " / ".join(  # noqa: E731
-        f"{s / st:.2f}" for s, st in zip(rows[(rows.side == side) & (rows["mode"] == "sync run")].ms_per_step,
-                                          rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step))
+    ratio = lambda side: per_invocation(rows, side, "sync run", "stepped sync")  # noqa: E731
     return (f"sync `run` / stepped {r['old/sync_run_over_stepped_median']:.2f}x before (60564a5; per invocation "
             f"{ratio('old')}) and **{r['new/sync_run_over_stepped_median']:.2f}x** after (0476edc; {ratio('new')}); "
             f"sync `run` {r['old/sync run']:.1f} vs {r['new/sync run']:.1f} ms a step (medians of 3 invocations each)")
@@ -1127,9 +1131,7 @@ REPORTS.update({
 
 # --- two pumps on one CPU share its torch threads when torch_threads is unset -------------------------------------
 def threads_per_pump_line(r: dict, rows: pd.DataFrame) -> str:
-    per = lambda side: "/".join(  # noqa: E731
-        f"{st / a:.2f}" for st, a in zip(rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
-                                         rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step))
+    per = lambda side: per_invocation(rows, side, "stepped sync", "async run", "/")  # noqa: E731
     return (f"async `run` {r['old/async run']:.1f} ms a step before (e18d80e) and **{r['new/async run']:.1f} ms** "
             f"after (d75eabf); its speed-up over stepping {r['old/async_speedup_median']:.2f}x before (per invocation "
             f"{per('old')}) and {r['new/async_speedup_median']:.2f}x after ({per('new')}); stepped "
