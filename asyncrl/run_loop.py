@@ -448,9 +448,8 @@ def torch_threads_per_pump(cfg: Any, pumps: int) -> int | None:
     lockstep run (one pump) keeps them all. A set ``torch_threads`` is the person's choice and is kept."""
     if cfg.torch_threads is not None or pumps < 2:
         return None
-    gen, trainer = cfg.generation, cfg.trainer
-    on_cpu = all(getattr(section, "placement", "local") == "local" and str(getattr(section, "device", "cpu")) == "cpu"
-                 for section in (gen, trainer))
+    on_cpu = all(section.placement == "local" and str(section.device) == "cpu"
+                 for section in (cfg.generation, cfg.trainer))
     return max(1, torch.get_num_threads() // 2) if on_cpu else None
 
 
@@ -461,9 +460,10 @@ def release_idle_openmp_workers() -> bool:
     manages no more threads than there are CPUs; above that it puts them to sleep after each region, and every op
     then pays a wake-up. The person's thread keeps a pool from its own torch work (building the model, hand ticks);
     beside a pump thread's pool that is one pool too many: on 2 cores with 2 torch threads a lockstep run took
-    1.2-1.45x the time of the same ticks by hand (benchmarks/README.md, "Two torch threads"). ``omp_pause_resource_all`` in libgomp frees only
-    the calling thread's pool (and refuses inside a parallel region); the next torch op on this thread builds a new
-    one. A no-op where libgomp is not loaded (other OpenMP runtimes pause every thread's pool: not safe here)."""
+    1.2-1.45x the time of the same ticks by hand (benchmarks/README.md, "Two torch threads").
+    ``omp_pause_resource_all`` in libgomp frees only the calling thread's pool (and refuses inside a parallel
+    region); the next torch op on this thread builds a new one. A no-op where libgomp is not loaded (other OpenMP
+    runtimes pause every thread's pool: not safe here)."""
     pause = _libgomp_pause()
     return pause is not None and pause(1) == 0  # 1: omp_pause_soft
 

@@ -89,8 +89,8 @@ class Config(BaseModel):
     filter_uniform_groups: bool = Field(
         False, description="skip a group whose completions all got the same reward (no learning signal: DAPO's "
         "dynamic sampling) and admit another in its place")
-    # torch intra-op threads for this process (None: torch's default). On a small CPU box the two pumps each
-    # run torch code; one thread each avoids oversubscribing the cores.
+    # On a small CPU box the two pumps each run torch code; unset, a run splits the cores between them
+    # (run_loop.torch_threads_per_pump); 1 gives each pump one thread whatever the box.
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process (None: "
                                       "torch's default, a thread per core; then a run whose two pumps both compute "
                                       "on this CPU gives each half: asyncrl/run_loop.py)")
