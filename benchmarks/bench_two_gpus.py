@@ -91,9 +91,11 @@ SAMPLERS = {
     "sync": {"name": "in_order", "max_lookahead_versions": 0},
     "async": {"name": "weight_fifo", "max_staleness_versions": 1},
 }
-# --inflight: a third mode, async with in-flight weight updates, on the same engines (the generator reads
-# generation.weight_update at every load)
-INFLIGHT = {"generation": {"weight_update": "inflight"}}
+# Extra async modes on the same engines, each on request: --inflight, async with in-flight weight updates (the
+# generator reads generation.weight_update at every load); --no-gap, async without the gap metrics' no-grad pass under
+# kept weights (on one GPU it takes the device lock on the train thread: what measuring the gap costs there).
+EXTRA_MODES = {"async_inflight": {"generation": {"weight_update": "inflight"}},
+               "async_nogap": {"loss": {"gap_metrics": False}}}
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
 THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
@@ -269,17 +271,16 @@ def parse_overrides(items) -> dict:
         raise SystemExit(str(exc)) from None
 
 
-def configs(preset: str, dry: bool, overrides: dict | None = None, inflight: bool = False):
+def configs(preset: str, dry: bool, overrides: dict | None = None, extra: tuple[str, ...] = ()):
     overrides = overrides or {}
+    base = {"eval_every": None}
     if dry:
-        base = dict(trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": "collective"},
-                    eval_every=None)
-        return {m: load_config("quickstart", sampler=s, **merge_overrides(base, overrides)) for m, s in SAMPLERS.items()}
-    out = {m: load_config(preset, sampler=s, **merge_overrides({"eval_every": None}, overrides))
-           for m, s in SAMPLERS.items()}
-    if inflight:
-        out["async_inflight"] = load_config(preset, sampler=SAMPLERS["async"],
-                                            **merge_overrides(merge_overrides({"eval_every": None}, overrides), INFLIGHT))
+        preset = "quickstart"
+        base.update(trainer={"placement": "ray"}, generation={"placement": "ray", "weight_sync": "collective"})
+    base = merge_overrides(base, overrides)
+    out = {m: load_config(preset, sampler=s, **base) for m, s in SAMPLERS.items()}
+    for mode in extra:
+        out[mode] = load_config(preset, sampler=SAMPLERS["async"], **merge_overrides(base, EXTRA_MODES[mode]))
     return out
 
 
@@ -332,6 +333,7 @@ _SYNCS: dict = {}
 def _one_weight_sync_per_pair(cfg, policy, generator):
     """Every run's Controller reuses the first weight sync made for this policy/generator pair (one NCCL group for
     the whole benchmark, as in a long training run), instead of one group per run."""
+    policy = getattr(policy, "_policy", policy)  # a run's StampedPolicy: the sync is the wrapped policy's
     key = (id(policy), id(generator), cfg.generation.weight_sync)
     if key not in _SYNCS:
         _SYNCS[key] = _build_weight_sync(cfg, policy, generator)
@@ -453,7 +455,7 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green"}
+    colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green", "async_nogap": "tab:red"}
     for (mode, repeat), per in curves.groupby(["mode", "repeat"]):
         ax.plot(per.wall_s, per.reward.rolling(5, min_periods=1).mean(), color=colours[mode], alpha=0.8,
                 label=f"{mode}" if repeat == 0 else None)
@@ -569,6 +571,8 @@ def main() -> int:
     parser.add_argument("--stream-reps", type=int, default=3)
     parser.add_argument("--inflight", action="store_true",
                         help="also run async with generation.weight_update=inflight (mode async_inflight)")
+    parser.add_argument("--no-gap", action="store_true",
+                        help="also run async with loss.gap_metrics=false (mode async_nogap)")
     args = parser.parse_args()
     before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
@@ -585,7 +589,8 @@ def main() -> int:
         if "model" in probe or set(probe.get("generation", {})) - SAMPLING_KEYS:
             raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
-    cfgs = configs(args.preset, dry, overrides, args.inflight)
+    extra = tuple(m for m, on in (("async_inflight", args.inflight), ("async_nogap", args.no_gap)) if on)
+    cfgs = configs(args.preset, dry, overrides, extra)
     for probe in probes:  # validate every candidate before anything is built
         configs(args.preset, dry, merge_overrides(overrides, probe))
     cfg = cfgs["sync"]
@@ -631,11 +636,11 @@ def main() -> int:
                 f"{row['gen_busy_per_step_s']:.4g} s, training {row['train_busy_per_step_s']:.4g} s a step, imbalance {probed[-1]['imbalance']:.2f}")
         if probed:
             chosen = min(probed, key=lambda p: p["imbalance"])["probe"]
-            cfgs = configs(args.preset, dry, merge_overrides(overrides, chosen), args.inflight)
+            cfgs = configs(args.preset, dry, merge_overrides(overrides, chosen), extra)
             say(f"measuring the most balanced probe: {chosen}")
             label += " " + ",".join(args.probe[[p["probe"] for p in probed].index(chosen)].split(","))
         for r in range(args.repeats):
-            for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")) + (("async_inflight",) if args.inflight else ()):
+            for mode in (("sync", "async") if r % 2 == 0 else ("async", "sync")) + extra:
                 n = async_steps if mode == "async" else steps
                 rebuild = bool(probed or rows) or cfgs[mode].trainer != cfg.trainer
                 row, curve, policy = one_run(cfgs[mode], mode, r, generator, policy, task, tok, warmup, n, rebuild,
@@ -668,8 +673,10 @@ def main() -> int:
         f"async {med.loc['async', 'steps_per_s']:.4g} ({summary.loc['async', ('steps_per_s', 'min')]:.4g}.."
         f"{summary.loc['async', ('steps_per_s', 'max')]:.4g})")
     say(f"async/sync: {ratio:.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
-    if "async_inflight" in med.index:
-        say(f"async_inflight/sync: {med.loc['async_inflight', 'steps_per_s'] / med.loc['sync', 'steps_per_s']:.3f}")
+    for mode in extra:
+        each = (per_repeat[mode] / per_repeat["sync"]).tolist()
+        say(f"{mode}/sync: {med.loc[mode, 'steps_per_s'] / med.loc['sync', 'steps_per_s']:.3f} "
+            f"(per repeat {', '.join(f'{x:.3f}' for x in each)})")
     say(f"stage times in the sync runs: generation {sync_gen:.4g} s, training {sync_train:.4g} s a step "
         f"(train/gen {sync_train / sync_gen:.2f}, imbalance {imbalance(sync_gen, sync_train):.2f}); two-stage bound "
         f"{bound:.3f}; async/sync = {ratio / bound:.0%} of it")
