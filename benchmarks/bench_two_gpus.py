@@ -92,10 +92,11 @@ SAMPLERS = {
     "async": {"name": "weight_fifo", "max_staleness_versions": 1},
 }
 # Extra async modes on the same engines, each on request: --inflight, async with in-flight weight updates (the
-# generator reads generation.weight_update at every load); --no-gap, async without the gap metrics' no-grad pass under
-# kept weights (on one GPU it takes the device lock on the train thread: what measuring the gap costs there).
+# generator reads generation.weight_update at every load); --no-gap / --gap, async without / with the gap metrics'
+# no-grad pass under kept weights (on one GPU it takes the device lock on the train thread: what measuring the gap
+# costs there; the one-GPU presets turn it off).
 EXTRA_MODES = {"async_inflight": {"generation": {"weight_update": "inflight"}},
-               "async_nogap": {"loss": {"gap_metrics": False}}}
+               "async_nogap": {"loss": {"gap_metrics": False}}, "async_gap": {"loss": {"gap_metrics": True}}}
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
 THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
@@ -455,7 +456,8 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green", "async_nogap": "tab:red"}
+    colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green", "async_nogap": "tab:red",
+               "async_gap": "tab:purple"}
     for (mode, repeat), per in curves.groupby(["mode", "repeat"]):
         ax.plot(per.wall_s, per.reward.rolling(5, min_periods=1).mean(), color=colours[mode], alpha=0.8,
                 label=f"{mode}" if repeat == 0 else None)
@@ -573,6 +575,7 @@ def main() -> int:
                         help="also run async with generation.weight_update=inflight (mode async_inflight)")
     parser.add_argument("--no-gap", action="store_true",
                         help="also run async with loss.gap_metrics=false (mode async_nogap)")
+    parser.add_argument("--gap", action="store_true", help="also run async with loss.gap_metrics=true (mode async_gap)")
     args = parser.parse_args()
     before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
@@ -589,7 +592,8 @@ def main() -> int:
         if "model" in probe or set(probe.get("generation", {})) - SAMPLING_KEYS:
             raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
-    extra = tuple(m for m, on in (("async_inflight", args.inflight), ("async_nogap", args.no_gap)) if on)
+    extra = tuple(m for m, on in (("async_inflight", args.inflight), ("async_nogap", args.no_gap),
+                                          ("async_gap", args.gap)) if on)
     cfgs = configs(args.preset, dry, overrides, extra)
     for probe in probes:  # validate every candidate before anything is built
         configs(args.preset, dry, merge_overrides(overrides, probe))
