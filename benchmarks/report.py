@@ -1145,6 +1145,101 @@ REPORTS.update({
 })
 
 
+
+# --- one GPU: what an asynchronous run pays that a synchronous one does not (the gap pass, slower generation) -----
+GAP_ONE_GPU = {"2026-12-03-gen-heavy-nogap-90c23fa": "gap metrics on, as it was",
+               "2026-12-03-real-shape-nogap-90c23fa": "gap metrics on, as it was",
+               "2026-12-03-gen-heavy-presets-f9727a9": "gap metrics off, as it is now",
+               "2026-12-03-real-shape-presets-f9727a9": "gap metrics off, as it is now"}
+MODE_WORDS = {"sync": "sync", "async": "async", "async_nogap": "async, gap metrics off",
+              "async_gap": "async, gap metrics on"}
+
+
+def one_gpu_gap_table() -> str:
+    """Every mode of the four invocations: steps/s, its ratio to sync per repeat, and where the GPU's time went."""
+    out, head = [], []
+    for name, preset_words in GAP_ONE_GPU.items():
+        meta, rows = run("bench_two_gpus", name)
+        per = rows.pivot(index="repeat", columns="mode", values="steps_per_s")
+        head.append(f"`{name}` ({machine(meta).split(';')[0]}; {meta['results']['repeats']} repeat(s); `async` is "
+                    f"the preset with {preset_words})")
+        sync = rows[rows["mode"] == "sync"].steps_per_s.median()
+        for mode in [m for m in MODE_WORDS if m in per]:
+            d = rows[rows["mode"] == mode]
+            ratio = "" if mode == "sync" else (f"**{d.steps_per_s.median() / sync:.2f}x** ("
+                                               + ", ".join(f"{x:.2f}" for x in per[mode] / per["sync"]) + ")")
+            tok_s = (d.completion_tokens_per_step / d.gen_busy_per_step_s).median()
+            out.append([meta["results"]["preset"].removeprefix("gpu_"), MODE_WORDS[mode], f"{d.steps_per_s.median():.3f}",
+                        ratio, f"{1e3 * d.gen_busy_per_step_s.median():.0f}", f"{tok_s / 1e3:.1f}k",
+                        f"{1e3 * d.train_busy_per_step_s.median():.0f}",
+                        f"{1e3 * d.device_lock_wait_per_step_s.median():.0f}",
+                        f"{1e3 * d.push_wait_s_median.median():.0f}"])
+    v = run("bench_two_gpus", next(iter(GAP_ONE_GPU)))[0]["versions"]
+    return (f"\nFour invocations in a row on one freshly started H200 (torch {v['torch']}, vLLM {v['vllm']}, "
+            f"megatron-core {v['megatron-core']}); each directory's meta.json has its command: "
+            + "; ".join(head) + ". Medians over the repeats; each ratio is to sync in the same invocation.\n"
+            + table(out, ["preset", "mode", "steps/s", "/ sync (per repeat)", "generation busy ms a step",
+                          "completion tokens per busy second", "training busy ms a step",
+                          "device-lock wait ms a step", "push wait ms a step"]))
+
+
+def one_gpu_timeline_line() -> str:
+    """From the timelines of repeat 0 (`--timeline`): submits a step and the generator's blocks on the device."""
+    parts = []
+    for mode in ("sync", "async", "async_gap"):
+        t = frame("bench_two_gpus", "2026-12-03-gen-heavy-presets-f9727a9", f"timeline_{mode}.csv")
+        steps = int((t.name == "finish_step").sum())
+        gen = t[t.lane == "gen GPU"].ms
+        train = t[(t.lane == "train GPU")].ms
+        parts.append(f"{MODE_WORDS[mode]}: {int((t.name == 'gen.submit').sum()) / steps:.0f} submit a step, the "
+                     f"generator held the device {gen.sum() / steps:.0f} ms a step in {len(gen) / steps:.0f} blocks "
+                     f"(longest {gen.max():.0f} ms), the trainer {train.sum() / steps:.0f} ms in {len(train) / steps:.0f}")
+    return "; ".join(parts)
+
+
+def one_gpu_gap_short() -> str:
+    """For prose: async/sync per invocation with the gap metrics off and on, and what the gap pass adds to training."""
+    off, on, extra = [], [], []
+    for name in GAP_ONE_GPU:
+        meta, rows = run("bench_two_gpus", name)
+        med = rows.groupby("mode")[["steps_per_s", "train_busy_per_step_s"]].median()
+        preset = meta["results"]["preset"]
+        no, yes = ("async_nogap", "async") if "async_nogap" in med.index else ("async", "async_gap")
+        off.append((preset, med.loc[no, "steps_per_s"] / med.loc["sync", "steps_per_s"]))
+        if yes in med.index:  # the real shape after the change ran without a mode with them on
+            on.append((preset, med.loc[yes, "steps_per_s"] / med.loc["sync", "steps_per_s"]))
+            extra.append(1e3 * (med.loc[yes, "train_busy_per_step_s"] - med.loc[no, "train_busy_per_step_s"]))
+    words = lambda pairs, p: ", ".join(f"{r:.2f}x" for q, r in pairs if q == p)  # noqa: E731
+    return (f"async/sync with the gap metrics off: `gpu_gen_heavy` {words(off, 'gpu_gen_heavy')}, `gpu_real_shape` "
+            f"{words(off, 'gpu_real_shape')}; with them on, in the same invocations, {words(on, 'gpu_gen_heavy')} and "
+            f"{words(on, 'gpu_real_shape')}; their pass added {min(extra):.0f}-{max(extra):.0f} ms of training a step")
+
+
+def one_gpu_speed_line() -> str:
+    """For prose: each async mode's completion tokens per second of the generator's device time, as a share of sync's
+    in the same invocation; and the share of a step in which neither engine held the GPU."""
+    shares, idle = [], {"sync": [], "async": []}
+    for name in GAP_ONE_GPU:
+        rows = run("bench_two_gpus", name)[1].assign(
+            tps=lambda d: d.completion_tokens_per_step / d.gen_busy_per_step_s,
+            idle=lambda d: 1 - (d.gen_busy_per_step_s + d.train_busy_per_step_s) * d.steps_per_s)
+        med = rows.groupby("mode")[["tps", "idle"]].median()
+        shares += [med.loc[m, "tps"] / med.loc["sync", "tps"] for m in MODE_WORDS if m in med.index and m != "sync"]
+        for m in med.index:
+            idle["sync" if m == "sync" else "async"].append(med.loc[m, "idle"])
+    below = [x for x in shares if x < 1]
+    return (f"in {len(below)} of the {len(shares)} asynchronous rows the generator made {1 - max(below):.0%}-"
+            f"{1 - min(below):.0%} fewer completion tokens per second of its device time than that invocation's sync "
+            f"run (the other {len(shares) - len(below)}: " + ", ".join(f"{x:.2f}x" for x in shares if x >= 1)
+            + f"); neither engine held the GPU for {min(idle['sync']):.1%}-{max(idle['sync']):.1%} of a synchronous "
+            f"step and {min(idle['async']):.1%}-{max(idle['async']):.1%} of an asynchronous one")
+
+
+REPORTS.update({"one_gpu_gap_table": one_gpu_gap_table, "one_gpu_timeline": one_gpu_timeline_line,
+                "one_gpu_gap_short": one_gpu_gap_short,
+                "one_gpu_speed": one_gpu_speed_line})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
