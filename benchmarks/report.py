@@ -969,12 +969,20 @@ def vs_old_line(name: str) -> Callable[[], str]:
     return value("bench_async", name, lambda r, rows: (
         "stepped sync " + f"{r['old/stepped sync']:.1f} ms (2b45af3) vs {r['new/stepped sync']:.1f} ms (main); async "
         f"`run` {r['old/async run']:.1f} vs {r['new/async run']:.1f} ms ({r['new_over_old_async_ms']:.2f}x the time); "
-        f"async speed-up {r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of 3 "
-        "invocations each; per invocation " + ", ".join(
+        f"async speed-up {r['old/async_speedup_median']:.2f}x vs {r['new/async_speedup_median']:.2f}x (medians of "
+        f"{rows.pair.nunique()} invocations each; per invocation " + ", ".join(
             f"{side} " + "/".join(f"{o / a:.2f}" for o, a in zip(
                 rows[(rows.side == side) & (rows["mode"] == "stepped sync")].ms_per_step,
                 rows[(rows.side == side) & (rows["mode"] == "async run")].ms_per_step)) for side in ("old", "new"))
         + ")"))
+
+
+def vs_old_sync_line(name: str) -> Callable[[], str]:
+    """The synchronous target of the same alternating run: sync ``run`` / stepped, medians and per invocation."""
+    return value("bench_async", name, lambda r, rows: (
+        f"sync `run` / stepped {r['old/sync_run_over_stepped_median']:.2f}x (2b45af3) vs "
+        f"**{r['new/sync_run_over_stepped_median']:.2f}x** (main); per invocation "
+        + ", ".join(f"{side} " + per_invocation(rows, side, "sync run", "stepped sync", "/") for side in ("old", "new"))))
 
 
 def gap_pass_line(r: dict, rows: pd.DataFrame) -> str:
@@ -1008,6 +1016,8 @@ REPORTS.update({
     "bench_async_vs_2b45af3": vs_old_line("2026-12-03-vs-2b45af3"),
     "bench_async_vs_2b45af3_gap_pass": vs_old_line(VS_OLD_GAP_PASS),
     "bench_async_vs_2b45af3_after_merge": vs_old_line("2026-12-03-vs-2b45af3-after-merge"),
+    "bench_async_vs_2b45af3_evening": vs_old_line("2026-12-03-vs-2b45af3-evening"),
+    "bench_async_vs_2b45af3_evening_sync": vs_old_sync_line("2026-12-03-vs-2b45af3-evening"),
     "bench_async_vs_2b45af3_no_gap": value("bench_async", "2026-12-03-vs-2b45af3-no-gap", lambda r, _: (
         f"async `run` {r['old/async run']:.1f} ms (2b45af3), {r['new/async run']:.1f} ms (main), "
         f"{r['new/async run (no gap metrics)']:.1f} ms (main without the gap metrics); async speed-up "
