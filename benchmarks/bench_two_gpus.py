@@ -592,8 +592,8 @@ def main() -> int:
         if "model" in probe or set(probe.get("generation", {})) - SAMPLING_KEYS:
             raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
-    extra = tuple(m for m, on in (("async_inflight", args.inflight), ("async_nogap", args.no_gap),
-                                          ("async_gap", args.gap)) if on)
+    wanted = {"async_inflight": args.inflight, "async_nogap": args.no_gap, "async_gap": args.gap}
+    extra = tuple(mode for mode, on in wanted.items() if on)
     cfgs = configs(args.preset, dry, overrides, extra)
     for probe in probes:  # validate every candidate before anything is built
         configs(args.preset, dry, merge_overrides(overrides, probe))
@@ -677,10 +677,10 @@ def main() -> int:
         f"async {med.loc['async', 'steps_per_s']:.4g} ({summary.loc['async', ('steps_per_s', 'min')]:.4g}.."
         f"{summary.loc['async', ('steps_per_s', 'max')]:.4g})")
     say(f"async/sync: {ratio:.3f} (per repeat {', '.join(f'{x:.3f}' for x in ratios)})")
-    for mode in extra:
-        each = (per_repeat[mode] / per_repeat["sync"]).tolist()
-        say(f"{mode}/sync: {med.loc[mode, 'steps_per_s'] / med.loc['sync', 'steps_per_s']:.3f} "
-            f"(per repeat {', '.join(f'{x:.3f}' for x in each)})")
+    extra_over_sync = {mode: {"median": med.loc[mode, "steps_per_s"] / med.loc["sync", "steps_per_s"],
+                              "per_repeat": (per_repeat[mode] / per_repeat["sync"]).tolist()} for mode in extra}
+    for mode, r in extra_over_sync.items():
+        say(f"{mode}/sync: {r['median']:.3f} (per repeat {', '.join(f'{x:.3f}' for x in r['per_repeat'])})")
     say(f"stage times in the sync runs: generation {sync_gen:.4g} s, training {sync_train:.4g} s a step "
         f"(train/gen {sync_train / sync_gen:.2f}, imbalance {imbalance(sync_gen, sync_train):.2f}); two-stage bound "
         f"{bound:.3f}; async/sync = {ratio / bound:.0%} of it")
@@ -700,7 +700,8 @@ def main() -> int:
         "environment": env, "label": label, "preset": "quickstart" if dry else args.preset,
         "overrides": merge_overrides(overrides, chosen), "invocation_overrides": overrides, "probes": probed,
         "chosen_probe": chosen, "steps": steps, "async_steps": async_steps, "warmup": warmup, "repeats": args.repeats,
-        "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "two_stage_bound": bound,
+        "async_over_sync": ratio, "async_over_sync_per_repeat": ratios, "extra_modes_over_sync": extra_over_sync,
+        "two_stage_bound": bound,
         "fraction_of_bound": ratio / bound, "stage_gen_s": sync_gen, "stage_train_s": sync_train,
         "stage_imbalance": imbalance(sync_gen, sync_train),
         "time_to_sync_final_reward": reach, "summary": json.loads(summary.to_json()),
