@@ -1221,7 +1221,8 @@ def one_gpu_gap_short() -> str:
             extra.append(1e3 * (med.loc[yes, "train_busy_per_step_s"] - med.loc[no, "train_busy_per_step_s"]))
     words = lambda pairs, p: ", ".join(f"{r:.2f}x" for q, r in pairs if q == p)  # noqa: E731
     return (f"async/sync with the gap metrics off: `gpu_gen_heavy` {words(off, 'gpu_gen_heavy')}, `gpu_real_shape` "
-            f"{words(off, 'gpu_real_shape')}; with them on, in the same invocations, {words(on, 'gpu_gen_heavy')} and "
+            f"{words(off, 'gpu_real_shape')} (four invocations); with them on, in the {len(on)} of those invocations "
+            f"that also ran that mode: `gpu_gen_heavy` {words(on, 'gpu_gen_heavy')}, `gpu_real_shape` "
             f"{words(on, 'gpu_real_shape')}; their pass added {min(extra):.0f}-{max(extra):.0f} ms of training a step")
 
 
