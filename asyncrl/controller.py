@@ -44,7 +44,7 @@ from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import RolloutPump
-from asyncrl.run_loop import ActiveClock, RunHandle
+from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
 from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
 from asyncrl.train import TrainPump
@@ -239,9 +239,9 @@ class Controller:
 
     @property
     def lockstep(self) -> bool:
-        """The sampler cannot admit ahead of training (no ``admits_ahead``: ``in_order`` with no lookahead): a run then
-        drives both ticks on one thread (``asyncrl/run_loop.py``), with the same results as two."""
-        return not self.sampler.admits_ahead
+        """A run drives both ticks on one thread (``run_loop.runs_in_lockstep``: the sampler cannot admit ahead, or
+        both engines share one GPU, or ``pump_threads`` 1), with the same results as two."""
+        return runs_in_lockstep(self.cfg, self.sampler.admits_ahead)
 
     @property
     def trainer_version(self) -> int:

@@ -292,7 +292,7 @@ TRAIN_TFLOPS = Column("train_tflops", "useful training TFLOP/s: train_flops / tr
 MFU = Column("mfu", "model FLOPs utilisation: train_flops / train_time_s / peak_flops (NaN without a known peak)")
 GEN_TOKENS_PER_S = Column("gen_tokens_per_s", "completion tokens the generator returned since the previous step, "
                           "per second the rollout pump spent in its poll calls (a generator that works outside "
-                          "poll reports its own through step_metrics())")
+                          "poll reports its own through step_metrics(): vLLM per second its engine was stepped)")
 THROUGHPUT: tuple[Column, ...] = (TRAIN_TFLOPS, MFU, GEN_TOKENS_PER_S)
 
 # bf16 dense tensor-core peaks (no sparsity) from the vendors' data sheets, matched in order against

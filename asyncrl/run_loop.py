@@ -6,7 +6,8 @@ supervisor starts them, watches for stalls and closes the run. The person's thre
 ``resume``, ``stop``) and waits. Lockstep: when the sampler cannot admit ahead of training
 (``Controller.lockstep``: ``in_order`` with no lookahead), there is nothing for two threads to overlap, so one
 pump thread runs a rollout tick then a train tick, as stepping does, and nothing is handed across cores (a backend
-that generates in a thread or actor of its own still generates while the driver trains).
+that generates in a thread or actor of its own still generates while the driver trains). So does an asynchronous
+sampler's run when both engines share one GPU (``runs_in_lockstep``; ``pump_threads`` chooses by hand).
 
 Invariants:
 - Safe points. A pump looks at pause and stop only between two ticks, where it holds no lock and no tick is half
@@ -436,6 +437,30 @@ class RunHandle:
         error = f", error {type(self.error).__name__}: {self.error}" if self.error is not None else ""
         return (f"RunHandle({self.status}, T={self.ctrl.trainer_version} of {self.target}, "
                 f"until={self.until!r}{where}{error})")
+
+
+def runs_in_lockstep(cfg: Any, admits_ahead: bool) -> bool:
+    """One pump thread (a rollout tick then a train tick, as stepping does) or two: ``cfg.pump_threads`` 1 or 2
+    decides; ``auto`` is one when the sampler cannot admit ahead (nothing to overlap) or when generation and
+    training share one CUDA device in this process. There their GPU work takes turns under the device lock anyway
+    (``backends/device_lock.py``); a second thread only competes for the interpreter with the one stepping the
+    engine, and vLLM's decode steps of a small model are CPU-bound. The schedule stays asynchronous: the next batch
+    is generated beside the current one's tail and trained a version stale. Measured on one H200
+    (benchmarks/README.md, "One pump thread on one GPU")."""
+    if cfg.pump_threads != "auto":
+        return cfg.pump_threads == 1
+    gen, trainer = cfg.generation, cfg.trainer
+    shared = (gen.placement == trainer.placement == "local"
+              and _cuda_index(str(gen.device)) is not None
+              and _cuda_index(str(gen.device)) == _cuda_index(str(trainer.device)))
+    return not admits_ahead or shared
+
+
+def _cuda_index(device: str) -> int | None:
+    """``cuda`` is the current device, taken as 0 (a process that moves it also names its devices)."""
+    if not device.startswith("cuda"):
+        return None
+    return int(device.partition(":")[2] or 0)
 
 
 def torch_threads_per_pump(cfg: Any, pumps: int) -> int | None:

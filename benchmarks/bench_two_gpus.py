@@ -94,9 +94,11 @@ SAMPLERS = {
 # Extra async modes on the same engines, each on request: --inflight, async with in-flight weight updates (the
 # generator reads generation.weight_update at every load); --no-gap / --gap, async without / with the gap metrics'
 # no-grad pass under kept weights (on one GPU it takes the device lock on the train thread: what measuring the gap
-# costs there; the one-GPU presets turn it off).
+# costs there; the one-GPU presets turn it off); --two-threads, async with a thread per pump (pump_threads 2: on one
+# GPU, pump_threads auto drives both pumps from one thread).
 EXTRA_MODES = {"async_inflight": {"generation": {"weight_update": "inflight"}},
-               "async_nogap": {"loss": {"gap_metrics": False}}, "async_gap": {"loss": {"gap_metrics": True}}}
+               "async_nogap": {"loss": {"gap_metrics": False}}, "async_gap": {"loss": {"gap_metrics": True}},
+               "async_two_threads": {"pump_threads": 2}}
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
 THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
@@ -386,6 +388,7 @@ def one_run(cfg, mode: str, repeat: int, generator, policy, task, tok, warmup: i
     n = len(m)
     row = {
         "run": f"{mode}#{repeat}", "mode": mode, "repeat": repeat, "steps": n, "wall_s": wall,
+        "pump_threads": 1 if ctrl.lockstep else 2,
         "steps_per_s": n / wall,
         "gen_busy_per_step_s": (g1 - g0) / n, "train_busy_per_step_s": (tr1 - tr0) / n,
         "gen_gpu_idle": 1 - (g1 - g0) / wall, "train_gpu_idle": 1 - (tr1 - tr0) / wall,
@@ -457,7 +460,7 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green", "async_nogap": "tab:red",
-               "async_gap": "tab:purple"}
+               "async_gap": "tab:purple", "async_two_threads": "tab:brown"}
     for (mode, repeat), per in curves.groupby(["mode", "repeat"]):
         ax.plot(per.wall_s, per.reward.rolling(5, min_periods=1).mean(), color=colours[mode], alpha=0.8,
                 label=f"{mode}" if repeat == 0 else None)
@@ -576,6 +579,8 @@ def main() -> int:
     parser.add_argument("--no-gap", action="store_true",
                         help="also run async with loss.gap_metrics=false (mode async_nogap)")
     parser.add_argument("--gap", action="store_true", help="also run async with loss.gap_metrics=true (mode async_gap)")
+    parser.add_argument("--two-threads", action="store_true",
+                        help="also run async with a thread per pump (pump_threads=2; mode async_two_threads)")
     args = parser.parse_args()
     before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
@@ -592,7 +597,8 @@ def main() -> int:
         if "model" in probe or set(probe.get("generation", {})) - SAMPLING_KEYS:
             raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
-    wanted = {"async_inflight": args.inflight, "async_nogap": args.no_gap, "async_gap": args.gap}
+    wanted = {"async_inflight": args.inflight, "async_nogap": args.no_gap, "async_gap": args.gap,
+              "async_two_threads": args.two_threads}
     extra = tuple(mode for mode, on in wanted.items() if on)
     cfgs = configs(args.preset, dry, overrides, extra)
     for probe in probes:  # validate every candidate before anything is built

@@ -25,7 +25,7 @@ from tests.test_controller import accounting
 
 from asyncrl import Controller, cli, load_config
 from asyncrl.faults import GenerationFailed
-from asyncrl.run_loop import StallError
+from asyncrl.run_loop import StallError, runs_in_lockstep
 
 ROOT = Path(__file__).resolve().parents[1]
 HANG_S = 120  # a run that should end and has not after this long is hung (generous: the test box is loaded)
@@ -446,6 +446,41 @@ def test_a_sampler_that_cannot_admit_ahead_runs_both_ticks_on_one_thread(sampler
     pumps = {name for name in seen if name.endswith("-pump")}
     assert pumps == ({"asyncrl-lockstep-pump"} if lockstep else {"asyncrl-rollout-pump", "asyncrl-train-pump"})
     accounting(ctrl)
+
+
+@pytest.mark.parametrize("pump_threads, lockstep", [(1, True), (2, False), ("auto", False)])
+def test_pump_threads_chooses_one_thread_or_two_for_an_asynchronous_sampler(pump_threads, lockstep):
+    """``pump_threads`` 1 runs weight_fifo W=1's ticks on one thread, still a version ahead (lag 1); 2 and auto (off
+    a shared GPU) give each pump its own. Every group is accounted for either way."""
+    ctrl = simulated({"name": "weight_fifo", "max_staleness_versions": 1}, latency_s=0.001, pump_threads=pump_threads)
+    assert ctrl.lockstep is lockstep
+    seen: set[str] = set()
+    ctrl.subscribe(lambda _row: seen.add(threading.current_thread().name))
+    metrics = ctrl.run(6, progress=False)
+    assert {name for name in seen if name.endswith("-pump")} == (
+        {"asyncrl-lockstep-pump"} if lockstep else {"asyncrl-rollout-pump", "asyncrl-train-pump"})
+    assert len(metrics) == 6 and metrics.lag_max.max() == 1  # asynchronous on one thread too: trained a version stale
+    accounting(ctrl)
+
+
+@pytest.mark.parametrize("trainer, generation, lockstep", [
+    ({"device": "cuda"}, {"device": "cuda:0"}, True),  # one GPU, both engines in this process: the device lock
+    ({"device": "cuda:1"}, {"device": "cuda:0"}, False),  # a GPU each: generation overlaps training
+    ({"device": "cpu"}, {"device": "cpu"}, False),
+    ({"device": "cuda"}, {"device": "cuda", "placement": "ray"}, False),  # another process: no lock between them
+])
+def test_auto_runs_an_asynchronous_sampler_on_one_thread_when_both_engines_share_one_gpu(trainer, generation,
+                                                                                          lockstep):
+    cfg = load_config("quickstart", sampler={"name": "weight_fifo", "max_staleness_versions": 1}, trainer=trainer,
+                      generation=generation)
+    assert runs_in_lockstep(cfg, admits_ahead=True) is lockstep
+    assert runs_in_lockstep(cfg.model_copy(update={"pump_threads": 2}), admits_ahead=True) is False
+    assert runs_in_lockstep(cfg, admits_ahead=False) is True  # nothing to overlap
+
+
+def test_pump_threads_refuses_other_values_naming_the_allowed_ones():
+    with pytest.raises(ValueError, match=r"pump_threads[\s\S]*'auto', 1 or 2"):
+        load_config("quickstart", pump_threads=3)
 
 
 def test_a_run_lets_the_callers_idle_openmp_workers_go_so_the_pumps_pool_keeps_spinning():

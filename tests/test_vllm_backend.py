@@ -390,6 +390,25 @@ def test_drain_lets_the_groups_submitted_before_a_load_finish_under_the_old_weig
         assert all(lp == -(1.0 if g.group_id != 3 else 3.0) for row in g.logprobs for lp in row)
 
 
+def test_step_metrics_count_the_tokens_a_drain_generates_per_second_the_engine_was_stepped():
+    """On one GPU a run's weight load drains the groups in flight on the trainer's thread, outside any poll: the
+    generator's own gen_tokens_per_s counts those tokens over the seconds its engine was stepped (a poll-only
+    count would divide them by almost nothing)."""
+    gen, llm = make_gen(max_new_tokens=30)
+    gen.submit([req(1), req(2)])
+    step_until_running(gen, llm)
+    llm.llm_engine.on_step = lambda engine: time.sleep(0.002)  # each step takes >= 2 ms
+    gen.step_metrics()  # the window starts here
+    before = llm.llm_engine.steps
+    gen.load_weights({"scale": torch.tensor(3.0)}, version=1)  # steps to the end, no poll
+    steps = llm.llm_engine.steps - before
+    assert steps > 10
+    tokens = sum(g.num_tokens for g in gen.poll())
+    rate = gen.step_metrics()["gen_tokens_per_s"]
+    assert tokens / (5 * steps * 0.002) < rate <= tokens / (steps * 0.002)  # every token, over the drain's seconds
+    assert math.isnan(gen.step_metrics()["gen_tokens_per_s"])  # nothing since: no rate
+
+
 def test_inflight_loads_between_two_steps_and_each_token_keeps_the_logprob_it_was_sampled_with():
     gen, llm = make_gen(max_new_tokens=30, weight_update="inflight")
     engine = llm.llm_engine

@@ -22,7 +22,7 @@ Cross-field rules are checked here, where a bad combination is rejected before a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
@@ -94,6 +94,12 @@ class Config(BaseModel):
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads for this process (None: "
                                       "torch's default, a thread per core; then a run whose two pumps both compute "
                                       "on this CPU gives each half: asyncrl/run_loop.py)")
+    # One GPU shared by both engines in this process: their GPU work takes turns under the device lock anyway, and a
+    # second pump thread only competes for the interpreter with the thread stepping vLLM (run_loop.runs_in_lockstep).
+    pump_threads: Literal["auto", 1, 2] = Field(
+        "auto", description="threads a run drives the pumps with: 1 (a rollout tick then a train tick, as stepping "
+        "does), 2 (a rollout pump and a train pump, overlapping), 'auto': 1 when the sampler cannot admit ahead or "
+        "generation and training share one CUDA device in this process, else 2")
     # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
     # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
     # Generous by default, for slow generation on big models.
