@@ -616,7 +616,7 @@ REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
     "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
     "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost",
-                                              "2026-12-03-after-thread-fixes", "2026-12-03-evening"),
+                                              "2026-12-03-after-thread-fixes", "2026-12-03-evening", "2026-12-03-night"),
     "bench_async_busy": busy_table("2026-12-03"),
     "bench_async_busy_line": value("bench_async_busy", "2026-12-03", lambda r, _: (
         f"the train pump's ticks took {r['async']['train pump: its ticks']:.1f} of the asynchronous run's "
