@@ -1162,7 +1162,7 @@ GAP_ONE_GPU = {"2026-12-03-gen-heavy-nogap-90c23fa": "gap metrics on, as it was"
                "2026-12-03-gen-heavy-presets-f9727a9": "gap metrics off, as it is now",
                "2026-12-03-real-shape-presets-f9727a9": "gap metrics off, as it is now"}
 MODE_WORDS = {"sync": "sync", "async": "async", "async_nogap": "async, gap metrics off",
-              "async_gap": "async, gap metrics on"}
+              "async_gap": "async, gap metrics on", "async_two_threads": "async, two pump threads"}
 
 
 def one_gpu_gap_table() -> str:
@@ -1173,24 +1173,66 @@ def one_gpu_gap_table() -> str:
         per = rows.pivot(index="repeat", columns="mode", values="steps_per_s")
         head.append(f"`{name}` ({machine(meta).split(';')[0]}; {meta['results']['repeats']} repeat(s); `async` is "
                     f"the preset with {preset_words})")
-        sync = rows[rows["mode"] == "sync"].steps_per_s.median()
-        for mode in [m for m in MODE_WORDS if m in per]:
-            d = rows[rows["mode"] == mode]
-            ratio = "" if mode == "sync" else (f"**{d.steps_per_s.median() / sync:.2f}x** ("
-                                               + ", ".join(f"{x:.2f}" for x in per[mode] / per["sync"]) + ")")
-            tok_s = (d.completion_tokens_per_step / d.gen_busy_per_step_s).median()
-            out.append([meta["results"]["preset"].removeprefix("gpu_"), MODE_WORDS[mode], f"{d.steps_per_s.median():.3f}",
-                        ratio, f"{1e3 * d.gen_busy_per_step_s.median():.0f}", f"{tok_s / 1e3:.1f}k",
-                        f"{1e3 * d.train_busy_per_step_s.median():.0f}",
-                        f"{1e3 * d.device_lock_wait_per_step_s.median():.0f}",
-                        f"{1e3 * d.push_wait_s_median.median():.0f}"])
+        out += _one_gpu_rows(meta, rows)
     v = run("bench_two_gpus", next(iter(GAP_ONE_GPU)))[0]["versions"]
     return (f"\nFour invocations in a row on one freshly started H200 (torch {v['torch']}, vLLM {v['vllm']}, "
             f"megatron-core {v['megatron-core']}); each directory's meta.json has its command: "
             + "; ".join(head) + ". Medians over the repeats; each ratio is to sync in the same invocation.\n"
-            + table(out, ["preset", "mode", "steps/s", "/ sync (per repeat)", "generation busy ms a step",
-                          "completion tokens per busy second", "training busy ms a step",
-                          "device-lock wait ms a step", "push wait ms a step"]))
+            + table(out, ONE_GPU_COLUMNS))
+
+
+ONE_GPU_COLUMNS = ["preset", "mode", "steps/s", "/ sync (per repeat)", "generation busy ms a step",
+                   "completion tokens per busy second", "training busy ms a step", "device-lock wait ms a step",
+                   "push wait ms a step"]
+
+
+def _one_gpu_rows(meta: dict, rows: pd.DataFrame) -> list[list[str]]:
+    """One table row per mode of a one-GPU invocation (ONE_GPU_COLUMNS), its ratio to that invocation's sync."""
+    per = rows.pivot(index="repeat", columns="mode", values="steps_per_s")
+    sync, out = rows[rows["mode"] == "sync"].steps_per_s.median(), []
+    for mode in [m for m in MODE_WORDS if m in per]:
+        d = rows[rows["mode"] == mode]
+        ratio = "" if mode == "sync" else (f"**{d.steps_per_s.median() / sync:.2f}x** ("
+                                           + ", ".join(f"{x:.2f}" for x in per[mode] / per["sync"]) + ")")
+        tok_s = (d.completion_tokens_per_step / d.gen_busy_per_step_s).median()
+        out.append([meta["results"]["preset"].removeprefix("gpu_"), MODE_WORDS[mode], f"{d.steps_per_s.median():.3f}",
+                    ratio, f"{1e3 * d.gen_busy_per_step_s.median():.0f}", f"{tok_s / 1e3:.1f}k",
+                    f"{1e3 * d.train_busy_per_step_s.median():.0f}",
+                    f"{1e3 * d.device_lock_wait_per_step_s.median():.0f}", f"{1e3 * d.push_wait_s_median.median():.0f}"])
+    return out
+
+
+THREADS_ONE_GPU = "2026-12-03-gen-heavy-threads-1372f0a"
+
+
+def one_gpu_spread_line() -> str:
+    """For prose: per gpu_gen_heavy invocation on this page, the generator's device time a step in sync and in async
+    (the preset's async mode; medians over the repeats)."""
+    parts, ratios = [], []
+    for name in ("2026-12-03-gen-heavy-one-h200", "2026-12-03-gen-heavy-nogap-90c23fa",
+                 "2026-12-03-gen-heavy-presets-f9727a9", THREADS_ONE_GPU):
+        meta, rows = run("bench_two_gpus", name)
+        med = rows.groupby("mode").gen_busy_per_step_s.median()
+        ratios.append(med["async"] / med["sync"])
+        parts.append(f"{meta['commit'][:7]} {1e3 * med['sync']:.0f} / {1e3 * med['async']:.0f} ms")
+    return (f"sync / async, per invocation: {'; '.join(parts)} (async {min(ratios):.2f}-{max(ratios):.2f}x "
+            f"sync's)")
+
+
+def one_gpu_threads_table() -> str:
+    """Sync, async on one pump thread (pump_threads auto on one GPU) and on two, one invocation; and from the
+    repeat-0 timelines, how the generator held the device."""
+    meta, rows = run("bench_two_gpus", THREADS_ONE_GPU)
+    blocks = []
+    for mode in ("sync", "async", "async_two_threads"):
+        t = frame("bench_two_gpus", THREADS_ONE_GPU, f"timeline_{mode}.csv")
+        steps, gen = int((t.name == "finish_step").sum()), t[t.lane == "gen GPU"].ms
+        blocks.append(f"{MODE_WORDS[mode]}: {gen.sum() / steps:.0f} ms a step in {len(gen) / steps:.0f} blocks "
+                      f"(longest {gen.max():.0f} ms)")
+    return (f"\n`{THREADS_ONE_GPU}` ({machine(meta).split(';')[0]}; {meta['results']['repeats']} repeats alternating; "
+            f"its meta.json has the command). Medians over the repeats; each ratio is to sync in the same invocation.\n"
+            + table(_one_gpu_rows(meta, rows), ONE_GPU_COLUMNS)
+            + "\nThe generator's device blocks in repeat 0 (`timeline_*.csv`): " + "; ".join(blocks) + ".\n")
 
 
 def one_gpu_timeline_line() -> str:
@@ -1248,7 +1290,8 @@ def one_gpu_speed_line() -> str:
 
 REPORTS.update({"one_gpu_gap_table": one_gpu_gap_table, "one_gpu_timeline": one_gpu_timeline_line,
                 "one_gpu_gap_short": one_gpu_gap_short,
-                "one_gpu_speed": one_gpu_speed_line})
+                "one_gpu_speed": one_gpu_speed_line, "one_gpu_threads": one_gpu_threads_table,
+                "one_gpu_spread": one_gpu_spread_line})
 
 
 def main(argv: list[str] | None = None) -> int:
