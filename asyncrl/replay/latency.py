@@ -8,8 +8,8 @@ backends' knobs (``SimulatedGeneration``, ``SimulatedTraining``).
   ``decode_s_per_token x`` its longest recorded completion, so ``decode_s_per_token`` = the seconds a batch took
   / the mean longest completion of the recorded batches. The seconds a batch took: in a lockstep run (``in_order``
   with no lookahead) the step time less training and sync, per step (scoring and the controller's own time
-  included); otherwise the rollout pump's time in ``poll`` (``gen_completions x gen_len_mean /
-  gen_tokens_per_s`` per step) over the batches committed. A torch generator decodes each batch in one call, one
+  included); otherwise the generator's time (``gen_completions x gen_len_mean / gen_tokens_per_s`` per step:
+  the rollout pump's time in ``poll``, or vLLM's own seconds stepping its engine) over the batches committed. A torch generator decodes each batch in one call, one
   after another (``admission: wave``, ``concurrency: groups_per_step``); a streaming engine starts each group at
   once (``streaming``, no slot limit).
 
@@ -62,7 +62,7 @@ def fit(run: RecordedRun, overlap_slowdown: float | None = None) -> tuple[dict[s
                              "(gen_tokens_per_s, gen_completions, gen_len_mean)")
         poll_s = float((tokens[ok] / rate[ok]).sum())
         batches = float(m.gen_completions[ok].sum()) / (N * G)
-        batch_s, rule = poll_s / batches if batches else 0.0, "the rollout pump's seconds in poll, per batch"
+        batch_s, rule = poll_s / batches if batches else 0.0, "the generator's seconds (gen_tokens_per_s), per batch"
     longest = _mean_longest(run)
     generation = {"prefill_s": 0.0, "decode_s_per_token": batch_s / longest, "clock": "ticks",
                   "replicas": cfg.generation.replicas,
