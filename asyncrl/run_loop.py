@@ -444,9 +444,9 @@ def runs_in_lockstep(cfg: Any, admits_ahead: bool) -> bool:
     decides; ``auto`` is one when the sampler cannot admit ahead (nothing to overlap) or when generation and
     training share one CUDA device in this process. There their GPU work takes turns under the device lock anyway
     (``backends/device_lock.py``); a second thread only competes for the interpreter with the one stepping the
-    engine, and vLLM's decode steps of a small model are CPU-bound. The schedule stays asynchronous: the next batch
-    is generated beside the current one's tail and trained a version stale. Measured on one H200
-    (benchmarks/README.md, "One pump thread on one GPU")."""
+    engine. The schedule stays asynchronous: the next batch is dispatched before the current one trains, and
+    trained a version stale. Measured on one H200: no slower than two threads (benchmarks/README.md, "One pump
+    thread on one GPU")."""
     if cfg.pump_threads != "auto":
         return cfg.pump_threads == 1
     gen, trainer = cfg.generation, cfg.trainer

@@ -1219,6 +1219,52 @@ def one_gpu_spread_line() -> str:
             f"sync's)")
 
 
+ENGINE_STEPS = ("2026-12-03-gen-heavy-f3c0477", "2026-12-03-gen-heavy-1372f0a", "2026-12-04-gen-heavy-2c7ffa1")
+ENGINE_MODE_WORDS = {"sync": "sync", "async": "async", "async_lockstep": "async, one pump thread (patched)",
+                     "async_si": "async, 0.5 ms switch interval", "async_two_threads": "async, two pump threads",
+                     "async_sliced": "async, drain in 30 ms slices", "async_inflight": "async, weight_update inflight"}
+
+
+def engine_steps_table() -> str:
+    """bench_engine_steps: per invocation and mode, steps/s and its ratio to sync per repeat, and how the vLLM engine
+    stepped (engine steps a run, sequences decoded per millisecond of engine step)."""
+    out = []
+    for name in ENGINE_STEPS:
+        meta, rows = run("bench_engine_steps", name)
+        steps = frame("bench_engine_steps", name, "steps.csv.gz")
+        eng = steps.groupby("run").agg(n=("dt", "size"), s=("dt", "sum"), seqs=("running", "sum"))
+        rows = rows.merge(eng, left_on="run", right_index=True)
+        per = rows.pivot(index="repeat", columns="mode", values="steps_per_s")
+        for mode in [m for m in ENGINE_MODE_WORDS if m in per]:
+            d = rows[rows["mode"] == mode]
+            ratio = "" if mode == "sync" else ", ".join(f"{x:.2f}" for x in per[mode] / per["sync"])
+            out.append([f"`{name}`", ENGINE_MODE_WORDS[mode], f"{d.steps_per_s.median():.3f}", ratio,
+                        f"{1e3 * d.gen_busy_per_step_s.median():.0f}", f"{d.n.median():.0f}",
+                        f"{(d.seqs / d.s).median() / 1e3:.1f}"])
+    return ("\nEach invocation on a freshly started H200, its directory's meta.json has the command and what the code was"
+            "; 2 repeats alternating, 3 warm-up and 6 timed steps a run; medians over the repeats. Engine steps and "
+            "sequences a millisecond count the whole run (warm-up included).\n"
+            + table(out, ["invocation", "mode", "steps/s", "/ sync, per repeat", "generation busy ms a step",
+                          "engine steps a run", "sequences decoded per engine-step ms"])
+            + "\nIn the first invocation (before `pump_threads`) `async` ran two pump threads, and the one-thread "
+            "row patched `Controller.lockstep` for its runs (what `pump_threads: 1` does now); from the second on, "
+            "`async` is `pump_threads: auto`, one thread on one GPU.\n")
+
+
+def engine_steps_buckets_line() -> str:
+    """For prose: per bench_engine_steps invocation, an async engine step's median time over a sync one's at the same
+    number of running sequences (buckets of 32, up to a synchronous batch's 256): the median over the buckets, and
+    the range."""
+    parts = []
+    for name in ENGINE_STEPS:
+        st = frame("bench_engine_steps", name, "steps.csv.gz")
+        st = st.assign(mode=st.run.str.split("#").str[0], bucket=st.running // 32 * 32)
+        med = st[st.running < 256].groupby(["bucket", "mode"]).dt.median().unstack()
+        ratio = med["async"] / med["sync"]
+        parts.append(f"{ratio.median():.2f}x ({ratio.min():.2f}-{ratio.max():.2f})")
+    return "; ".join(parts)
+
+
 def one_gpu_threads_table() -> str:
     """Sync, async on one pump thread (pump_threads auto on one GPU) and on two, one invocation; and from the
     repeat-0 timelines, how the generator held the device."""
@@ -1291,7 +1337,8 @@ def one_gpu_speed_line() -> str:
 REPORTS.update({"one_gpu_gap_table": one_gpu_gap_table, "one_gpu_timeline": one_gpu_timeline_line,
                 "one_gpu_gap_short": one_gpu_gap_short,
                 "one_gpu_speed": one_gpu_speed_line, "one_gpu_threads": one_gpu_threads_table,
-                "one_gpu_spread": one_gpu_spread_line})
+                "one_gpu_spread": one_gpu_spread_line, "engine_steps": engine_steps_table,
+                "engine_steps_buckets": engine_steps_buckets_line})
 
 
 def main(argv: list[str] | None = None) -> int:
