@@ -1114,6 +1114,8 @@ REPORTS.update({
         for k in ("notebook_gpu_quickstart", "colocated_async")),
     "checks_90ad84d_tests": lambda: json.loads(
         (DATA / "gpu_checks" / CHECKS_90AD / "summary.json").read_text())["pytest_tests_gpu_one_process"],
+    "checks_2c7ffa1_tests": lambda: json.loads(
+        (DATA / "gpu_checks" / "2026-12-04-one-h200-2c7ffa1" / "summary.json").read_text())["pytest_tests_gpu_one_process"],
 })
 
 
