@@ -240,7 +240,7 @@ class Controller:
     @property
     def lockstep(self) -> bool:
         """A run drives both ticks on one thread (``run_loop.runs_in_lockstep``: the sampler cannot admit ahead, or
-        both engines share one GPU, or ``pump_threads`` 1), with the same results as two."""
+        both engines share one GPU, or ``pump_threads`` 1); ticks do the same work either way."""
         return runs_in_lockstep(self.cfg, self.sampler.admits_ahead)
 
     @property

@@ -450,9 +450,9 @@ def runs_in_lockstep(cfg: Any, admits_ahead: bool) -> bool:
     if cfg.pump_threads != "auto":
         return cfg.pump_threads == 1
     gen, trainer = cfg.generation, cfg.trainer
-    shared = (gen.placement == trainer.placement == "local"
-              and _cuda_index(str(gen.device)) is not None
-              and _cuda_index(str(gen.device)) == _cuda_index(str(trainer.device)))
+    index = _cuda_index(str(gen.device))
+    shared = (gen.placement == trainer.placement == "local" and index is not None
+              and index == _cuda_index(str(trainer.device)))
     return not admits_ahead or shared
 
 
