@@ -1188,16 +1188,16 @@ ONE_GPU_COLUMNS = ["preset", "mode", "steps/s", "/ sync (per repeat)", "generati
                    "push wait ms a step"]
 
 
-def _one_gpu_rows(meta: dict, rows: pd.DataFrame) -> list[list[str]]:
+def _one_gpu_rows(meta: dict, rows: pd.DataFrame, words: dict[str, str] = MODE_WORDS) -> list[list[str]]:
     """One table row per mode of a one-GPU invocation (ONE_GPU_COLUMNS), its ratio to that invocation's sync."""
     per = rows.pivot(index="repeat", columns="mode", values="steps_per_s")
     sync, out = rows[rows["mode"] == "sync"].steps_per_s.median(), []
-    for mode in [m for m in MODE_WORDS if m in per]:
+    for mode in [m for m in words if m in per]:
         d = rows[rows["mode"] == mode]
         ratio = "" if mode == "sync" else (f"**{d.steps_per_s.median() / sync:.2f}x** ("
                                            + ", ".join(f"{x:.2f}" for x in per[mode] / per["sync"]) + ")")
         tok_s = (d.completion_tokens_per_step / d.gen_busy_per_step_s).median()
-        out.append([meta["results"]["preset"].removeprefix("gpu_"), MODE_WORDS[mode], f"{d.steps_per_s.median():.3f}",
+        out.append([meta["results"]["preset"].removeprefix("gpu_"), words[mode], f"{d.steps_per_s.median():.3f}",
                     ratio, f"{1e3 * d.gen_busy_per_step_s.median():.0f}", f"{tok_s / 1e3:.1f}k",
                     f"{1e3 * d.train_busy_per_step_s.median():.0f}",
                     f"{1e3 * d.device_lock_wait_per_step_s.median():.0f}", f"{1e3 * d.push_wait_s_median.median():.0f}"])
@@ -1341,6 +1341,67 @@ REPORTS.update({"one_gpu_gap_table": one_gpu_gap_table, "one_gpu_timeline": one_
                 "one_gpu_speed": one_gpu_speed_line, "one_gpu_threads": one_gpu_threads_table,
                 "one_gpu_spread": one_gpu_spread_line, "engine_steps": engine_steps_table,
                 "engine_steps_buckets": engine_steps_buckets_line})
+
+
+# --- one GPU: in-flight weight loads (the presets' weight_update since a99b0ce) -----------------------------------
+INFLIGHT_ONE_GPU = {"2026-12-04-gen-heavy-inflight-7860eb8": "`drain`, as it was; `async_inflight` with `inflight`",
+                    "2026-12-04-real-shape-inflight-7860eb8": "`drain`, as it was; `async_inflight` with `inflight`",
+                    "2026-12-04-gen-heavy-inflight-presets-a99b0ce": "`inflight`, as it is now",
+                    "2026-12-04-gen-heavy-inflight-presets-a99b0ce-repeat": "`inflight`, as it is now"}
+INFLIGHT_WORDS = {**MODE_WORDS, "async_inflight": "async, weight_update inflight"}
+
+
+def one_gpu_inflight_table() -> str:
+    """Four invocations: the presets with drain against inflight in one invocation each, then the presets with
+    inflight (their `async`) twice; steps/s, ratios to sync per repeat, where the GPU's time went."""
+    out, head = [], []
+    for name, words in INFLIGHT_ONE_GPU.items():
+        meta, rows = run("bench_two_gpus", name)
+        head.append(f"`{name}` ({meta['date_utc'][11:16]} UTC; {meta['results']['repeats']} repeats; `async` "
+                    f"loads weights with {words})")
+        words = INFLIGHT_WORDS if "presets" not in name else {**INFLIGHT_WORDS, "async": "async (inflight)"}
+        out += [[f"`{name[11:]}`"] + row[1:] for row in _one_gpu_rows(meta, rows, words)]
+    v = run("bench_two_gpus", next(iter(INFLIGHT_ONE_GPU)))[0]["versions"]
+    return (f"\nOne H200 (torch {v['torch']}, vLLM {v['vllm']}, megatron-core {v['megatron-core']}), two machine "
+            "starts (the first two invocations on one, the last two on the next); each directory's meta.json has its "
+            "command: " + "; ".join(head) + ". Medians over the repeats; each ratio is to sync in the same "
+            "invocation.\n" + table(out, ["invocation"] + ONE_GPU_COLUMNS[1:]))
+
+
+def one_gpu_inflight_short() -> str:
+    """For prose: async/sync per invocation with inflight, and with drain where the same invocation ran both."""
+    inflight, drain = [], []
+    for name in INFLIGHT_ONE_GPU:
+        meta, rows = run("bench_two_gpus", name)
+        med = rows.groupby("mode").steps_per_s.median()
+        preset = meta["results"]["preset"].removeprefix("gpu_")
+        if "async_inflight" in med.index:
+            drain.append(f"{preset} {med['async'] / med['sync']:.2f}x")
+            inflight.append(f"{preset} {med['async_inflight'] / med['sync']:.2f}x")
+        else:
+            inflight.append(f"{preset} {med['async'] / med['sync']:.2f}x")
+    return (f"async/sync with in-flight loads: {', '.join(inflight)} (four invocations, medians of 2-3 repeats); "
+            f"with `drain` in the two invocations that ran both: {', '.join(drain)}")
+
+
+def one_gpu_inflight_repeats() -> str:
+    """For prose: every repeat's async-with-inflight / sync ratio over the four invocations."""
+    ratios = []
+    for name in INFLIGHT_ONE_GPU:
+        per = run("bench_two_gpus", name)[1].pivot(index="repeat", columns="mode", values="steps_per_s")
+        ratios += list(per["async_inflight" if "async_inflight" in per else "async"] / per["sync"])
+    below = sum(r < 1 for r in ratios)
+    return f"{below} of the {len(ratios)} repeats below 1 ({min(ratios):.2f} to {max(ratios):.2f})"
+
+
+REPORTS.update({"one_gpu_inflight": one_gpu_inflight_table, "one_gpu_inflight_short": one_gpu_inflight_short,
+                "one_gpu_inflight_repeats": one_gpu_inflight_repeats,
+                "checks_a99b0ce_tests": lambda: json.loads(
+                    (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[
+                    "pytest_tests_gpu_one_process"],
+                "checks_a99b0ce_notebook": lambda: json.loads(
+                    (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[
+                    "gpu_quickstart_notebook"]})
 
 
 def main(argv: list[str] | None = None) -> int:
