@@ -616,7 +616,8 @@ REPORTS: dict[str, Callable[[], str]] = {
     "two_gpus_time_to_reward": two_gpus_number(TWO_GPUS, "time_to_reward"),
     "bench_async": bench_async_table("2026-12-01-issue20-run1", "2026-12-01-issue20-run2"),
     "bench_async_after_30": bench_async_table("2026-12-02-issue30-final", "2026-12-03-gap-cost",
-                                              "2026-12-03-after-thread-fixes", "2026-12-03-evening", "2026-12-03-night"),
+                                              "2026-12-03-after-thread-fixes", "2026-12-03-evening", "2026-12-03-night",
+                                              "2026-12-04-morning"),
     "bench_async_busy": busy_table("2026-12-03"),
     "bench_async_busy_line": value("bench_async_busy", "2026-12-03", lambda r, _: (
         f"the train pump's ticks took {r['async']['train pump: its ticks']:.1f} of the asynchronous run's "
@@ -1018,6 +1019,11 @@ REPORTS.update({
     "bench_async_vs_2b45af3_after_merge": vs_old_line("2026-12-03-vs-2b45af3-after-merge"),
     "bench_async_vs_2b45af3_evening": vs_old_line("2026-12-03-vs-2b45af3-evening"),
     "bench_async_vs_2b45af3_evening_sync": vs_old_sync_line("2026-12-03-vs-2b45af3-evening"),
+    "bench_async_vs_2b45af3_morning": vs_old_line("2026-12-04-vs-2b45af3-morning"),
+    "bench_async_morning_line": value("bench_async", "2026-12-04-morning", lambda r, _: (
+        f"sync `run` {r['sync_run_over_stepped']:.2f}x the stepped time, async `run` {r['async_run_speedup']:.2f}x "
+        f"faster (`2026-12-04-morning`, best of 3 repeats alternating)")),
+    "bench_async_vs_2b45af3_morning_sync": vs_old_sync_line("2026-12-04-vs-2b45af3-morning"),
     "bench_async_vs_2b45af3_no_gap": value("bench_async", "2026-12-03-vs-2b45af3-no-gap", lambda r, _: (
         f"async `run` {r['old/async run']:.1f} ms (2b45af3), {r['new/async run']:.1f} ms (main), "
         f"{r['new/async run (no gap metrics)']:.1f} ms (main without the gap metrics); async speed-up "
