@@ -1361,10 +1361,10 @@ def one_gpu_inflight_table() -> str:
     """Four invocations: the presets with drain against inflight in one invocation each, then the presets with
     inflight (their `async`) twice; steps/s, ratios to sync per repeat, where the GPU's time went."""
     out, head = [], []
-    for name, words in INFLIGHT_ONE_GPU.items():
+    for name, loads in INFLIGHT_ONE_GPU.items():
         meta, rows = run("bench_two_gpus", name)
         head.append(f"`{name}` ({meta['date_utc'][11:16]} UTC; {meta['results']['repeats']} repeats; `async` "
-                    f"loads weights with {words})")
+                    f"loads weights with {loads})")
         words = INFLIGHT_WORDS if "presets" not in name else {**INFLIGHT_WORDS, "async": "async (inflight)"}
         out += [[f"`{name[11:]}`"] + row[1:] for row in _one_gpu_rows(meta, rows, words)]
     v = run("bench_two_gpus", next(iter(INFLIGHT_ONE_GPU)))[0]["versions"]
@@ -1402,12 +1402,10 @@ def one_gpu_inflight_repeats() -> str:
 
 REPORTS.update({"one_gpu_inflight": one_gpu_inflight_table, "one_gpu_inflight_short": one_gpu_inflight_short,
                 "one_gpu_inflight_repeats": one_gpu_inflight_repeats,
-                "checks_a99b0ce_tests": lambda: json.loads(
-                    (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[
-                    "pytest_tests_gpu_one_process"],
-                "checks_a99b0ce_notebook": lambda: json.loads(
-                    (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[
-                    "gpu_quickstart_notebook"]})
+                **{f"checks_a99b0ce_{short}": (lambda key=key: json.loads(
+                    (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[key])
+                   for short, key in (("tests", "pytest_tests_gpu_one_process"),
+                                      ("notebook", "gpu_quickstart_notebook"))}})
 
 
 def main(argv: list[str] | None = None) -> int:
