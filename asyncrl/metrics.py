@@ -313,6 +313,13 @@ def peak_flops(device_name: str | None) -> float:
     return math.nan
 
 
+def train_flops(parameters: float, tokens: float) -> float:
+    """A training step's useful work: 6 x parameters x real tokens trained (2 FLOPs a parameter a token forward,
+    4 backward; no padding, no recomputation). What the engines report as ``train_flops`` and what
+    benchmarks/bench_trl_gpu.py counts for TRL's trainer, so the two TFLOP/s are one formula."""
+    return 6.0 * parameters * tokens
+
+
 def throughput(engine: Mapping[str, float], train_time_s: float) -> dict[str, float]:
     """``train_tflops`` and ``mfu`` of a step from the engine's ``train_flops`` / ``peak_flops``."""
     flops = engine.get("train_flops", 0.0)

@@ -11,6 +11,13 @@ tables of ``benchmarks/README.md`` from these directories, never from numbers ty
 
 ``--out DIR`` on a bench overrides the directory (a GPU machine writes under ``$OUT`` and the files are copied
 into ``benchmarks/data/<bench>/<name>/`` afterwards, unchanged).
+
+The commit is this project's own, wherever the tree runs (a GPU machine gets a copy without ``.git``, maybe inside
+another repository), taken from the first of: the ``ASYNCRL_COMMIT`` environment variable (its value as given,
+``dirty`` unknown); the stamp file ``.asyncrl-commit`` at the tree's root, written in the checkout before the copy
+(``python benchmarks/record.py --stamp``); git, only where the enclosing repository is this project (its top level
+holds ``asyncrl/`` and a ``pyproject.toml`` naming asyncrl); else ``"unknown"``, never another repository's commit.
+``commit_source`` says which.
 """
 
 from __future__ import annotations
@@ -20,12 +27,15 @@ import importlib.metadata
 import json
 import os
 import platform
+import re
 import shlex
 import subprocess
 import sys
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent / "data"
+ROOT = Path(__file__).resolve().parent.parent
+DATA = ROOT / "benchmarks" / "data"
+STAMP = ".asyncrl-commit"  # at the tree's root: {"commit", "dirty", "stamped_utc"} (``--stamp`` writes it)
 VERSIONED = ("torch", "transformers", "vllm", "megatron-core", "ray", "numpy", "pandas")
 
 
@@ -55,11 +65,53 @@ def versions() -> dict:
     return found
 
 
-def commit() -> dict:
-    root = Path(__file__).resolve().parent.parent
+def _is_this_project(top: Path) -> bool:
+    """Whether a directory is a checkout of this project: ``asyncrl/`` and a pyproject.toml naming it."""
+    try:
+        return (top / "asyncrl").is_dir() and re.search(
+            r'^name\s*=\s*"asyncrl"', (top / "pyproject.toml").read_text(), re.M) is not None
+    except OSError:
+        return False
+
+
+def git_commit(root: Path = ROOT) -> dict | None:
+    """``{"commit", "dirty"}`` from git, if the repository enclosing ``root`` is this project and is ``root``
+    itself (a copy of the tree inside another repository gets None, not that repository's commit)."""
+    top = _run(["git", "-C", str(root), "rev-parse", "--show-toplevel"])
+    if not top or Path(top).resolve() != root.resolve() or not _is_this_project(Path(top)):
+        return None
     sha = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     dirty = bool(_run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"]))
-    return {"commit": sha or None, "dirty": dirty}
+    return {"commit": sha, "dirty": dirty} if sha else None
+
+
+def commit(root: Path = ROOT) -> dict:
+    """This project's commit (module docstring): ``commit``, ``dirty`` (None where unknown), ``commit_source``."""
+    env = os.environ.get("ASYNCRL_COMMIT", "").strip()
+    if env:
+        return {"commit": env, "dirty": None, "commit_source": "ASYNCRL_COMMIT"}
+    try:
+        stamp = json.loads((root / STAMP).read_text())
+        return {"commit": str(stamp["commit"]), "dirty": stamp.get("dirty"),
+                "commit_source": f"{STAMP} (stamped {stamp.get('stamped_utc', 'at an unrecorded time')})"}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    found = git_commit(root)
+    if found:
+        return {**found, "commit_source": "git"}
+    return {"commit": "unknown", "dirty": None, "commit_source": "none (no ASYNCRL_COMMIT, no stamp, no git checkout "
+            "of this project)"}
+
+
+def stamp(root: Path = ROOT) -> Path:
+    """Write ``.asyncrl-commit`` at ``root`` from git (in the checkout, before the tree is copied elsewhere)."""
+    found = git_commit(root)
+    if not found:
+        raise SystemExit(f"{root} is not a git checkout of asyncrl: nothing to stamp")
+    path = root / STAMP
+    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    path.write_text(json.dumps({**found, "stamped_utc": now}) + "\n")
+    return path
 
 
 def meta(bench: str) -> dict:
@@ -100,3 +152,14 @@ def load(run_dir: str | Path) -> tuple[dict, "pd.DataFrame"]:  # noqa: F821
 
     run_dir = Path(run_dir)
     return json.loads((run_dir / "meta.json").read_text()), pd.read_csv(run_dir / "rows.csv")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Stamp this checkout's commit for copies of the tree.")
+    parser.add_argument("--stamp", action="store_true", help=f"write {STAMP} at the tree's root from git")
+    if parser.parse_args().stamp:
+        print(stamp())
+    else:
+        print(json.dumps(commit()))

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Callable
@@ -37,7 +38,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "data"
-FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "docs" / "gpu.md")
 # A marker written inside backticks (as in benchmarks/README.md's description of markers) is text, not a marker.
 MARKER = re.compile(r"(?<!`)<!-- report:(?P<name>[\w.-]+) -->(?P<body>(?:(?!<!-- report:).)*?)<!-- /report -->", re.S)
 
@@ -1406,6 +1407,79 @@ REPORTS.update({"one_gpu_inflight": one_gpu_inflight_table, "one_gpu_inflight_sh
                     (DATA / "gpu_checks" / "2026-12-04-one-h200-a99b0ce" / "summary.json").read_text())[key])
                    for short, key in (("tests", "pytest_tests_gpu_one_process"),
                                       ("notebook", "gpu_quickstart_notebook"))}})
+
+
+# --- one GPU: how many steps before comparing async with sync (issue 48) -------------------------------------------
+# The gen_heavy invocations with in-flight loads (the presets' weight_update since a99b0ce): their in-flight mode.
+STEPS_NEEDED_RUNS = {"2026-12-04-gen-heavy-inflight-7860eb8": "async_inflight",
+                     "2026-12-04-gen-heavy-inflight-presets-a99b0ce": "async",
+                     "2026-12-04-gen-heavy-inflight-presets-a99b0ce-repeat": "async"}
+STEPS_NEEDED_WITHIN = (0.20, 0.10)  # the ratio's +-band at two standard deviations
+
+
+def _timed_steps(name: str, mode: str) -> dict[int, list[float]]:
+    """Each repeat's timed step durations in ``mode`` (reward_curves.csv's wall clock, warm-up steps dropped)."""
+    meta, _ = run("bench_two_gpus", name)
+    curves = frame("bench_two_gpus", name, "reward_curves.csv")
+    warmup = meta["results"]["warmup"]
+    out = {}
+    for repeat, per in curves[curves["mode"] == mode].groupby("repeat"):
+        wall = per.sort_values("step").wall_s.tolist()
+        out[int(repeat)] = [b - a for a, b in zip(wall, wall[1:])][warmup - 1:]
+    return out
+
+
+def steps_needed() -> dict:
+    """Per-window async/sync ratios of the in-flight gen_heavy runs: for ``k`` consecutive timed steps, every window
+    of a sync repeat against the same window of the async repeat with its index (same invocation), as a repeat of
+    ``k`` steps would have measured it. The spread's fit: var(log ratio) = b / k over the even windows (in-flight
+    loads alternate a long and a short step, so an odd window is biased by where it starts), the model of steps
+    that vary independently; the steps a mode needs for the ratio to sit within each band at two sd."""
+    logs: dict[int, list[float]] = {}
+    pairs = 0
+    for name, mode in STEPS_NEEDED_RUNS.items():
+        sync, inflight = _timed_steps(name, "sync"), _timed_steps(name, mode)
+        for r in sync.keys() & inflight.keys():
+            pairs += 1
+            s, a = sync[r], inflight[r]
+            for k in range(1, min(len(s), len(a)) + 1):
+                logs.setdefault(k, []).extend(
+                    math.log(sum(s[i:i + k]) / sum(a[i:i + k])) for i in range(min(len(s), len(a)) - k + 1))
+    per_k = {k: pd.Series(v) for k, v in logs.items()}
+    even = [k for k in per_k if k % 2 == 0]
+    b = sum(per_k[k].var(ddof=0) / k for k in even) / sum(1 / k**2 for k in even)  # least squares through 0
+    need = {band: 2 * math.ceil(b / (band / 2) ** 2 / 2) for band in STEPS_NEEDED_WITHIN}  # even, rounded up
+    return {"per_k": per_k, "b": b, "need": need, "pairs": pairs, "k_max": max(per_k)}
+
+
+def _ratio_range(logs: pd.Series) -> str:
+    return f"{math.exp(logs.min()):.2f}-{math.exp(logs.max()):.2f}x"
+
+
+def steps_needed_table() -> str:
+    got = steps_needed()
+    rows = [[k, len(v), _ratio_range(v), f"{math.exp(v.median()):.2f}x", f"{v.std(ddof=0):.3f}",
+             f"{math.sqrt(got['b'] / k):.3f}" if k % 2 == 0 else "(odd: biased)"] for k, v in got["per_k"].items()]
+    return ("\nEvery window of k consecutive timed steps in the " + ", ".join(f"`{n}`" for n in STEPS_NEEDED_RUNS)
+            + f" runs (`gpu_gen_heavy` with in-flight loads, one H200; {got['pairs']} pairs of a sync and an async "
+            "repeat of the same invocation, 3 warm-up steps each), the sync window's seconds over the async one's: "
+            "what a repeat of k steps would have measured.\n"
+            + table(rows, ["k steps", "windows", "async/sync", "median", "sd of log ratio", "fit sqrt(b/k)"]))
+
+
+def steps_needed_short() -> str:
+    got = steps_needed()
+    per_k, k_max = got["per_k"], got["k_max"]
+    bands = " and ".join(f"within +-{band:.0%} about {n}" for band, n in got["need"].items())
+    return (f"at `gpu_gen_heavy` with in-flight loads, {got['pairs']} sync/async repeat pairs of {k_max} timed steps "
+            f"on one H200 gave async/sync {_ratio_range(per_k[k_max])}, windows of 2 steps "
+            f"{_ratio_range(per_k[2])}; the spread falls as 1/sqrt(steps) (sd of the log ratio "
+            f"{math.sqrt(got['b']):.2f}/sqrt(n), fitted on windows of 2 to {k_max} steps), so for the ratio to sit "
+            f"{bands} timed steps a mode are needed (two sd), an even number (in-flight loads alternate a long "
+            "and a short step), after 3 or more warm-up steps, with sync and async repeats alternating")
+
+
+REPORTS.update({"one_gpu_steps_needed": steps_needed_table, "one_gpu_steps_needed_short": steps_needed_short})
 
 
 def main(argv: list[str] | None = None) -> int:

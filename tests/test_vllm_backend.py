@@ -976,3 +976,33 @@ def test_real_vllm_loads_an_exported_policy_and_samples_its_logprobs(tmp_path):
         assert (got - ref).abs().mean() < 1e-2
     finally:
         gen.close()
+
+
+def test_close_aborts_what_the_engine_runs_shuts_its_core_down_and_drops_what_it_held():
+    """The engine shares the process: its memory comes back only once its requests are gone, its core is shut down
+    and nothing of it stays referenced (tests/gpu/conftest.py checks the memory on a GPU)."""
+    gen, llm = make_gen(max_new_tokens=30)
+    engine = llm.llm_engine
+    calls = []
+    engine.engine_core = SimpleNamespace(shutdown=lambda: calls.append(sorted(engine.requests)))
+    gen.submit([req(1), req(2)])
+    step_until_running(gen, llm)
+    gen.stage_weights({"scale": torch.tensor(2.0)}, 1)  # received, not yet swapped in
+    gen.close()
+    assert sorted(engine.aborted) == ["group-1", "group-2"] and calls == [[]]  # aborted before the shutdown
+    assert gen.llm is None and gen.engine is None and gen._staged is None and gen._running == {}
+    gen.close()  # twice is once
+    assert calls == [[]]
+
+
+def test_a_failed_engine_shutdown_is_a_warning_naming_it_and_the_generator_is_closed():
+    gen, llm = make_gen()
+
+    def broken():
+        raise RuntimeError("core gone")
+
+    llm.llm_engine.engine_core = SimpleNamespace(shutdown=broken)
+    with pytest.warns(RuntimeWarning, match="vLLM engine shutdown failed .*core gone.*GPU memory"):
+        gen.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gen.submit([req(1)])

@@ -491,11 +491,11 @@ class MegatronPolicy(KeptVersions):
         return norm
 
     def close(self) -> None:
-        """Release the model and optimizer (the process groups stay: others may share them)."""
-        self.__dict__.pop("optimizer", None)
-        self.__dict__.pop("ddp", None)
-        self.__dict__.pop("model", None)
-        self.__dict__.pop("_forward_module", None)
+        """Release the model, the optimizer and the weights kept of older versions (the process groups stay:
+        others may share them)."""
+        for name in ("optimizer", "ddp", "model", "_forward_module", "_kept"):
+            self.__dict__.pop(name, None)
+        self._masks = {}
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 

@@ -37,6 +37,7 @@ unless the environment already sets it. ``import vllm`` happens only when a gene
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import threading
@@ -51,7 +52,7 @@ import torch
 from asyncrl.backends.base import Capabilities
 from asyncrl.backends.device_lock import device_waiters, exclusive_device, make_way
 from asyncrl.backends.sampling import group_seed
-from asyncrl.backends.vllm_build import build_llm
+from asyncrl.backends.vllm_build import build_llm, shutdown_llm
 from asyncrl.backends.vllm_requests import (Group, eos_token_id, eval_sampling_params, greedy_params,
                                             group_rollouts, sampling_params)
 from asyncrl.backends.vllm_weights import Staged, load_in_place
@@ -293,7 +294,7 @@ class VLLMGenerator:
             self._version = int(state["version"])
 
     def close(self) -> None:
-        """Stop the background thread, drop queued work, shut the engine down, remove the temporary model dir."""
+        """Stop the background thread, drop queued work, shut the engine down (``shutdown_llm``), remove the model dir."""
         with self._changed:
             if self._closed:
                 return
@@ -303,18 +304,17 @@ class VLLMGenerator:
         if self._thread is not None:
             self._thread.join(timeout=60)
         with self._engine:
-            llm, self.llm, self.engine = self.llm, None, None
-            core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                try:
-                    core.shutdown()
-                except Exception:  # noqa: BLE001 - best effort: the process may be exiting
-                    pass
-            del llm
+            running = [f"{GROUP}{gid}" for gid in self._running] + [r for r, v in self._greedy.items() if v is None]
+            shutdown_llm(self.llm, running)
+            self.llm = self.engine = None
+        with self._staging:  # every tensor held besides the engine: staged weights, an error's traceback, results
+            self._staged = None
+        self._running, self._greedy, self._done, self._error = {}, {}, [], None
         if self._tmpdir is not None:
             shutil.rmtree(self._tmpdir, ignore_errors=True)
             self._tmpdir = None
         if torch.cuda.is_available():
+            gc.collect()  # the engine's objects form cycles: collected now, their memory can go back below
             torch.cuda.empty_cache()
 
     # ---- the engine loop -----------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ loads, the ``vllm.LLM`` arguments a ``VLLMGenerationConfig`` stands for, and the
   ``kv_cache_bytes``), otherwise ``gpu_memory_utilization`` does; ``max_num_seqs`` bounds sequences decoded at once.
 - CUDA graphs unless ``enforce_eager``: vLLM then also compiles the model; ``build_timings`` reads the compile and
   graph-capture seconds from vLLM's own build log (they are kept nowhere else).
+- Shutting it down (``shutdown_llm``): the engine lives in the caller's process, so its memory comes back only once
+  its requests are gone and its core has shut down; a failed shutdown is a warning naming it, not silence.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import torch
 
 from asyncrl.backends.hf import build_hf_config, init_hf_model
 
-__all__ = ["build_llm", "write_model_dir", "kv_cache_bytes"]
+__all__ = ["build_llm", "shutdown_llm", "write_model_dir", "kv_cache_bytes"]
 
 
 def write_model_dir(model_cfg: Any, tokenizer: Any, seed: int, path: str | Path) -> Path:
@@ -115,3 +118,19 @@ def build_llm(vllm: Any, model_cfg: Any, gen_cfg: Any, seed: int, tokenizer: Any
         vllm_logger.setLevel(level)
     return llm, model_dir, tmpdir, {"write_model_dir_s": write_s, "engine_s": time.perf_counter() - t0,
                                     "compile_s": 0.0, "graph_capture_s": 0.0, **timings.found}
+
+
+def shutdown_llm(llm: Any, request_ids: list[str]) -> None:
+    """Abort ``request_ids`` (what the engine still runs) and shut the engine's core down, best effort (the process
+    may be exiting): a failure is a ``RuntimeWarning`` naming it, since the engine's GPU memory may then stay held
+    until the process ends."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    try:
+        if request_ids and engine is not None:
+            engine.abort_request(request_ids)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: closing must go on
+        warnings.warn(f"vLLM engine shutdown failed ({type(exc).__name__}: {exc}); its GPU memory may stay held "
+                      "until the process ends", RuntimeWarning, stacklevel=3)

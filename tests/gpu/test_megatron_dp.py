@@ -22,7 +22,7 @@ the step, the update of the logprobs (after minus before) points the same way in
 
 Needs only torch, megatron-core, Ray and the project (with pydantic): no vLLM. Skips without 2 CUDA GPUs.
 On a machine with two GPUs and the stack of docs/gpu.md, from the repo root:
-``PYTHONPATH=$PWD python -m pytest -q -s -o addopts="" tests/gpu/test_megatron_dp.py`` (an absolute PYTHONPATH,
+``PYTHONPATH=${SITE:+$SITE:}$PWD python -m pytest -q -s -o addopts="" tests/gpu/test_megatron_dp.py`` (an absolute PYTHONPATH,
 plus any ``--target`` site folder: Ray actors inherit it). Prints ``RESULT`` lines; with ``ASYNCRL_GPU_RESULTS``
 set, also writes ``megatron_dp.json`` there.
 """

@@ -8,7 +8,7 @@
   Criterion: each mean |error| at most twice the other's.
 
 Numbers go to stdout and, when ``ASYNCRL_GPU_RESULTS`` names a folder, to ``megatron_vllm.json`` there.
-Run: ``pytest -m gpu tests/gpu/test_megatron_vllm.py -s`` (each file of tests/gpu in its own process).
+Run: ``pytest -m gpu tests/gpu/test_megatron_vllm.py -s`` (or every file in one process: tests/gpu/conftest.py).
 """
 
 from __future__ import annotations
@@ -60,12 +60,15 @@ def policy(tok):
     record("megatron_init_s", round(time.perf_counter() - t0, 2))
     record("optimizer", p.optimizer_kind)
     assert p.dtype == torch.bfloat16 and p.optimizer_kind == "megatron"
-    return p
+    yield p
+    p.close()
 
 
 @pytest.fixture(scope="module")
 def generator(policy, tok):
-    gen_cfg = VLLMGenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, gpu_memory_utilization=0.3)
+    # The KV pool from a token budget (a wave of 512 sequences of up to 128 tokens, 134 MB), not a share of the card:
+    # the next file's engines need the memory back (tests/gpu/conftest.py)
+    gen_cfg = VLLMGenerationConfig(max_new_tokens=MAX_NEW_TOKENS, temperature=1.0, kv_cache_tokens=65536)
     gen = VLLMGenerator(MODEL, gen_cfg, 0, tok)
     record("vllm_init_s", round(gen.init_seconds, 1))
     yield gen
