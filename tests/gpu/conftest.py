@@ -80,7 +80,9 @@ def largest_cuda_tensors(n: int = 5) -> list[str]:
         for obj in gc.get_objects():
             try:
                 if isinstance(obj, torch.Tensor) and obj.is_cuda:
-                    found.append((obj.numel() * obj.element_size(), f"{tuple(obj.shape)} {obj.dtype}"))
+                    size = obj.numel() * obj.element_size()
+                    if type(size) is int:  # torch.compile's fake tensors have symbolic sizes: comparing them raises
+                        found.append((size, f"{tuple(obj.shape)} {obj.dtype}"))
             except Exception:  # noqa: BLE001 - some objects raise on isinstance/attribute access
                 continue
     found.sort(reverse=True)
