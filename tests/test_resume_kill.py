@@ -106,9 +106,38 @@ def test_a_run_killed_at_many_points_resumes_to_the_uninterrupted_history(tmp_pa
     saved_at = want["inflight"].iloc[EVERY - 1::EVERY]
     assert (saved_at > 0).any(), f"no checkpoint had groups in flight: {saved_at.tolist()}"
     assert len(got["metrics"]) == STEPS
+    assert got["metrics"].is_staleness_mean.notna().any()  # the gap metrics are on (the quickstart's default)
     assert got["metrics"]["reward/first_char_slowly"].notna().all()
     pd.testing.assert_frame_equal(got["metrics"], want["metrics"])
     assert sorted(got["events"]) == sorted(want["events"])
     for event, frame in want["events"].items():
         pd.testing.assert_frame_equal(got["events"][event], frame, obj=f"trace.csv {event} rows")
     assert got["completions"] == want["completions"]
+
+
+@pytest.mark.parametrize("sampler", [{"name": "weight_fifo", "max_staleness_versions": 1},
+                                     {"name": "in_order", "max_lookahead_versions": 1}], ids=["weight_fifo", "in_order"])
+def test_a_save_with_a_streaming_generator_holds_no_group_in_flight(tmp_path, sampler):
+    """A generator whose groups take many polls (the simulated one, ``weight_update: drain``, 0.1 s a tick): a save
+    after a step brings the groups still generating back, each committed with the weights that generated it (its
+    slot's version), and the restored run goes on as the saved one does."""
+    from asyncrl import Controller, load_config
+
+    cfg = load_config("what_if", sampler=sampler, groups_per_step=4, group_size=4,
+                      generation={"weight_update": "drain", "rollout_tick_s": 0.1})
+    saved = Controller.from_config(cfg)
+    while saved.trainer_version < 3:
+        saved.tick()
+    assert saved.inflight, "nothing in flight at the save: the test would prove nothing"
+    path = saved.save(tmp_path / "ckpt")
+    state = json.loads((path / "state.json").read_text())
+    assert [slot["group_id"] for slot in state["buffer"]["slots"] if not slot["ready"]] == []
+    resumed = Controller.restore(path)
+    for ctrl in (saved, resumed):
+        while ctrl.trainer_version < 6:
+            ctrl.tick()
+        commits = ctrl.trace[ctrl.trace.event == "commit"]
+        assert (commits.gen_start_version == commits.weight_version).all()  # drain: one version, the slot's
+    keep = [c for c in saved.metrics if not timing(c)]
+    pd.testing.assert_frame_equal(resumed.metrics[keep], saved.metrics[keep])
+    assert resumed.trace.drop(columns="seq").equals(saved.trace.drop(columns="seq"))
