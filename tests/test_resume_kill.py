@@ -91,7 +91,7 @@ def history(out: Path) -> dict:
             "completions": completions, "inflight": metrics.inflight}
 
 
-@pytest.mark.slow  # two samplers, each an uninterrupted run and a run killed three times: ~80 s on 2 cores
+@pytest.mark.slow  # two samplers, each an uninterrupted run and a run killed three times: ~95 s on a busy 2-core box
 @pytest.mark.parametrize("sampler", list(SAMPLERS))
 def test_a_run_killed_at_many_points_resumes_to_the_uninterrupted_history(tmp_path, sampler):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
