@@ -31,14 +31,15 @@ Invariants:
   ``reward_funcs=``), and its ``ray.address`` is dropped (where a restore connects is the caller's choice: its config or ``RAY_ADDRESS``).
 
 What a resume restores: weights, optimizer, the generator's weights, version and sampling RNG, the torch RNG, every
-buffered group (ready ones with their rollouts; pending ones are submitted again), the sampler's dispatch index,
-the data position, the trace, the metrics and what the next step has counted. A save first commits what the
-generator already finished (``Controller.state_dict``): a step's weight sync generates the batches submitted
-before it with the old weights, and those rollouts are saved, not generated again. So a stepped run, or one
-saved after ``run`` returned, resumes bit-identically (``in_order`` or ``weight_fifo`` included, at any step:
-``tests/test_checkpoint.py``). What it does not restore: work still in flight at save time (a save inside a
-running run, an asynchronous generator) is generated again with the weights of the save, fault counters and
-retry backoffs start fresh, timings, and where the backends ran (the restoring config decides placement).
+buffered group (ready ones with their rollouts and reward functions' values), the sampler's dispatch index,
+the data position, the trace, the metrics and what the next step has counted. A save first brings back every
+group in flight (``Controller.state_dict``, ``RolloutPump.settle``): a step's weight sync generates the batches
+submitted before it with the old weights, and a running rollout pump may hold a batch it generated and has not
+committed; those rollouts are saved, never generated again. So a run resumes bit-identically whatever the save
+caught (``in_order`` or ``weight_fifo`` included: ``tests/test_checkpoint.py``, ``tests/test_resume_kill.py``).
+What it does not restore: a group a generator still held after ``stall_timeout_s`` is saved pending and generated
+again after the restore, fault counters and retry backoffs start fresh, timings, and where the backends ran (the
+restoring config decides placement).
 Saving is refused in the middle of a step (``Controller.save`` says so).
 """
 

@@ -24,6 +24,9 @@ Invariants:
   or inflight). Groups carry the versions they were really generated with.)
 - With a gated sampler the schedule does not depend on timing, stepped or threaded: the train pump admits the
   batches due at the old ``T`` before the sync, and a generator generates what was submitted before a weight load.
+- A checkpoint holds no group in flight (``RolloutPump.settle``; past ``stall_timeout_s`` one is sent again), so a
+  resume is exact whatever the save caught and a slot's version stays true. Waiting, not regenerating: the torch
+  generator draws all groups from one stream in submission order, and no checkpoint holds older weights.
 """
 
 from __future__ import annotations
@@ -362,8 +365,8 @@ class Controller:
     # ------------------------------------------------------------------------------------------- checkpoints
     def save(self, path: str | Path) -> Path:
         """Write a checkpoint directory at ``path`` atomically: ``(config, state_dict())``, in the file layout
-        ``asyncrl/checkpoint.py`` documents with what a resume restores; groups in flight are saved as pending and
-        submitted again on restore."""
+        ``asyncrl/checkpoint.py`` documents with what a resume restores; groups in flight are brought back first
+        (``state_dict``)."""
         from asyncrl import checkpoint
 
         with self._lock:  # nothing moves while the files are written
@@ -388,13 +391,13 @@ class Controller:
     def state_dict(self) -> dict:
         """Everything a resume needs, between two steps (``asyncrl/checkpoint.py`` says where each key is stored):
         the run state, ``in_step``, ``buffer``, ``sampler``, ``dispatch_index``, ``policy``, ``generator``,
-        ``torch_rng``. First it commits what the generator finished (``RolloutPump.collect_finished``)."""
+        ``torch_rng``. First it brings back every group in flight (``RolloutPump.settle``: the module's invariants)."""
         with self._lock:
             step = self._train.step
             if step.started:
                 raise RuntimeError(f"cannot save in the middle of step {self.trainer_version}: {step.groups} "
                                    f"of {self.cfg.groups_per_step} groups trained; save between steps")
-            self._rollout.collect_finished()
+            self._rollout.settle()  # every group in flight back first: a checkpoint holds none (rollout.py)
             # The capacity is the restoring config's (its sampler may differ): the key stays, empty, as ever.
             return {**self._state.state_dict(), "buffer": {**self.buffer.state_dict(), "capacity": None},
                     "in_step": {"train": self._train.step_state(), "gen": self._rollout.step_state(),

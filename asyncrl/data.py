@@ -46,17 +46,21 @@ class GroupRollouts:
     texts: list[str] | None = None  # decoded completions, for people and for scoring
     replica: int | None = None  # which generation replica made it (asyncrl/backends/replicas.py); None: one engine
     token_versions: list[list[int]] | None = None  # per completion, the weight version that sampled each token
+    # Each reward function's values (None where it does not apply), set when the group is committed: carried with
+    # the group (into checkpoints), so ``reward/<name>`` is the mean over the groups a step trains.
+    reward_parts: dict[str, list[float | None]] | None = None
 
     @property
     def num_tokens(self) -> int:
         return sum(len(c) for c in self.completion_ids)
 
     def to_json(self) -> dict:
-        """What a checkpoint writes: every field, ``token_versions`` only when set (older checkpoints stay byte for
-        byte)."""
+        """What a checkpoint writes: every field, ``token_versions`` and ``reward_parts`` only when set (older
+        checkpoints stay byte for byte)."""
         out = asdict(self)
-        if self.token_versions is None:
-            del out["token_versions"]
+        for name in ("token_versions", "reward_parts"):
+            if out[name] is None:
+                del out[name]
         return out
 
     def versions(self) -> list[list[int]]:

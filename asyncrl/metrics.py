@@ -328,6 +328,35 @@ def throughput(engine: Mapping[str, float], train_time_s: float) -> dict[str, fl
     return {TRAIN_TFLOPS.name: rate / 1e12, MFU.name: rate / peak if peak and peak > 0 else math.nan}
 
 
+class FunctionRewards(Accumulator):
+    """``reward/<name>`` of each reward function: the mean of its values over the completions trained this step
+    that it applied to (defined over the groups the step trained, as ``reward_mean`` is; NaN only where it applied
+    to none). The values come with each group (``GroupRollouts.reward_parts``, kept in checkpoints); their counts
+    are this accumulator's denominators, not columns."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = list(names)
+        super().__init__(m for name in self.names for m in (
+            Metric(f"reward/{name}", "mean", f"mean value of reward function {name!r} over the completions trained "
+                   "this step that it applied to", over=f"reward_count/{name}", empty=math.nan),
+            Metric(f"reward_count/{name}", "sum", f"completions trained this step that {name!r} applied to")))
+
+    def add_groups(self, groups: Iterable) -> None:
+        """The contributions of trained ``groups`` (a group without ``reward_parts`` contributes nothing)."""
+        out: dict[str, float] = {}
+        for group in groups:
+            for name, values in (getattr(group, "reward_parts", None) or {}).items():
+                if f"reward/{name}" in self.metrics:
+                    applied = [float(v) for v in values if v is not None]
+                    out[f"reward/{name}"] = out.get(f"reward/{name}", 0.0) + sum(applied)
+                    out[f"reward_count/{name}"] = out.get(f"reward_count/{name}", 0.0) + len(applied)
+        self.add(out)
+
+    def result(self) -> dict[str, float]:
+        out = super().result()
+        return {f"reward/{name}": out[f"reward/{name}"] for name in self.names}
+
+
 class StepAccumulator(Accumulator):
     """The controller's accumulator for the step in progress: ``STEP_METRICS``, plus when the step started (on
     ``clock``) and whether the policy has begun it (``begin_train_step`` comes with the step's first chunk)."""

@@ -21,6 +21,8 @@ Invariants (with ``asyncrl/faults.py``, which keeps the budgets and words each f
   by hand (``wait_s == 0``), a save and a drain wait for the scores of every group submitted, so a stepped run
   commits the same groups at the same ticks with any number of workers; a running pump commits them when they
   come back.
+- A save first brings back every group in flight (``settle``), those a tick's poll took (``_polling``) included,
+  so a checkpoint never holds a group whose weights and random draws were spent (asyncrl/controller.py says why).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from asyncrl.reports import TickReport
 from asyncrl.rewards.scoring import GroupScorer, run_functions
 from asyncrl.state import RunState
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, FAULT, REFUSE, SKIP
+from asyncrl.uniform_groups import UniformFilter, UniformGroupsError  # noqa: F401  (importable from here too)
 
 if TYPE_CHECKING:
     from asyncrl.backends.base import GenerationBackend
@@ -48,10 +51,6 @@ if TYPE_CHECKING:
     from asyncrl.tasks import PromptStream, Task
 
 FAILED = object()  # what ``generation_call`` returns when the call failed and the fault was contained
-
-
-class UniformGroupsError(RuntimeError):
-    """Every group kept coming back uniform under ``filter_uniform_groups`` for ``stall_timeout_s``."""
 
 
 class RolloutPump:
@@ -74,8 +73,9 @@ class RolloutPump:
         self._shortfall: dict[int, list[int]] = {}  # stamped steps that lost groups nothing replaced
         self._generated = [0, 0.0]  # completion tokens polls returned, seconds spent in poll: since the last step
         self._skew = Accumulator(GEN_METRICS)  # the groups committed since the last step (skew metrics)
-        self._uniform: tuple[float, int] | None = None  # filter_uniform_groups: (since, count) of a uniform streak
+        self.uniform = UniformFilter(cfg.filter_uniform_groups, cfg.stall_timeout_s)
         self._eager: TickReport | None = None  # the running tick's, while it generates (``_scored`` commits)
+        self._polling = self._settling = False  # a tick's poll may hold groups not yet committed; a save settles
         self._error: Exception | None = None  # raised in a commit ``_scored`` made, for that tick to raise
         rewards = rewards if rewards is not None else run_functions(cfg.reward, task)  # the controller's: checked
         on_ray = cfg.reward.workers > 0 and "ray" in (cfg.trainer.placement, cfg.generation.placement)
@@ -94,19 +94,27 @@ class RolloutPump:
         """Ask ``admit``; dispatch at most one batch; collect what finished; score; commit. ``wait_s``: how long
         ``poll`` may wait for a group in flight to finish (a run's pump waits a little rather than spin)."""
         with self.state.lock:
+            if self._settling:  # a save brings back what is in flight: it polls, this tick admits and polls nothing
+                return TickReport("rollout", self.state.trainer_version)
             report = self._admit()
-        if wait_s > 0 and self.scorer.open:  # a running pump commits the scores back already before it generates
-            self._collect([], report, wait=False)  # (a train pump may be waiting for them; generating takes a while)
-        with self.state.lock:  # and while it generates, ``_scored`` commits them as they come (into this report)
-            self._eager = report if wait_s > 0 and self.scorer.runner.workers else None
+            self._polling = True
         try:
-            finished = self._poll(wait_s)
+            if wait_s > 0 and self.scorer.open:  # a running pump commits the scores back already before it generates
+                self._collect([], report, wait=False)  # (a train pump may wait for them; generating takes a while)
+            with self.state.lock:  # and while it generates, ``_scored`` commits them as they come (into this report)
+                self._eager = report if wait_s > 0 and self.scorer.runner.workers else None
+            try:
+                finished = self._poll(wait_s)
+            finally:
+                with self.state.lock:
+                    self._eager, error, self._error = None, self._error, None
+            if error is not None:
+                raise error
+            self._collect(finished, report, wait=wait_s == 0, timeout=0.0 if finished else wait_s)
         finally:
-            with self.state.lock:
-                self._eager, error, self._error = None, self._error, None
-        if error is not None:
-            raise error
-        self._collect(finished, report, wait=wait_s == 0, timeout=0.0 if finished else wait_s)
+            with self.state.changed:  # what the poll took is committed or with the scorer: a waiting save goes on
+                self._polling = False
+                self.state.changed.notify_all()
         return report
 
     def _scored(self) -> None:
@@ -257,7 +265,9 @@ class RolloutPump:
                 if problem is not None:
                     self.skip(group.group_id, problem)
                     continue
-                if self._uniform_group(group):
+                if (uniform := self.uniform.reason(group)) is not None:
+                    self._skew.add({"groups_uniform": 1})
+                    self.skip(group.group_id, uniform)
                     self.scorer.cancel(group.group_id)  # skipped, not committed: not in the completions log
                     report.filtered.append(group.group_id)
                     continue
@@ -277,32 +287,11 @@ class RolloutPump:
         self.scorer.flush()  # the completions log's file written outside the lock
         if bad is not None:
             raise bad
-        if self._uniform is not None and time.monotonic() - self._uniform[0] > self.cfg.stall_timeout_s:
-            raise UniformGroupsError(
-                f"filter_uniform_groups: the last {self._uniform[1]} groups all came back uniform (every completion "
-                f"of each got the same reward) for over {self.cfg.stall_timeout_s:g} s (stall_timeout_s), so none could "
-                "be trained: the task is too hard or too easy for the model as it is; set filter_uniform_groups "
-                "false, or change the task or its rewards")
-
-    def _uniform_group(self, group: GroupRollouts) -> bool:
-        """``filter_uniform_groups``: a group whose completions all got one reward has advantage 0 everywhere (no
-        learning signal); it is skipped, and replaced like any skipped group, and counted (``groups_uniform``)."""
-        if not self.cfg.filter_uniform_groups or len(set(group.rewards)) > 1:
-            self._uniform = None
-            return False
-        since, count = self._uniform or (time.monotonic(), 0)
-        self._uniform = (since, count + 1)
-        self._skew.add({"groups_uniform": 1})
-        self.skip(group.group_id, f"filter_uniform_groups: all {len(group.rewards)} completions got reward "
-                                  f"{group.rewards[0]:g}, so every advantage is 0 (no learning signal)")
-        return True
+        self.uniform.check()
 
     def collect_finished(self) -> TickReport:
-        """Commit what the generator has already finished, and nothing else: no admission, no dispatch, no
-        re-submission, no lost-group check (another thread's poll may hold a group this one does not see). A save
-        calls it first: a step's weight sync generates the batches submitted before it with the old weights
-        (``sync_generator``), and a checkpoint that held them as pending would have them generated again, with
-        the new weights and the generator's random numbers after them."""
+        """Commit what the generator has already finished (the batches a step's weight sync generated with the old
+        weights included), and nothing else: no admission, no dispatch, no re-submission, no lost-group check."""
         report = TickReport("rollout", self.state.trainer_version)
         finished = self.generation_call("poll", self.generator.poll, 0.0)
         if finished is not FAILED and finished:
@@ -310,6 +299,20 @@ class RolloutPump:
                 self._generated[0] += sum(g.num_tokens for g in finished)
         self._collect(finished if finished is not FAILED else [], report)  # and the scores still out
         return report
+
+    def settle(self) -> None:
+        """A save's, under the lock: every group in flight back (``stall_timeout_s`` at most), a tick's first."""
+        with self.state.changed:
+            self._settling = True
+            try:
+                while self._polling:  # the wait releases the lock: the tick commits, then admits and polls no more
+                    self.state.changed.wait(0.05)
+                self.collect_finished()
+                deadline = time.monotonic() + self.cfg.stall_timeout_s
+                while self.buffer.num_pending and time.monotonic() < deadline:
+                    self._collect(self._poll(0.05), TickReport("rollout", self.state.trainer_version))
+            finally:
+                self._settling = False
 
     def drain(self) -> TickReport:
         """Collect what finished after a run's pumps stopped, so nothing is left half-accounted."""
@@ -466,8 +469,7 @@ class RolloutPump:
         self._generated = [0, 0.0]
         return tokens, seconds
     def take_skew(self) -> dict[str, float]:
-        """``GEN_METRICS`` of the groups committed since the last call (the step that finishes now counts them),
-        then ``reward/<name>`` and ``reward_time_s`` (``asyncrl/rewards/scoring.py``)."""
+        """``GEN_METRICS`` of the groups committed since the last call (the step ending counts them), ``reward_time_s``."""
         out = {**self._skew.result(), **self.scorer.take_metrics()}
         self._skew.reset()
         return out

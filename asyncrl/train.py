@@ -31,7 +31,7 @@ from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
 from asyncrl.gap_pass import GapPass
-from asyncrl.metrics import StepAccumulator
+from asyncrl.metrics import FunctionRewards, StepAccumulator
 from asyncrl.reports import TickReport
 from asyncrl.state import RunState
 from asyncrl.trace import ABORT, EVICT, SELECT, SYNC, TRAIN
@@ -57,6 +57,7 @@ class TrainPump:
         self.policy, self.generator, self.task, self.tokenizer = policy, generator, task, tokenizer
         self.rollout, self.faults, self.clock, self.save_checkpoint = rollout, faults, clock, save_checkpoint
         self.step = StepAccumulator(clock)  # the step in progress (STEP_METRICS); reset when it finishes
+        self.function_rewards = FunctionRewards(rollout.scorer.functions.names)  # reward/<name>: the step's groups
         self.kept: set[int] = set()  # the weight versions the policy holds (keeps_versions), the current included
         # Buffered groups' logprobs under the weights that sampled them, measured ahead (a checkpoint's, the gap
         # pass's): group id -> one value or None per completion token.
@@ -156,6 +157,7 @@ class TrainPump:
             "train_time_s": time.perf_counter() - train_start, **M.skew("train", groups),
             **M.token_staleness(groups, T),
         })
+        self.function_rewards.add_groups(groups)
         self.chosen = 0
         self.state.record(TRAIN, detail=f"{len(chunk)} groups, {batch.num_tokens} tokens",
                           reason=f"chunk {chunk_index} of step {T}")
@@ -222,6 +224,7 @@ class TrainPump:
             M.STEP.name: T - 1,
             M.TRAINER_VERSION.name: T,
             **self.step.result(), **rollout.take_skew(),  # M.GEN_METRICS: committed this step
+            **self.function_rewards.result(),  # reward/<name>: trained this step, as reward_mean
             M.STEP_TIME_S.name: elapsed,
             M.TOKENS_PER_S.name: self.step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
             M.SYNC_TIME_S.name: sync_s,
@@ -242,6 +245,7 @@ class TrainPump:
                           f"optimizer step {T - 1} done")
         report.step_finished = True
         self.step.reset()
+        self.function_rewards.reset()
 
     # ------------------------------------------------------------------------------------- evaluation, state
     def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,

@@ -94,8 +94,12 @@ Each mechanism is described at the code that keeps it (`asyncrl/faults.py`, `asy
 - A dead generator actor (Ray) is restarted with the trainer's current weights and its groups re-dispatched; a dead
   trainer actor stops the run with `TrainerFailed`, pointing at the last checkpoint.
 - Checkpoints are written to a temporary directory and renamed into place (`tests/test_checkpoint.py` crashes a
-  save at each of its file operations and loads the previous checkpoint every time); `asyncrl run --resume DIR`
-  continues a run killed with SIGKILL, bit-identical for `in_order` without lookahead (tested in a subprocess).
+  save at each of its file operations and loads the previous checkpoint every time). A save first brings back
+  every group in flight (it waits for a batch the running rollout pump generated and has not committed, then polls
+  the generator until nothing is in flight, for at most `stall_timeout_s`), so a checkpoint holds no group whose
+  generation after a restore could differ; `asyncrl run --resume DIR` continues a run killed with SIGKILL at any
+  point to the uninterrupted run's history, for `in_order` and `weight_fifo` (tests/test_resume_kill.py kills runs
+  at several points, with saves that caught batches in flight).
 
 | config key | default | meaning |
 | --- | --- | --- |

@@ -130,3 +130,11 @@ def killed_once(prompts, completions, completion_ids, **kwargs):
     if _once(prompts, completion_ids, "killed"):
         os.kill(os.getpid(), signal.SIGKILL)
     return first_char(prompts, completions)
+
+
+def first_char_slowly(prompts, completions, **kwargs):
+    """``first_char`` taking 10 ms a group: scored in the rollout pump's thread (``reward.workers: 0``), a batch
+    takes longer than a train step, so a step mostly ends while the pump holds a batch it generated and has not
+    committed yet (tests/test_resume_kill.py saves with batches in flight that way)."""
+    time.sleep(0.01)
+    return first_char(prompts, completions)

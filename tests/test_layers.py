@@ -22,7 +22,8 @@ TIERS = [
      "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts", "asyncrl.completions"],  # strict: the strict base
     # model and int check configs and samplers share; prompts: the Prompt and the stream that serves prompts by data
     # position; completions: the completions log (what the model wrote)
-    ["asyncrl.buffer", "asyncrl.faults"],  # the replay buffer; fault budgets (a collaborator of the controller)
+    ["asyncrl.buffer", "asyncrl.faults", "asyncrl.uniform_groups"],  # the replay buffer; fault budgets (a
+    # collaborator of the controller); filter_uniform_groups' skips and streak
     ["asyncrl.state"],  # the run state the controller owns, and its typed events
     ["asyncrl.samplers"],  # and its submodules (one family)
     # token logprobs and entropy from logits, or from hidden states a chunk of the output layer at a time: torch only

@@ -16,15 +16,15 @@ Invariants:
 - A group's inputs are TRL's: ``prompts`` the prompt as the data holds it (messages for a conversational prompt,
   else its text), ``completions`` the decoded texts (as messages, ``[{"role": "assistant", "content": text}]``,
   for a conversational prompt), ``completion_ids``, and every column of the prompt's row repeated per completion.
-- ``reward/<name>`` is the mean of a function's values over the completions it applied to, in the groups committed
-  since the last step (as ``gen_reward_mean``); ``reward_time_s`` the seconds the functions took on every group
-  scored since the last step, failed attempts included (the work, not the time a group queued for a worker).
+- A committed group carries its functions' values (``GroupRollouts.reward_parts``): the train pump makes
+  ``reward/<name>`` of the groups a step trains from them (``asyncrl.metrics.FunctionRewards``), and a checkpoint
+  keeps them with the group. ``reward_time_s`` is the seconds the functions took on every group scored since the
+  last step, failed attempts included (the work, not the time a group queued for a worker).
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,7 +63,7 @@ def group_batch(prompt: Any, texts: list[str], completion_ids: list[list[int]]) 
 
 
 class RewardMetrics:
-    """The per-step ``reward/<name>`` means and ``reward_time_s`` (see the module's invariants)."""
+    """The per-step ``reward_time_s`` (see the module's invariants)."""
 
     def __init__(self, names: Sequence[str]):
         self.names = list(names)
@@ -76,19 +76,8 @@ class RewardMetrics:
         """Any scoring that ended (its time counts, whatever the outcome)."""
         self.totals[REWARD_TIME_S] = self.totals.get(REWARD_TIME_S, 0.0) + outcome.seconds
 
-    def committed(self, parts: dict[str, list] | None) -> None:
-        """A group committed with these per-function values."""
-        for name, values in (parts or {}).items():
-            applied = [v for v in values if v is not None]
-            self.totals[f"sum/{name}"] = self.totals.get(f"sum/{name}", 0.0) + sum(applied)
-            self.totals[f"n/{name}"] = self.totals.get(f"n/{name}", 0.0) + len(applied)
-
     def result(self) -> dict[str, float]:
-        out = {REWARD_TIME_S: self.totals.get(REWARD_TIME_S, 0.0)}
-        for name in self.names:
-            n = self.totals.get(f"n/{name}", 0.0)
-            out[f"reward/{name}"] = self.totals.get(f"sum/{name}", 0.0) / n if n else math.nan
-        return out
+        return {REWARD_TIME_S: self.totals.get(REWARD_TIME_S, 0.0)}
 
     def take(self) -> dict[str, float]:
         out = self.result()
@@ -214,11 +203,12 @@ class GroupScorer:
         return (group, f"the reward failed {budget + 1} time(s), last: {outcome.problem}"), None, None
 
     def committed(self, group_id: int, prompt: Any, weight_version: int, group: Any) -> None:
-        """A scored group is in the buffer: its metrics count, its completions go to the log at the next
-        ``flush`` (the pump commits under the run state's lock, and writes the file outside it)."""
+        """A scored group is in the buffer: it carries its functions' values (``reward_parts``), its completions go
+        to the log at the next ``flush`` (the pump commits under the run state's lock, and writes the file outside
+        it)."""
         with self.lock:
             parts = self._parts.pop(group_id, None)
-            self.metrics.committed(parts)
+            group.reward_parts = parts
             if group.texts is not None and self.log.wants(weight_version):
                 self._rows += group_rows(group_id, prompt, weight_version, group, parts)
 
