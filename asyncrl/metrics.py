@@ -262,7 +262,7 @@ HELD_OUT_ACCURACY = Column("accuracy", "share of held-out prompts answered corre
 EVAL_SPLIT = Column("split", "the split evaluated ('eval' or 'train')")
 EVAL_N = Column("n", "completions per prompt; the row's mean@n and pass@n columns are named with it (mean@4)")
 EVAL_TEMPERATURE = Column("temperature", "0.0: greedy; else the sampling temperature")
-EVAL_PROMPTS = Column("prompts", "prompts evaluated")
+EVAL_PROMPTS = Column("prompts", "prompts evaluated (scored; eval_failed more were left out)")
 EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY, EVAL_SPLIT, EVAL_N,
                                           EVAL_TEMPERATURE, EVAL_PROMPTS, EVAL_FAILED)  # then mean@n, pass@n
 

@@ -485,6 +485,39 @@ def test_state_dict_round_trip_resumes_identically(megatron_cpu, tok):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_keeps_the_weights_and_adamw_state(megatron_cpu, tok):
+    """PolicyBackend.finish_train_step's contract: NaN/inf in the step's loss or gradient norm, no update."""
+    import copy
+    import math
+
+    policy = make_policy(tok, seed=4)
+    batch = make_batch(seed=7)
+    batch = with_logprobs(batch, policy.logprobs(batch))
+    policy.begin_train_step()  # one real step first: AdamW has state to keep
+    policy.train_microbatches(batch)
+    policy.finish_train_step()
+    w0, opt0 = weights(policy), copy.deepcopy(policy.optimizer.state_dict())
+
+    def same() -> bool:
+        opt = policy.optimizer.state_dict()
+        return (all(torch.equal(w0[k], v) for k, v in weights(policy).items()) and policy.steps == 1
+                and all(torch.equal(a[n], b[n]) for a, b in zip(opt0["state"].values(), opt["state"].values())
+                        for n in a if torch.is_tensor(a[n])))
+
+    policy.begin_train_step()  # a gradient made infinite after the backward
+    policy.train_microbatches(batch)
+    next(p for p in policy.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+    out = policy.finish_train_step()
+    assert out["grad_norm"] == math.inf and math.isfinite(out["loss"]) and same()
+    policy.begin_train_step()  # a NaN loss
+    policy.train_microbatches(replace(batch, advantages=batch.advantages * math.nan))
+    out = policy.finish_train_step()
+    assert math.isnan(out["loss"]) and same()
+    policy.begin_train_step()  # and the next finite step is taken
+    policy.train_microbatches(batch)
+    assert math.isfinite(policy.finish_train_step()["grad_norm"]) and policy.steps == 2
+
+
 def test_step_api_misuse_is_an_error(megatron_cpu, tok):
     policy = make_policy(tok)
     with pytest.raises(RuntimeError):

@@ -1,5 +1,6 @@
-"""The optimizer step of Megatron-core's optimizer (``get_megatron_optimizer``'s, on CUDA), taken as its ``step()``
-takes it (fp32 main gradients, their norm, the clip, the update), except that the update is skipped when the step's
+"""The optimizer step of Megatron-core's optimizer (``get_megatron_optimizer``'s ``ChainedOptimizer``, on CUDA), taken
+as its ``step()`` takes it (fp32 main gradients, their norm, the clip, the update: the same calls in the same
+order, so a finite step is the same step), except that the update is skipped when the step's
 loss or gradient norm is not finite (``PolicyBackend.finish_train_step``'s contract): Megatron's own check
 (``found_inf``) is a loss scaler's, for fp16 only, and a bf16 step would apply a NaN gradient to every weight.
 
@@ -24,6 +25,8 @@ def megatron_optimizer_step(opt: Any, finite_loss: bool) -> tuple[float, bool]:
     if not (finite_loss and math.isfinite(grad_norm)):
         return grad_norm, False
     for part in getattr(opt, "chained_optimizers", None) or [opt]:  # as ChainedOptimizer.step clips
+        if getattr(part, "is_stub_optimizer", False):
+            continue
         params = part.get_parameters()
         if part.config.clip_grad > 0.0 and params:
             decoupled = getattr(part.config, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False)
