@@ -27,6 +27,7 @@ import numpy as np
 
 from asyncrl.backends.base import capabilities
 from asyncrl.chat import prompt_ids
+from asyncrl.metrics import EVAL_FAILED
 from asyncrl.prompts import Prompt
 from asyncrl.rewards.functions import RewardFunctions
 from asyncrl.rewards.runner import RewardRunner
@@ -34,11 +35,10 @@ from asyncrl.rewards.scoring import evaluation_functions, group_batch, score_now
 
 # score(prompts, texts, completion_ids) -> for each prompt, (total reward of each completion, whether each is
 # correct), or None: its scoring failed past the retries (left out of the evaluation, counted in eval_failed)
-__all__ = ["EVAL_FAILED", "evaluate_prompts", "evaluate_task", "scorer", "split_prompts"]
+__all__ = ["evaluate_prompts", "evaluate_task", "scorer", "split_prompts"]
 Score = Callable[[Sequence[Prompt], list[list[str]], list[list[list[int]]]],
                  list[tuple[list[float], list[bool]] | None]]
 Fault = Callable[[int | None, str, str], None]  # fault(group_id, error, reason): a ``fault`` trace row
-EVAL_FAILED = "eval_failed"
 
 
 def completions(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, n: int, temperature: float,
@@ -80,7 +80,7 @@ def evaluate_prompts(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, 
                  for i, (t, r, c) in enumerate(zip(outputs, totals, correct))]
     mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731  (none scored: NaN)
     summary = {f"mean@{n}": mean(means), f"pass@{n}": mean(passes), "reward_mean": mean(rewards),
-               "accuracy": mean(means), "n": float(len(means)), EVAL_FAILED: float(len(scores) - len(means))}
+               "accuracy": mean(means), "n": float(len(means)), EVAL_FAILED.name: float(len(scores) - len(means))}
     return summary, rows
 
 
@@ -122,6 +122,7 @@ def scorer(task: Any, functions: RewardFunctions | None = None, accuracy: str | 
 
     def score(prompts: Sequence[Prompt], texts: list[list[str]], ids: list[list[list[int]]]):
         batches = [group_batch(p, list(t), [list(i) for i in c]) for p, t, c in zip(prompts, texts, ids)]
+
         def failed(i: int, error: str, reason: str) -> None:
             if fault is not None:
                 fault(None, f"evaluation of prompt {prompts[i].id!r}: {error}", reason)

@@ -19,8 +19,9 @@ Invariants it keeps:
   noticed only once the others are back (the run loop's stall watchdog covers a backend that never comes back).
 - Scoring: a reward that raises or returns a non-finite number (or whose weighted sum over ``reward.weights``
   overflows) is re-scored up to ``reward_retries`` times, then the group is skipped; an evaluation's prompt is
-  scored the same way, and left out of the evaluation (counted in ``eval_failed``). A reward that returns a non-number is a programming error: the run stops with a TypeError
-  naming the value (the group is skipped first, so the accounting still holds).
+  scored the same way, and left out of the evaluation (counted in ``eval_failed``). A reward that returns a
+  non-number is a programming error: the run stops with a TypeError naming the value (the group is skipped first,
+  so the accounting still holds).
 - Generation: a failing ``submit``/``poll``/``abort`` (or version read) counts against ``generation_retries``
   consecutive failures. Requests whose ``submit`` failed are kept and re-submitted; groups the backend lost (it
   reports nothing in flight after a failed ``poll``) are re-dispatched as a new attempt of the same group (same
@@ -44,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -177,16 +179,17 @@ class FaultContainment:
                        f"{f.max_generator_restarts}) with the trainer's weights {version}, {lost} group(s) "
                        "re-dispatched", restart=True)
 
-    def step_numbers(self, T: int, loss: float, grad_norm: float, groups: list[int]) -> Verdict | None:
+    def step_numbers(self, T: int, loss: float, grad_norm: float,
+                     groups: Callable[[], Sequence[int]]) -> Verdict | None:
         """Step ``T``'s loss and gradient norm as its policy reported them: None when both are finite (the run of
-        non-finite steps ends); else the fault's verdict (the policy skipped the update), with ``NonFiniteSteps``
-        once ``max_nonfinite_steps`` steps in a row were."""
+        non-finite steps ends); else the fault's verdict (the policy skipped the update; ``groups()`` the step's
+        groups, asked only then), with ``NonFiniteSteps`` once ``max_nonfinite_steps`` steps in a row were."""
         if math.isfinite(loss) and math.isfinite(grad_norm):
             self.nonfinite = []
             return None
         self.nonfinite.append(T)
         budget, steps = self.cfg.max_nonfinite_steps, self.nonfinite
-        detail = f"step {T}: loss {loss!r}, grad_norm {grad_norm!r} (groups {', '.join(map(str, groups))})"
+        detail = f"step {T}: loss {loss!r}, grad_norm {grad_norm!r} (groups {', '.join(map(str, groups()))})"
         if len(steps) < budget:
             return Verdict(f"not retried: the step's update is skipped, the weights kept ({len(steps)} of "
                            f"faults.max_nonfinite_steps={budget} such steps in a row stop the run)", detail=detail)

@@ -212,7 +212,7 @@ class TrainPump:
         its groups; returned, the error that stops the run once ``faults.max_nonfinite_steps`` were in a row."""
         state, rollout = self.state, self.rollout
         T = state.trainer_version + 1
-        verdict = self.faults.step_numbers(T - 1, out.get("loss", 0.0), out.get("grad_norm", 0.0), self._trained())
+        verdict = self.faults.step_numbers(T - 1, out.get("loss", 0.0), out.get("grad_norm", 0.0), self._trained)
         if verdict is not None:
             rollout.fault(None, verdict.detail, verdict.reason)
         sync_start = time.perf_counter()

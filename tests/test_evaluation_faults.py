@@ -42,7 +42,7 @@ def test_an_evaluation_whose_reward_fails_completes_counts_the_prompts_and_the_r
     from asyncrl import Controller
 
     monkeypatch.setenv("ASYNCRL_EVAL_FRACTION", FRACTION)
-    periodic = func != "sleeps_on_eval"  # each held-out call of a sleeper costs a timeout: fewer evaluations
+    periodic = func == "raises_on_eval"  # a sleeper's calls cost a timeout, a dead worker a new one: fewer of them
     ctrl = Controller.from_config(config(func, workers, eval_every=1 if periodic else None))
     try:
         while ctrl.trainer_version < 1:
@@ -117,13 +117,14 @@ def test_a_tasks_own_reward_that_raises_on_evaluation_is_a_fault_not_a_traceback
         ctrl.close()
 
 
-@pytest.mark.parametrize("func,workers", [("raises_on_eval", 0), ("exits_on_eval", 1)])
-def test_the_cli_ends_normally_when_evaluation_rewards_fail(func, workers, tmp_path):
+@pytest.mark.parametrize("func,workers,every", [("raises_on_eval", 0, 1), ("exits_on_eval", 1, None)])
+def test_the_cli_ends_normally_when_evaluation_rewards_fail(func, workers, every, tmp_path):
+    """The untrained model's evaluation, each step's (eval_every) and the final one; a dead worker: the final."""
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": str(root), "ASYNCRL_EVAL_FRACTION": FRACTION, "HF_HUB_OFFLINE": "1",
            "MPLBACKEND": "Agg"}
     out = tmp_path / "run"
-    sets = {"groups_per_step": 4, "group_size": 4, "eval_every": 1, "torch_threads": 1,
+    sets = {"groups_per_step": 4, "group_size": 4, "eval_every": "null" if every is None else every, "torch_threads": 1,
             "task.options.eval_fraction": 0.006, "faults.reward_retries": 0, "reward.workers": workers,
             "reward.funcs": f"[{F}first_char, {F}{func}]"}
     args = [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
