@@ -518,6 +518,54 @@ def test_a_non_finite_loss_or_gradient_skips_the_update_and_keeps_the_weights_an
     assert math.isfinite(policy.finish_train_step()["grad_norm"]) and policy.steps == 2
 
 
+def test_the_megatron_optimizer_step_is_megatrons_own_but_skips_a_non_finite_one(monkeypatch):
+    """On CUDA the step is ``ChainedOptimizer.step``'s calls, in its order (prepare, norm, clip each part, update),
+    with no update where the loss or the norm is NaN/inf or Megatron found an inf (``found_inf``)."""
+    import math
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import clip_grads
+
+    from asyncrl.backends.megatron_step import megatron_optimizer_step
+
+    calls = []
+    monkeypatch.setattr(clip_grads, "clip_grad_by_total_norm_fp32", lambda params, max_norm, total_norm,
+                        use_decoupled_grad=False: calls.append(("clip", params, max_norm, total_norm)))
+
+    class Part:
+        def __init__(self, clip, params, stub=False):
+            self.config, self.params, self.is_stub_optimizer = SimpleNamespace(clip_grad=clip), params, stub
+
+        def get_parameters(self):
+            return self.params
+
+    class Chained:
+        def __init__(self, found_inf=False, norm=2.0):
+            self.found_inf, self.norm = found_inf, norm
+            self.chained_optimizers = [Part(1.0, ["a"]), Part(1.0, ["b"], stub=True), Part(0.0, ["c"]), Part(1.0, [])]
+
+        def prepare_grads(self):
+            calls.append("prepare")
+            return self.found_inf
+
+        def get_grad_norm(self):
+            calls.append("norm")
+            return torch.tensor(self.norm)
+
+        def step_with_ready_grads(self):
+            calls.append("update")
+            return True
+
+    assert megatron_optimizer_step(Chained(), True) == (2.0, True)
+    assert calls == ["prepare", "norm", ("clip", ["a"], 1.0, 2.0), "update"]
+    for opt, finite_loss, norm in ((Chained(norm=math.inf), True, math.inf), (Chained(), False, 2.0)):
+        calls.clear()
+        assert megatron_optimizer_step(opt, finite_loss) == (norm, False) and calls == ["prepare", "norm"]
+    calls.clear()
+    norm, stepped = megatron_optimizer_step(Chained(found_inf=True), True)
+    assert math.isnan(norm) and not stepped and calls == ["prepare"]
+
+
 def test_step_api_misuse_is_an_error(megatron_cpu, tok):
     policy = make_policy(tok)
     with pytest.raises(RuntimeError):

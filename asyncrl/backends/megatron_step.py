@@ -11,9 +11,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 __all__ = ["megatron_optimizer_step"]
 
 
+@torch.no_grad()  # as Megatron's own step
 def megatron_optimizer_step(opt: Any, finite_loss: bool) -> tuple[float, bool]:
     """One step of ``opt`` (a Megatron optimizer, chained or not): (the gradient norm before the clip, whether the
     weights were updated). Every rank computes the same norm (a collective), so every rank decides alike."""
