@@ -12,6 +12,10 @@ Invariants:
   reported (a toy task's ``is_correct``), bit for bit.
 - A completion is correct when the function ``reward.accuracy`` names gave it 1 (or more), else when its total
   reward is at its maximum: every function that applied gave it 1 (a weighted sum of rewards in [0, 1]).
+- Scoring is the training's (``asyncrl.rewards.scoring.score_now``): through a ``RewardRunner`` (the run's
+  workers and ``reward.timeout_s``; alone, an inline one), re-scored within ``faults.reward_retries``, each failure
+  a ``fault`` row. A prompt whose scoring keeps failing is left out of every mean and counted in ``eval_failed``;
+  ``n`` counts the prompts scored.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ import numpy as np
 
 from asyncrl.backends.base import capabilities
 from asyncrl.chat import prompt_ids
+from asyncrl.metrics import EVAL_FAILED
 from asyncrl.prompts import Prompt
-from asyncrl.rewards.functions import RewardBatch, RewardFunctions, call
+from asyncrl.rewards.functions import RewardFunctions
+from asyncrl.rewards.runner import RewardRunner
+from asyncrl.rewards.scoring import evaluation_functions, group_batch, score_now
 
-# score(prompt, texts, completion_ids) -> (total reward of each completion, whether each is correct)
+# score(prompts, texts, completion_ids) -> for each prompt, (total reward of each completion, whether each is
+# correct), or None: its scoring failed past the retries (left out of the evaluation, counted in eval_failed)
 __all__ = ["evaluate_prompts", "evaluate_task", "scorer", "split_prompts"]
-Score = Callable[[Prompt, list[str], list[list[int]]], tuple[list[float], list[bool]]]
+Score = Callable[[Sequence[Prompt], list[list[str]], list[list[list[int]]]],
+                 list[tuple[list[float], list[bool]] | None]]
+Fault = Callable[[int | None, str, str], None]  # fault(group_id, error, reason): a ``fault`` trace row
 
 
 def completions(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, n: int, temperature: float,
@@ -48,28 +58,29 @@ def completions(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, n: in
 
 def evaluate_prompts(generator: Any, prompts: Sequence[Prompt], tokenizer: Any, score: Score, n: int = 1,
                      temperature: float = 0.0, seed: int = 0, max_new_tokens: int = 4) -> tuple[dict, list[dict]]:
-    """(summary, rows): the summary's ``mean@n``, ``pass@n``, ``reward_mean``, ``accuracy`` and ``n`` (prompts
-    evaluated), and one row per completion (``prompt_id``, ``completion_index``, ``completion``, ``reward``,
-    ``correct``)."""
+    """(summary, rows): the summary's ``mean@n``, ``pass@n``, ``reward_mean``, ``accuracy``, ``n`` (prompts
+    evaluated) and ``eval_failed`` (prompts left out: their scoring kept failing), and one row per completion of
+    the prompts evaluated (``prompt_id``, ``completion_index``, ``completion``, ``reward``, ``correct``)."""
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ValueError(f"evaluate(n={n!r}): completions per prompt, an integer >= 1")
     if not isinstance(temperature, (int, float)) or temperature < 0:
         raise ValueError(f"evaluate(temperature={temperature!r}): 0.0 (greedy) or a positive sampling temperature")
-    if not prompts:
-        nan = float("nan")
-        return {f"mean@{n}": nan, f"pass@{n}": nan, "reward_mean": nan, "accuracy": nan, "n": 0.0}, []
-    groups = completions(generator, prompts, tokenizer, n, float(temperature), seed, max_new_tokens)
+    groups = completions(generator, prompts, tokenizer, n, float(temperature), seed, max_new_tokens) if prompts else []
+    texts = [tokenizer.batch_decode(ids, skip_special_tokens=True) for ids in groups]
+    scores = score(prompts, texts, groups) if prompts else []
     rows, means, passes, rewards = [], [], [], []
-    for prompt, ids in zip(prompts, groups):
-        texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
-        totals, correct = score(prompt, texts, ids)
+    for prompt, outputs, scored in zip(prompts, texts, scores):
+        if scored is None:  # left out: its scoring failed past the retries (the fault rows say why)
+            continue
+        totals, correct = scored
         means.append(float(np.mean(correct)))
         passes.append(float(any(correct)))
         rewards.extend(totals)
         rows += [{"prompt_id": prompt.id, "completion_index": i, "completion": t, "reward": r, "correct": bool(c)}
-                 for i, (t, r, c) in enumerate(zip(texts, totals, correct))]
-    summary = {f"mean@{n}": float(np.mean(means)), f"pass@{n}": float(np.mean(passes)),
-               "reward_mean": float(np.mean(rewards)), "accuracy": float(np.mean(means)), "n": float(len(prompts))}
+                 for i, (t, r, c) in enumerate(zip(outputs, totals, correct))]
+    mean = lambda values: float(np.mean(values)) if values else float("nan")  # noqa: E731  (none scored: NaN)
+    summary = {f"mean@{n}": mean(means), f"pass@{n}": mean(passes), "reward_mean": mean(rewards),
+               "accuracy": mean(means), "n": float(len(means)), EVAL_FAILED.name: float(len(scores) - len(means))}
     return summary, rows
 
 
@@ -88,37 +99,49 @@ def split_prompts(task: Any, split: str, max_prompts: int | None = None) -> list
     return prompts[:max_prompts]
 
 
-def scorer(task: Any, functions: RewardFunctions | None = None, accuracy: str | None = None) -> Score:
-    """How an evaluation scores a prompt's completions: the task's own ``reward``/``is_correct`` (a toy task: what
-    ``eval_every`` always reported), else the run's reward functions, called as TRL calls them (see the module's
-    last invariant for what is correct)."""
-    if functions is None or functions.is_task:
-        return lambda p, texts, ids: ([task.reward(p, t) for t in texts], [task.is_correct(p, t) for t in texts])
+def scorer(task: Any, functions: RewardFunctions | None = None, accuracy: str | None = None,
+           runner: RewardRunner | None = None, retries: int = 0, fault: Fault | None = None) -> Score:
+    """How an evaluation scores its prompts' completions: the task's own ``reward``/``is_correct`` (a toy task:
+    what ``eval_every`` always reported), else the run's reward functions, called as TRL calls them (see the
+    module's invariants for what is correct). ``runner`` scores them (``GroupScorer.evaluation_runner``: the run's
+    workers; None: an inline one of ``evaluation_functions``), each prompt re-scored up to ``retries`` times, each
+    failure ``fault(None, error, reason)``; a prompt that keeps failing is None."""
+    functions = functions if functions is not None else RewardFunctions.of_task(task)
     if accuracy is not None and accuracy not in functions.names:
         raise ValueError(f"reward.accuracy {accuracy!r} is not one of the reward functions {functions.names}")
+    own = evaluation_functions(functions) if runner is None else runner.functions
 
-    def score(prompt: Prompt, texts: list[str], ids: list[list[int]]) -> tuple[list[float], list[bool]]:
-        n = len(texts)
-        conversational = prompt.messages is not None
-        batch = RewardBatch([prompt.prompt] * n, [[{"role": "assistant", "content": t}] for t in texts]
-                            if conversational else list(texts), [list(i) for i in ids],
-                            {k: [v] * n for k, v in prompt.columns.items()}, source=prompt)
-        results = [call(f, name, batch) for f, name in zip(functions.funcs, functions.names)]
-        totals = functions.combine(results)
+    def correct(parts: dict[str, list], totals: list[float]) -> list[bool]:
+        if functions.is_task:  # the task's own is_correct, asked beside its reward
+            return [v >= 1.0 for v in parts["is_correct"]]
         if accuracy is not None:
-            values = results[functions.names.index(accuracy)]
-            return totals, [v is not None and v >= 1.0 for v in values]
+            return [v is not None and v >= 1.0 for v in parts[accuracy]]
+        results = [parts[name] for name in functions.names]
         best = [sum(w for w, r in zip(functions.weights, column) if r is not None) for column in zip(*results)]
-        return totals, [any(r is not None for r in column) and t >= b for t, b, column in
-                        zip(totals, best, zip(*results))]
+        return [any(r is not None for r in column) and t >= b for t, b, column in zip(totals, best, zip(*results))]
+
+    def score(prompts: Sequence[Prompt], texts: list[list[str]], ids: list[list[list[int]]]):
+        batches = [group_batch(p, list(t), [list(i) for i in c]) for p, t, c in zip(prompts, texts, ids)]
+
+        def failed(i: int, error: str, reason: str) -> None:
+            if fault is not None:
+                fault(None, f"evaluation of prompt {prompts[i].id!r}: {error}", reason)
+
+        scored, bug = score_now(runner or RewardRunner(own, 0, None), batches, retries, failed)
+        if bug is not None:  # a programming error, as in training: the fault is recorded, the caller stops
+            raise bug
+        return [None if s is None else (s.rewards, correct(s.parts, s.rewards)) for s in scored]
 
     return score
 
 
 def evaluate_task(generator: Any, task: Any, tokenizer: Any, functions: RewardFunctions | None = None,
                   split: str = "eval", n: int = 1, temperature: float = 0.0, max_prompts: int | None = None,
-                  seed: int = 0, max_new_tokens: int = 4, accuracy: str | None = None) -> tuple[dict, list[dict]]:
-    """``evaluate_prompts`` on a task's split with the run's reward functions (``Controller.evaluate``)."""
+                  seed: int = 0, max_new_tokens: int = 4, accuracy: str | None = None,
+                  runner: RewardRunner | None = None, retries: int = 0,
+                  fault: Fault | None = None) -> tuple[dict, list[dict]]:
+    """``evaluate_prompts`` on a task's split with the run's reward functions (``Controller.evaluate``: the run's
+    ``runner``, ``retries`` and ``fault`` rows; see ``scorer``)."""
     prompts = split_prompts(task, split, max_prompts)
-    return evaluate_prompts(generator, prompts, tokenizer, scorer(task, functions, accuracy), n, temperature, seed,
-                            max_new_tokens)
+    return evaluate_prompts(generator, prompts, tokenizer, scorer(task, functions, accuracy, runner, retries, fault),
+                            n, temperature, seed, max_new_tokens)

@@ -17,9 +17,11 @@ Invariants it keeps:
 - Lost groups are detected by the backend's ``num_inflight()`` dropping to 0 after a poll that failed or returned
   nothing while the controller still has groups out with it; a backend that loses some groups but keeps others is
   noticed only once the others are back (the run loop's stall watchdog covers a backend that never comes back).
-- Scoring: a reward that raises or returns a non-finite number is re-scored up to ``reward_retries`` times, then
-  the group is skipped. A reward that returns a non-number is a programming error: the run stops with a TypeError
-  naming the value (the group is skipped first, so the accounting still holds).
+- Scoring: a reward that raises or returns a non-finite number (or whose weighted sum over ``reward.weights``
+  overflows) is re-scored up to ``reward_retries`` times, then the group is skipped; an evaluation's prompt is
+  scored the same way, and left out of the evaluation (counted in ``eval_failed``). A reward that returns a
+  non-number is a programming error: the run stops with a TypeError naming the value (the group is skipped first,
+  so the accounting still holds).
 - Generation: a failing ``submit``/``poll``/``abort`` (or version read) counts against ``generation_retries``
   consecutive failures. Requests whose ``submit`` failed are kept and re-submitted; groups the backend lost (it
   reports nothing in flight after a failed ``poll``) are re-dispatched as a new attempt of the same group (same
@@ -29,6 +31,10 @@ Invariants it keeps:
 - Backoff: after failure ``n`` the run pump waits ``min(backoff_s * 2 ** (n - 1), max_backoff_s)`` before the next
   generation call, in slices no longer than its poll timeout (it stays responsive to a stop). A tick never waits:
   in step mode each rollout tick makes at most one attempt, so stepping is the pacing and stays deterministic.
+- Non-finite steps: a policy whose step's loss or gradient norm is not finite skips the optimizer update (weights,
+  optimizer state and learning-rate schedule as they were) and reports them as they were; the train pump records a
+  ``fault`` naming the step's groups, and ``max_nonfinite_steps`` such steps in a row stop the run
+  (``NonFiniteSteps``), the weights those of the last finite step.
 - A dead generator actor (Ray) is restarted from the trainer's current weights when ``restart_generator`` is on
   (at most ``max_generator_restarts`` times) and every group it held is re-dispatched. A dead trainer actor stops
   the run (``TrainerFailed``): its optimizer state is gone, the last checkpoint is the way back.
@@ -39,6 +45,7 @@ from __future__ import annotations
 import math
 import numbers
 import time
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -50,7 +57,8 @@ class FaultsConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     reward_retries: int = Field(
-        2, ge=0, description="re-scorings of one group after its reward raised or returned NaN/inf; then skipped")
+        2, ge=0, description="re-scorings of one group after its reward raised or returned NaN/inf (or its weighted "
+        "sum overflowed); then skipped")
     generation_retries: int = Field(
         8, ge=0, description="consecutive failed generation-backend calls retried; one more stops the run")
     backoff_s: float = Field(0.05, ge=0, description="run-mode wait after the first generation failure (doubles)")
@@ -60,6 +68,9 @@ class FaultsConfig(BaseModel):
     restart_generator: bool = Field(
         True, description="restart a dead generator actor from the trainer's weights and re-dispatch its groups")
     max_generator_restarts: int = Field(3, ge=0, description="generator actor restarts allowed in one run")
+    max_nonfinite_steps: int = Field(
+        3, ge=1, description="optimizer steps in a row whose loss or gradient norm is NaN/inf (each one's update "
+        "skipped) that stop the run")
 
     def backoff(self, failures: int) -> float:
         """Seconds the run pump waits after the ``failures``-th consecutive generation failure."""
@@ -76,6 +87,10 @@ class TrainerFailed(RuntimeError):
 
 class RewardTypeError(TypeError):
     """The task's reward returned something that is not a number: a bug in the reward, never retried."""
+
+
+class NonFiniteSteps(RuntimeError):
+    """``faults.max_nonfinite_steps`` optimizer steps in a row had a non-finite loss or gradient norm."""
 
 
 class StepShortfall(RuntimeError):
@@ -107,6 +122,7 @@ class Verdict(NamedTuple):
     reason: str
     error: Exception | None = None
     restart: bool = False
+    detail: str = ""  # the fault row's ``detail`` where no exception gives it
 
 
 class FaultContainment:
@@ -119,6 +135,7 @@ class FaultContainment:
         self.failures = 0  # consecutive failed generation calls
         self.retry_at = 0.0  # monotonic time before which the run pump does not call the backend again
         self.restarts = 0
+        self.nonfinite: list[int] = []  # the steps in a row whose update was skipped (loss or grad norm NaN/inf)
 
     def wait_s(self) -> float:
         """Seconds of backoff left before the next generation call (<= 0: none)."""
@@ -161,6 +178,28 @@ class FaultContainment:
         return Verdict(f"retried: the generator actor died during {what}; restarted ({self.restarts} of "
                        f"{f.max_generator_restarts}) with the trainer's weights {version}, {lost} group(s) "
                        "re-dispatched", restart=True)
+
+    def step_numbers(self, T: int, loss: float, grad_norm: float,
+                     groups: Callable[[], Sequence[int]]) -> Verdict | None:
+        """Step ``T``'s loss and gradient norm as its policy reported them: None when both are finite (the run of
+        non-finite steps ends); else the fault's verdict (the policy skipped the update; ``groups()`` the step's
+        groups, asked only then), with ``NonFiniteSteps`` once ``max_nonfinite_steps`` steps in a row were."""
+        if math.isfinite(loss) and math.isfinite(grad_norm):
+            self.nonfinite = []
+            return None
+        self.nonfinite.append(T)
+        budget, steps = self.cfg.max_nonfinite_steps, self.nonfinite
+        detail = f"step {T}: loss {loss!r}, grad_norm {grad_norm!r} (groups {', '.join(map(str, groups()))})"
+        if len(steps) < budget:
+            return Verdict(f"not retried: the step's update is skipped, the weights kept ({len(steps)} of "
+                           f"faults.max_nonfinite_steps={budget} such steps in a row stop the run)", detail=detail)
+        self.nonfinite = []  # stepping again after a fix starts a fresh count
+        return Verdict(f"not retried: the step's update is skipped, the weights kept; {len(steps)} such steps in a row "
+                       f"reach faults.max_nonfinite_steps={budget}; the run stops", NonFiniteSteps(
+                           f"{len(steps)} optimizer steps in a row ({', '.join(map(str, steps))}) had a non-finite "
+                           f"loss or gradient norm (the last: loss {loss!r}, grad_norm {grad_norm!r}), reaching "
+                           f"faults.max_nonfinite_steps={budget}; their updates were skipped, so the weights are "
+                           f"those before step {steps[0]}"), detail=detail)
 
     def trainer_error(self, exc: Exception, T: int, dead: bool) -> Verdict:
         """A training failure stops the run (a step cannot be half-trained); a dead trainer actor becomes

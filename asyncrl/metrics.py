@@ -247,11 +247,13 @@ BUFFERED = Column("buffered", "groups in the buffer at the end of the step")
 INFLIGHT = Column("inflight", "groups in flight at the end of the step")
 EVAL_REWARD = Column("eval_reward", "held-out greedy reward after the step (every eval_every steps, else absent)")
 EVAL_ACCURACY = Column("eval_accuracy", "held-out greedy accuracy after the step (every eval_every steps)")
+EVAL_FAILED = Column("eval_failed", "evaluation prompts left out: their reward scoring kept failing past "
+                     "faults.reward_retries (fault rows say why); in a metrics row every eval_every steps")
 STEP_FACTS: tuple[Column, ...] = (STEP, TRAINER_VERSION, STEP_TIME_S, TOKENS_PER_S, SYNC_TIME_S, BUFFERED, INFLIGHT)
 """A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, ``GEN_METRICS`` (the
 rollout pump's), the rest of ``STEP_FACTS``,
 the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT`` (below), a generator's optional
-``step_metrics()``, and ``EVAL_REWARD``/``EVAL_ACCURACY`` every ``eval_every`` steps."""
+``step_metrics()``, and ``EVAL_REWARD``/``EVAL_ACCURACY``/``EVAL_FAILED`` every ``eval_every`` steps."""
 
 # --- Controller.evaluations: one row per held-out evaluation ---------------------------------------------------
 EVALUATED_VERSION = Column("weight_version", "the generator's weight version the evaluation judged")
@@ -260,9 +262,9 @@ HELD_OUT_ACCURACY = Column("accuracy", "share of held-out prompts answered corre
 EVAL_SPLIT = Column("split", "the split evaluated ('eval' or 'train')")
 EVAL_N = Column("n", "completions per prompt; the row's mean@n and pass@n columns are named with it (mean@4)")
 EVAL_TEMPERATURE = Column("temperature", "0.0: greedy; else the sampling temperature")
-EVAL_PROMPTS = Column("prompts", "prompts evaluated")
+EVAL_PROMPTS = Column("prompts", "prompts evaluated (scored; eval_failed more were left out)")
 EVALUATION_COLUMNS: tuple[Column, ...] = (EVALUATED_VERSION, HELD_OUT_REWARD, HELD_OUT_ACCURACY, EVAL_SPLIT, EVAL_N,
-                                          EVAL_TEMPERATURE, EVAL_PROMPTS)  # then mean@n, pass@n for each n used
+                                          EVAL_TEMPERATURE, EVAL_PROMPTS, EVAL_FAILED)  # then mean@n, pass@n
 
 
 def evaluation_columns(rows: Iterable[dict]) -> list[str]:

@@ -13,6 +13,9 @@ Invariants:
   ``T + 1`` while the generator holds weights ``T``. Before the sync, the batches a gated sampler admits at the old
   ``T`` are admitted (``RolloutPump.admit_due``), so with a gated sampler the schedule does not depend on timing.
 - A training error is a ``fault`` row with ``FaultContainment.trainer_error``'s verdict, then raised.
+- A step whose loss or gradient norm the policy reports non-finite had its update skipped by the policy
+  (``finish_train_step``'s contract): it still ends (``T += 1``, its metrics row), with a ``fault`` row naming its
+  groups; ``faults.max_nonfinite_steps`` such steps in a row raise ``NonFiniteSteps`` once that step is recorded.
 """
 
 from __future__ import annotations
@@ -29,12 +32,12 @@ from asyncrl import metrics as M
 from asyncrl.algorithms import make_train_batch, mark_versions
 from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
-from asyncrl.faults import FaultContainment, GenerationFailed, StepShortfall, describe
+from asyncrl.faults import FaultContainment, GenerationFailed, NonFiniteSteps, StepShortfall, describe
 from asyncrl.gap_pass import GapPass
 from asyncrl.metrics import FunctionRewards, StepAccumulator
 from asyncrl.reports import TickReport
 from asyncrl.state import RunState
-from asyncrl.trace import ABORT, EVICT, SELECT, SYNC, TRAIN
+from asyncrl.trace import ABORT, EVICT, SELECT, STEP, SYNC, TRAIN
 
 if TYPE_CHECKING:
     from asyncrl.backends.base import GenerationBackend, PolicyBackend
@@ -116,14 +119,17 @@ class TrainPump:
             # ahead of T.
             restartable = self.cfg.faults.restart_generator and self.generator_can.actor
             update = self._optimizer_step() if finished and not restartable else None
+            stop = None
             with state.changed:
                 if finished:
-                    self._finish_step(report, update if update is not None else self._optimizer_step())
+                    stop = self._finish_step(report, update if update is not None else self._optimizer_step())
                     every = self.cfg.checkpoint_every
                     if every and state.trainer_version % every == 0:
                         self.save_checkpoint()
                 state.changed.notify_all()
-        except (GenerationFailed, StepShortfall):
+            if stop is not None:  # the step is done and recorded; its update was skipped
+                raise stop
+        except (GenerationFailed, StepShortfall, NonFiniteSteps):
             raise
         except Exception as exc:
             verdict = self.faults.trainer_error(exc, T, is_dead_actor(exc, self.policy))
@@ -202,10 +208,15 @@ class TrainPump:
             start += g.num_tokens
         return out
 
-    def _finish_step(self, report: TickReport, out: dict[str, float]) -> None:
-        """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row."""
+    def _finish_step(self, report: TickReport, out: dict[str, float]) -> NonFiniteSteps | None:
+        """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row.
+        A step whose loss or gradient norm is not finite (its policy skipped the update) is a ``fault`` row naming
+        its groups; returned, the error that stops the run once ``faults.max_nonfinite_steps`` were in a row."""
         state, rollout = self.state, self.rollout
         T = state.trainer_version + 1
+        verdict = self.faults.step_numbers(T - 1, out.get("loss", 0.0), out.get("grad_norm", 0.0), self._trained)
+        if verdict is not None:
+            rollout.fault(None, verdict.detail, verdict.reason)
         sync_start = time.perf_counter()
         rollout.sync_generator(T, report)  # first admits the batches due at the old T (admit_due)
         sync_s = time.perf_counter() - sync_start
@@ -241,11 +252,24 @@ class TrainPump:
             ev = self.evaluate()
             row[M.EVAL_REWARD.name] = ev[M.HELD_OUT_REWARD.name]
             row[M.EVAL_ACCURACY.name] = ev[M.HELD_OUT_ACCURACY.name]
+            row[M.EVAL_FAILED.name] = ev[M.EVAL_FAILED.name]
         state.finish_step(row, f"loss={row['loss']:.4f} reward={row[M.REWARD_MEAN.name]:.3f}",
-                          f"optimizer step {T - 1} done")
+                          f"optimizer step {T - 1} done" if verdict is None else
+                          f"step {T - 1} done, its update skipped (non-finite loss or gradient norm)")
         report.step_finished = True
         self.step.reset()
         self.function_rewards.reset()
+        return None if verdict is None else verdict.error
+
+    def _trained(self) -> list[int]:
+        """The groups the step in progress trained: its ``select`` rows since the last ``step`` row."""
+        groups = []
+        for row in reversed(self.state.trace):
+            if row.event == STEP:
+                break
+            if row.event == SELECT:
+                groups.append(row.group_id)
+        return sorted(groups)
 
     # ------------------------------------------------------------------------------------- evaluation, state
     def evaluate(self, split: str = "eval", n: int = 1, temperature: float = 0.0,
@@ -258,12 +282,15 @@ class TrainPump:
         version = self.generator.version
         seed = int(np.random.SeedSequence([self.cfg.seed, version, len(self.state.evaluations)]).generate_state(1)[0])
         ev, _ = evaluate_task(self.generator, self.task, self.tokenizer, self.reward_functions, split, n, temperature,
-                              max_prompts, seed, self.cfg.generation.max_new_tokens, self.cfg.reward.accuracy)
+                              max_prompts, seed, self.cfg.generation.max_new_tokens, self.cfg.reward.accuracy,
+                              self.rollout.scorer.evaluation_runner(), self.cfg.faults.reward_retries,
+                              self.rollout.fault)  # scored as training scores: workers, timeout_s, fault rows
         with self.state.lock:
             self.state.evaluations.append({M.EVALUATED_VERSION.name: version,
                                            **{c.name: ev[c.name] for c in (M.HELD_OUT_REWARD, M.HELD_OUT_ACCURACY)},
                                            M.EVAL_SPLIT.name: split, M.EVAL_N.name: n,
                                            M.EVAL_TEMPERATURE.name: float(temperature), M.EVAL_PROMPTS.name: ev["n"],
+                                           M.EVAL_FAILED.name: ev[M.EVAL_FAILED.name],
                                            f"mean@{n}": ev[f"mean@{n}"], f"pass@{n}": ev[f"pass@{n}"]})
         return ev
 

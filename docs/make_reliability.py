@@ -84,8 +84,15 @@ Each mechanism is described at the code that keeps it (`asyncrl/faults.py`, `asy
 - A group given up ends with a `skip` trace event and its reason; its buffer slot and in-flight permit come back,
   and a group from the next prompt with the same stamps (`target_step`) replaces it, so an `in_order` step still
   gets its groups. With no prompt left, the step fails with `StepShortfall` naming the step and the shortfall.
-- Reward errors and NaN/inf rewards are re-scored up to `faults.reward_retries` times, then the group is skipped.
-  A reward that returns a non-number stops the run with a `TypeError` naming the value.
+- Reward errors and NaN/inf rewards (or finite ones whose weighted sum over `reward.weights` overflows) are
+  re-scored up to `faults.reward_retries` times, then the group is skipped. A reward that returns a non-number stops
+  the run with a `TypeError` naming the value.
+- Evaluations (`eval_every`, `Controller.evaluate`, the CLI's final one) score through the same reward runner: the
+  workers, `reward.timeout_s`, the retries and `fault` rows; a prompt whose scoring keeps failing is left out and
+  counted in `eval_failed` (the evaluation's row, and the metrics row beside `eval_accuracy`).
+- A step whose loss or gradient norm is NaN/inf never reaches the optimizer: its update is skipped (weights and
+  optimizer state unchanged) with a `fault` row naming its groups; `faults.max_nonfinite_steps` such steps in a
+  row stop the run with `NonFiniteSteps`, the weights those of the last finite step.
 - Generation errors (`submit`, `poll`, `abort`) are retried: a run waits an exponential backoff between tries; a
   tick never waits (each rollout tick makes one attempt, so stepping stays deterministic). Groups the backend lost
   are re-dispatched (same slot and prompt, a new attempt) up to `faults.max_dispatch_attempts`, then skipped.

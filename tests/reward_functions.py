@@ -138,3 +138,45 @@ def first_char_slowly(prompts, completions, **kwargs):
     committed yet (tests/test_resume_kill.py saves with batches in flight that way)."""
     time.sleep(0.01)
     return first_char(prompts, completions)
+
+
+# --- faults only an evaluation sees (tests/test_evaluation_faults.py): the held-out prompts of copy_first with
+# task.options.eval_fraction $ASYNCRL_EVAL_FRACTION (the training prompts never match)
+_EVAL: set | None = None
+
+
+def _evaluating(prompts) -> bool:
+    global _EVAL
+    if _EVAL is None:
+        from asyncrl.tasks import build_task
+
+        options = {"eval_fraction": float(os.environ.get("ASYNCRL_EVAL_FRACTION", "0.2"))}
+        _EVAL = {p.text for p in build_task({"name": "copy_first", "options": options}).eval_prompts}
+    return prompts[0] in _EVAL
+
+
+def raises_on_eval(prompts, completions, **kwargs):
+    if _evaluating(prompts):
+        raise RuntimeError("the held-out verifier is down")
+    return first_char(prompts, completions)
+
+
+def exits_on_eval(prompts, completions, **kwargs):
+    if _evaluating(prompts):
+        os._exit(3)
+    return first_char(prompts, completions)
+
+
+def sleeps_on_eval(prompts, completions, **kwargs):
+    if _evaluating(prompts):
+        time.sleep(30)
+    return first_char(prompts, completions)
+
+
+def huge_on_b(prompts, completions, **kwargs):
+    """1e308 (finite) for the prompts that start with "b", else 0: times a weight of 2 the total overflows."""
+    return [1e308 if p.startswith("b") else 0.0 for p in prompts]
+
+
+def huge(completions, **kwargs):
+    return [1e308] * len(completions)

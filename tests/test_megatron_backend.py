@@ -485,6 +485,87 @@ def test_state_dict_round_trip_resumes_identically(megatron_cpu, tok):
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
+def test_a_non_finite_loss_or_gradient_skips_the_update_and_keeps_the_weights_and_adamw_state(megatron_cpu, tok):
+    """PolicyBackend.finish_train_step's contract: NaN/inf in the step's loss or gradient norm, no update."""
+    import copy
+    import math
+
+    policy = make_policy(tok, seed=4)
+    batch = make_batch(seed=7)
+    batch = with_logprobs(batch, policy.logprobs(batch))
+    policy.begin_train_step()  # one real step first: AdamW has state to keep
+    policy.train_microbatches(batch)
+    policy.finish_train_step()
+    w0, opt0 = weights(policy), copy.deepcopy(policy.optimizer.state_dict())
+
+    def same() -> bool:
+        opt = policy.optimizer.state_dict()
+        return (all(torch.equal(w0[k], v) for k, v in weights(policy).items()) and policy.steps == 1
+                and all(torch.equal(a[n], b[n]) for a, b in zip(opt0["state"].values(), opt["state"].values())
+                        for n in a if torch.is_tensor(a[n])))
+
+    policy.begin_train_step()  # a gradient made infinite after the backward
+    policy.train_microbatches(batch)
+    next(p for p in policy.model.parameters() if p.grad is not None).grad.view(-1)[0] = math.inf
+    out = policy.finish_train_step()
+    assert out["grad_norm"] == math.inf and math.isfinite(out["loss"]) and same()
+    policy.begin_train_step()  # a NaN loss
+    policy.train_microbatches(replace(batch, advantages=batch.advantages * math.nan))
+    out = policy.finish_train_step()
+    assert math.isnan(out["loss"]) and same()
+    policy.begin_train_step()  # and the next finite step is taken
+    policy.train_microbatches(batch)
+    assert math.isfinite(policy.finish_train_step()["grad_norm"]) and policy.steps == 2
+
+
+def test_the_megatron_optimizer_step_is_megatrons_own_but_skips_a_non_finite_one(monkeypatch):
+    """On CUDA the step is ``ChainedOptimizer.step``'s calls, in its order (prepare, norm, clip each part, update),
+    with no update where the loss or the norm is NaN/inf or Megatron found an inf (``found_inf``)."""
+    import math
+    from types import SimpleNamespace
+
+    from megatron.core.optimizer import clip_grads
+
+    from asyncrl.backends.megatron_step import megatron_optimizer_step
+
+    calls = []
+    monkeypatch.setattr(clip_grads, "clip_grad_by_total_norm_fp32", lambda params, max_norm, total_norm,
+                        use_decoupled_grad=False: calls.append(("clip", params, max_norm, total_norm)))
+
+    class Part:
+        def __init__(self, clip, params, stub=False):
+            self.config, self.params, self.is_stub_optimizer = SimpleNamespace(clip_grad=clip), params, stub
+
+        def get_parameters(self):
+            return self.params
+
+    class Chained:
+        def __init__(self, found_inf=False, norm=2.0):
+            self.found_inf, self.norm = found_inf, norm
+            self.chained_optimizers = [Part(1.0, ["a"]), Part(1.0, ["b"], stub=True), Part(0.0, ["c"]), Part(1.0, [])]
+
+        def prepare_grads(self):
+            calls.append("prepare")
+            return self.found_inf
+
+        def get_grad_norm(self):
+            calls.append("norm")
+            return torch.tensor(self.norm)
+
+        def step_with_ready_grads(self):
+            calls.append("update")
+            return True
+
+    assert megatron_optimizer_step(Chained(), True) == (2.0, True)
+    assert calls == ["prepare", "norm", ("clip", ["a"], 1.0, 2.0), "update"]
+    for opt, finite_loss, norm in ((Chained(norm=math.inf), True, math.inf), (Chained(), False, 2.0)):
+        calls.clear()
+        assert megatron_optimizer_step(opt, finite_loss) == (norm, False) and calls == ["prepare", "norm"]
+    calls.clear()
+    norm, stepped = megatron_optimizer_step(Chained(found_inf=True), True)
+    assert math.isnan(norm) and not stepped and calls == ["prepare"]
+
+
 def test_step_api_misuse_is_an_error(megatron_cpu, tok):
     policy = make_policy(tok)
     with pytest.raises(RuntimeError):

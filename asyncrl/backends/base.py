@@ -96,7 +96,10 @@ class PolicyBackend(Protocol):
 
     def finish_train_step(self) -> dict[str, float]:
         """When the step's groups are all trained: normalise over the whole step, clip, take exactly one optimizer
-        step. Returns the step's metrics: its loss's (``Loss.metrics``) and ``asyncrl.metrics.ENGINE_METRICS``."""
+        step. Returns the step's metrics: its loss's (``Loss.metrics``) and ``asyncrl.metrics.ENGINE_METRICS``.
+        When the step's ``loss`` or ``grad_norm`` is not finite, no update is taken (weights, optimizer state and
+        the learning-rate schedule stay as they were; the gradients are dropped) and both are reported as they
+        are: the train pump records the fault (``faults.max_nonfinite_steps``)."""
         ...
 
     def export_weights(self) -> dict[str, torch.Tensor]:

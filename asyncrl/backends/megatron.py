@@ -62,6 +62,7 @@ from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.megatron_forward import (attention_kind, final_hidden, layer_spec, output_weight, pass_mask,
                                                resolve_budget)
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
+from asyncrl.backends.megatron_step import megatron_optimizer_step
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
 from asyncrl.config import MegatronTrainerConfig, ModelConfig
 from asyncrl.data import TrainBatch
@@ -445,24 +446,22 @@ class MegatronPolicy(KeptVersions):
         normaliser = self._step.total("normaliser")
         scale = 1.0 / normaliser if normaliser > 0 else 0.0
         lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps)  # trainer.lr_schedule at this step
+        finite_loss = math.isfinite(self._step.total("loss"))  # else no update (PolicyBackend.finish_train_step)
         if self.ddp is not None:
             self.ddp.finish_grad_sync()
             self.ddp.scale_gradients(scale)
-            ok, grad_norm, _ = self.optimizer.step()
-            grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-            if not ok:
-                raise RuntimeError("the Megatron optimizer skipped its step (non-finite gradients?)")
-        else:
-            grad_norm = self._torch_step(scale)
-        self.steps += 1
+        grad_norm, stepped = (megatron_optimizer_step(self.optimizer, finite_loss) if self.ddp is not None
+                              else self._torch_step(scale, finite_loss))
+        self.steps += int(stepped)  # a skipped update leaves the learning-rate schedule where it was
         self._in_step = False
         self._step.add({"grad_norm": grad_norm, "lr": lr})
         metrics = self._step.result()
         self._step.reset()
         return metrics
 
-    def _torch_step(self, scale: float) -> float:
-        """DP all-reduce (sum), normalise, TP-aware clip, AdamW step. Returns the (pre-clip) gradient norm."""
+    def _torch_step(self, scale: float, finite_loss: bool) -> tuple[float, bool]:
+        """DP all-reduce (sum), normalise, TP-aware clip, AdamW step (none when the loss or the norm is not finite).
+        Returns the (pre-clip) gradient norm and whether it stepped."""
         import torch.distributed as dist
         from megatron.core import parallel_state
 
@@ -482,13 +481,13 @@ class MegatronPolicy(KeptVersions):
                 replicated += sq
         if self.tp > 1:
             dist.all_reduce(sharded, group=parallel_state.get_tensor_model_parallel_group())
-        norm = float((sharded + replicated).sqrt())
-        clip = self.trainer_cfg.grad_clip
-        if clip and norm > clip and math.isfinite(norm):
-            for p in params:
-                p.grad.mul_(clip / (norm + 1e-6))
+        norm, clip = float((sharded + replicated).sqrt()), self.trainer_cfg.grad_clip
+        if not (finite_loss and math.isfinite(norm)):
+            return norm, False  # the gradients are zeroed by the next begin_train_step
+        for p in params if clip and norm > clip else ():
+            p.grad.mul_(clip / (norm + 1e-6))
         self.optimizer.step()
-        return norm
+        return norm, True
 
     def close(self) -> None:
         """Release the model, the optimizer and the weights kept of older versions (the process groups stay:

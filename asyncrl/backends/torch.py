@@ -267,14 +267,17 @@ class TorchPolicy(KeptVersions):
         grads = [p.grad for p in self.params if p.grad is not None]
         if norm > 0 and grads:
             torch._foreach_div_(grads, norm)
-        if grads:
-            max_norm = self.trainer_cfg.grad_clip if self.trainer_cfg.grad_clip is not None else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True))
-        else:
-            grad_norm = 0.0
+        # the norm first (clipping to inf scales by exactly 1), then the clip only if the step is taken
+        total = torch.nn.utils.clip_grad_norm_(self.params, math.inf, foreach=True) if grads else None
+        grad_norm = 0.0 if total is None else float(total)
         lr = set_lr(self.optimizer.param_groups, self.trainer_cfg, self.steps_done)  # trainer.lr_schedule
-        self.optimizer.step()
-        self.steps_done += 1
+        if math.isfinite(grad_norm) and math.isfinite(self._step.total("loss")):
+            if total is not None and self.trainer_cfg.grad_clip is not None:  # clip_grad_norm_'s own scaling
+                torch._foreach_mul_(grads, torch.clamp(self.trainer_cfg.grad_clip / (total + 1e-6), max=1.0))
+            self.optimizer.step()
+            self.steps_done += 1
+        else:  # the contract (PolicyBackend.finish_train_step): no update, the numbers reported as they are
+            self.optimizer.zero_grad(set_to_none=True)
         self._step.add({"grad_norm": grad_norm, "lr": lr})
         metrics = self._step.result()
         self._step.reset()

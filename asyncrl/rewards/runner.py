@@ -10,7 +10,8 @@ of one group) score at once. Workers are local processes, or Ray actors (``place
 
 Invariants:
 - Every submitted group ends in exactly one ``Scored``: ``rewards`` (totals) with ``parts`` (each function's
-  values), or ``problem`` (retryable: an exception, NaN/inf, a call past ``timeout_s``, a worker that died), or
+  values), or ``problem`` (retryable: an exception, NaN/inf, a weighted sum over ``reward.weights`` that
+  overflows, a call past ``timeout_s``, a worker that died), or
   ``bug`` (not retried: a wrong length, a non-number, a missing column, functions a worker cannot load). Never a
   stall: a call past ``timeout_s`` has its worker killed and replaced; a dead worker is replaced; a dispatcher
   that fails turns every open call into a ``bug`` naming why. ``cancel`` drops a group (aborted) for good.
@@ -29,6 +30,7 @@ Invariants:
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 import warnings
@@ -242,7 +244,13 @@ class RewardRunner:
             if why:
                 return Scored(job.key, seconds=seconds, **{kind: "; ".join(dict.fromkeys(why))})
         values = [r[1] for r in job.results]
-        return Scored(job.key, self.functions.combine(values), self.functions.parts(values), seconds)
+        totals = self.functions.combine(values)
+        over = next((i for i, total in enumerate(totals) if not math.isfinite(total)), None)
+        if over is not None:  # finite values whose weighted sum is not: as much a data fault as a NaN
+            parts = [column[over] for column in values]
+            return Scored(job.key, seconds=seconds, problem=f"the weighted sum of completion {over}'s rewards "
+                          f"{parts} over reward.weights {self.functions.weights} is {totals[over]!r} (non-finite)")
+        return Scored(job.key, totals, self.functions.parts(values), seconds)
 
     def live(self, key: Any) -> bool:
         with self._cond:

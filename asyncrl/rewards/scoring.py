@@ -1,5 +1,6 @@
 """How the rollout pump scores: ``GroupScorer`` (its collaborator: submit a finished group, collect scored ones,
-retries within ``faults.reward_retries``), the run's functions, a group's inputs and the per-step metrics.
+retries within ``faults.reward_retries``), the run's functions, a group's inputs and the per-step metrics; and how
+an evaluation scores (``score_now`` through ``GroupScorer.evaluation_runner``).
 
 Invariants:
 - Every group submitted comes back from ``collect`` exactly once, scored (``problem`` None) or given up
@@ -20,6 +21,10 @@ Invariants:
   ``reward/<name>`` of the groups a step trains from them (``asyncrl.metrics.FunctionRewards``), and a checkpoint
   keeps them with the group. ``reward_time_s`` is the seconds the functions took on every group scored since the
   last step, failed attempts included (the work, not the time a group queued for a worker).
+- An evaluation's prompts are scored by the same machinery in a runner of their own (the same settings: workers,
+  ``timeout_s``), re-scored within ``faults.reward_retries`` with the same fault rows; a prompt that keeps failing
+  is left out (``None``), never scored 0, and no function (the task's own ``reward``/``is_correct`` included)
+  is called outside the runner.
 """
 
 from __future__ import annotations
@@ -35,6 +40,16 @@ from asyncrl.rewards.functions import RewardBatch, RewardFunctions, TaskReward, 
 from asyncrl.rewards.runner import RewardRunner, Scored
 
 REWARD_TIME_S = "reward_time_s"
+BUG_REASON = "not retried: a bug in the reward; the run stops"
+
+
+def retry_reason(attempt: int, budget: int) -> str:
+    """A failed scoring attempt ``attempt`` (0: the first) that is scored again, within ``budget`` re-scorings."""
+    return f"retried: scoring again ({attempt + 1} of {budget} re-scorings)"
+
+
+def spent_reason(budget: int) -> str:
+    return f"not retried: faults.reward_retries={budget} re-scorings spent"
 
 
 def run_functions(reward: Any, task: Any, reward_funcs: Sequence[Any] | None = None) -> RewardFunctions:
@@ -100,6 +115,8 @@ class GroupScorer:
         self.lock = lock if lock is not None else threading.RLock()
         self.runner = RewardRunner(functions, workers, timeout_s, on_done=notify if workers else None,
                                    placement=placement, ray_options=ray_options)
+        self._settings = (workers, timeout_s, placement, ray_options)  # an evaluation's runner's too
+        self._evaluation: RewardRunner | None = None
         self.metrics = RewardMetrics(functions.names)  # a task's own reward: reward/<task name>
         self.log = log if log is not None else CompletionsLog("all", functions.names)
         self._open: dict[int, tuple[Any, Any, int]] = {}  # group id -> (rollouts, prompt, attempt)
@@ -186,7 +203,7 @@ class GroupScorer:
         self.metrics.scored(outcome)
         if outcome.bug is not None:
             del self._open[gid]
-            self.fault(gid, outcome.bug, "not retried: a bug in the reward; the run stops")
+            self.fault(gid, outcome.bug, BUG_REASON)
             return (group, f"the reward is broken: {outcome.bug}"), RewardTypeError(outcome.bug), None
         if outcome.problem is None:
             del self._open[gid]
@@ -195,11 +212,11 @@ class GroupScorer:
             return (group, None), None, None
         budget = self.retries
         if attempt < budget:
-            self.fault(gid, outcome.problem, f"retried: scoring again ({attempt + 1} of {budget} re-scorings)")
+            self.fault(gid, outcome.problem, retry_reason(attempt, budget))
             self._open[gid] = (group, prompt, attempt + 1)
             return None, None, (gid, group_batch(prompt, group.texts, group.completion_ids))
         del self._open[gid]
-        self.fault(gid, outcome.problem, f"not retried: faults.reward_retries={budget} re-scorings spent")
+        self.fault(gid, outcome.problem, spent_reason(budget))
         return (group, f"the reward failed {budget + 1} time(s), last: {outcome.problem}"), None, None
 
     def committed(self, group_id: int, prompt: Any, weight_version: int, group: Any) -> None:
@@ -258,6 +275,73 @@ class GroupScorer:
             self.metrics.totals = dict(state.get("metrics", {}))
             self.log.load_state_dict(state.get("completions"))
 
+    def evaluation_runner(self) -> RewardRunner:
+        """The runner evaluations score with: ``evaluation_functions`` of this scorer's, in workers of its own
+        with the same settings (``reward.workers``, ``timeout_s``, placement), so an evaluation never waits behind
+        training groups nor takes their outcomes. Built at the first evaluation, closed with this scorer."""
+        with self.lock:
+            if self._evaluation is None:
+                workers, timeout_s, placement, ray_options = self._settings
+                self._evaluation = RewardRunner(evaluation_functions(self.functions), workers, timeout_s,
+                                                placement=placement, ray_options=ray_options)
+            return self._evaluation
+
     def close(self) -> None:
         self.runner.close()
+        if self._evaluation is not None:
+            self._evaluation.close()
         self.log.close()
+
+
+# ------------------------------------------------------------------------------------------------- evaluation
+class TaskCorrect(TaskReward):
+    """A task's own ``is_correct(prompt, completion_text)`` as a function over a group (1.0 correct, else 0.0):
+    an evaluation asks it beside the task's reward, in the same runner, so the task's code runs guarded too."""
+
+    def __init__(self, task: Any):
+        super().__init__(task)
+        self.__name__ = "is_correct"
+
+    def score(self, batch: RewardBatch) -> list:
+        return [float(self.task.is_correct(batch.source, text)) for text in batch.completions]
+
+
+def evaluation_functions(functions: RewardFunctions) -> RewardFunctions:
+    """What an evaluation scores with: the run's functions; a task's own reward with its ``is_correct`` beside it
+    (weight 0: the total stays the task's reward, bit for bit)."""
+    if not functions.is_task:
+        return functions
+    return RewardFunctions([functions.funcs[0], TaskCorrect(functions.funcs[0].task)], [1.0, 0.0])
+
+
+_EVALUATED = itertools.count()  # runner keys of evaluations' prompts: unique while two evaluations overlap
+
+
+def score_now(runner: RewardRunner, batches: Sequence[RewardBatch], retries: int,
+              fault: Callable[[int, str, str], None]) -> tuple[list[Scored | None], Exception | None]:
+    """Score ``batches`` (an evaluation's prompts) through ``runner`` and wait for them: each one's ``Scored``, or
+    None where its scoring failed ``retries + 1`` times. Every failed attempt is ``fault(index, error, reason)``,
+    worded as the pump's; a bug (wrong length, non-number) is a fault and the ``RewardTypeError`` returned, to
+    raise once the rest are scored. Bounded as the runner is (``timeout_s``, a dead worker replaced)."""
+    keys = [("evaluation", next(_EVALUATED), i) for i in range(len(batches))]
+    out: list[Scored | None] = [None] * len(batches)
+    bug: Exception | None = None
+    todo, attempt = list(range(len(batches))), 0
+    while todo:
+        runner.submit_all([(keys[i], batches[i]) for i in todo])
+        done = {scored.key: scored for scored in runner.wait([keys[i] for i in todo])}
+        failed = []
+        for i in todo:
+            scored = done[keys[i]]
+            if scored.bug is not None:
+                fault(i, scored.bug, BUG_REASON)
+                bug = bug or RewardTypeError(scored.bug)
+            elif scored.problem is None:
+                out[i] = scored
+            elif attempt < retries:
+                fault(i, scored.problem, retry_reason(attempt, retries))
+                failed.append(i)
+            else:
+                fault(i, scored.problem, spent_reason(retries) + "; the prompt is left out of the evaluation")
+        todo, attempt = failed, attempt + 1
+    return out, bug
