@@ -62,6 +62,7 @@ import torch
 import yaml
 
 from asyncrl.rewards.config import imported_functions
+from asyncrl.run_dir import RunDirError
 
 FORMAT = 1
 PREFIX = "step-"
@@ -77,10 +78,13 @@ class CheckpointSkipped(UserWarning):
 
 # --- the three file-system operations a save is made of (tests make each one fail in turn) ---------------------
 def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:  # a full disk or a read-only directory: one line naming the file (the save is abandoned, see ``write``)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise RunDirError(path, exc) from None
 
 
 def _rename(src: Path, dst: Path) -> None:
