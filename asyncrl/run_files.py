@@ -173,17 +173,17 @@ class RunFiles:
         self._indexer.add(row)
         if isinstance(event, StepEvent):
             # in this order (``whole_steps`` relies on it): a step's index line is written after its rows
-            self._writing(lambda: self.trace.write(self._events))  # TraceRow: the trace's columns, in order
+            self._write(self.trace, self._events)  # TraceRow: the trace's columns, in order
             self._events.clear()
-            self._writing(lambda: self.metrics.write([dict(event.metrics)]))
-            self._writing(lambda: self.index.write([astuple(self._indexer.step_done(row, self.trace.tell()))]))
+            self._write(self.metrics, [dict(event.metrics)])
+            self._write(self.index, [astuple(self._indexer.step_done(row, self.trace.tell()))])
 
-    def _writing(self, write) -> None:
+    def _write(self, log: CsvLog, rows) -> None:
         try:
-            write()
-        except RunDirError as exc:
-            self.error = exc
-            raise
+            log.write(rows)
+        except OSError as exc:
+            self.error = exc if isinstance(exc, RunDirError) else RunDirError(log.path, exc)
+            raise self.error from None
 
     def close(self) -> None:
         """Stop following, write the rows after the last step (unless a write failed before) and close the files;
@@ -192,12 +192,11 @@ class RunFiles:
             self._subscription.cancel()
         try:
             if self.error is None:
-                self._writing(lambda: self.trace.write(self._events))  # after the last step
+                self._write(self.trace, self._events)  # after the last step
         finally:
             self._events.clear()
             for log in (self.trace, self.metrics, self.index):
                 log.close()
-
 
 
 # ------------------------------------------------------------------------------------ reading damage honestly

@@ -153,3 +153,25 @@ def test_a_disk_that_fills_mid_run_stops_it_in_one_line_with_whole_rows(small_di
         rec = Recording(out)
     assert 0 < len(rec.steps) < 20 and len(rec.metrics) == len(rec.steps)
     rec.at(rec.steps[-1])
+
+
+def test_an_oserror_from_a_writer_is_the_same_one_line(tmp_path, capsys, monkeypatch):
+    from asyncrl.run_files import CsvLog
+
+    out, real, calls = tmp_path / "run", CsvLog.write, {"n": 0}
+
+    def write(self, rows):
+        if self.path.name == "metrics.csv":
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+        return real(self, rows)
+
+    monkeypatch.setattr(CsvLog, "write", write)
+    assert cli.main([*ARGS, "--steps", "6", "--out", str(out)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"asyncrl run: cannot write {str(out / 'metrics.csv')!r}: Permission denied (EACCES); the run "
+                   "stopped, every file ends with a whole row"], err
+    assert pd.read_csv(out / "metrics.csv").step.tolist() == [0, 1]
+    assert pd.read_csv(out / "trace_index.csv").step.tolist() == [0, 1]
+    assert json.loads((out / "summary.json").read_text())["status"] == "failed"
