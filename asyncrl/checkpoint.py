@@ -10,7 +10,7 @@ One checkpoint is a directory:
 | ``tensors.pt`` | policy state (weights, optimizer, reference model), generator state (weights, sampling RNG, version), the torch RNG | ``torch.load(weights_only=True)`` |
 | ``state.json`` | the buffer (every slot: stamps, prompt, rollouts), the trace, the metrics, the evaluations, what the next step has counted (``in_step``) | ``json`` |
 | ``config.yaml`` | the run's configuration | ``yaml.safe_load`` |
-| ``meta.json`` | format, asyncrl version, model shape, trainer version, data position, dispatch index | ``json`` |
+| ``meta.json`` | format, asyncrl version, model shape, trainer version, data position, dispatch index, the sha256 of ``tensors.pt`` and ``state.json`` (``digests``) | ``json`` |
 
 Invariants:
 - Atomic: everything is written into a hidden temporary directory next to the target (``.NAME.tmp-*``), flushed
@@ -22,8 +22,10 @@ Invariants:
   newest ``keep_checkpoints`` complete ones; ``latest(dir)`` is the newest complete one.
 - A checkpoint is restored only by the asyncrl version that wrote it and only into the same model shape (the
   ``model`` config and every parameter's shape): anything else is a clear error before anything is loaded.
-- A damaged file (truncated, overwritten: what a full disk or a copy cut short leaves) is a ``CheckpointError`` of
-  one line naming the file and what is wrong. Given a directory of checkpoints, ``resolve`` skips a damaged one
+- A damaged file (truncated, overwritten, a flipped bit: what a full disk, a copy cut short or bad storage leaves)
+  is a ``CheckpointError`` of one line naming the file and what is wrong: it does not parse, or its sha256 is not
+  the one ``meta.json`` recorded at the save (checked before anything is loaded; a checkpoint from before digests
+  is not checked). Given a directory of checkpoints, ``resolve`` skips a damaged one
   with a ``CheckpointSkipped`` warning saying the same, and takes the newest intact one.
 - Restoring without a config builds from the checkpoint's ``config.yaml``: a checkpoint naming a ``custom``
   sampler, or reward functions of one's own (``reward.funcs``: ``module:function``), is refused unless the caller
@@ -46,6 +48,7 @@ Saving is refused in the middle of a step (``Controller.save`` says so).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -60,6 +63,7 @@ import torch
 import yaml
 
 from asyncrl.rewards.config import imported_functions
+from asyncrl.run_dir import RunDirError
 
 FORMAT = 1
 PREFIX = "step-"
@@ -75,10 +79,13 @@ class CheckpointSkipped(UserWarning):
 
 # --- the three file-system operations a save is made of (tests make each one fail in turn) ---------------------
 def _write(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    try:  # a full disk or a read-only directory: one line naming the file (the save is abandoned, see ``write``)
+        with open(path, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:
+        raise RunDirError(path, exc) from None
 
 
 def _rename(src: Path, dst: Path) -> None:
@@ -120,10 +127,12 @@ def write(path: str | Path, meta: dict, config: dict, state: dict, tensors: dict
     try:
         blob = io.BytesIO()
         torch.save(tensors, blob)
-        _write(tmp / "tensors.pt", blob.getvalue())
-        _write(tmp / "state.json", json.dumps(state, default=_jsonable).encode())
+        files = {"tensors.pt": blob.getvalue(), "state.json": json.dumps(state, default=_jsonable).encode()}
+        for name, data in files.items():
+            _write(tmp / name, data)
         _write(tmp / "config.yaml", yaml.safe_dump(config, sort_keys=False).encode())
-        _write(tmp / "meta.json", json.dumps({**meta, "format": FORMAT}, indent=1, default=_jsonable).encode())
+        meta = {**meta, "format": FORMAT, DIGESTS: digests(files)}
+        _write(tmp / "meta.json", json.dumps(meta, indent=1, default=_jsonable).encode())
         _fsync_dir(tmp)
     except BaseException:
         _remove(tmp)
@@ -185,12 +194,52 @@ def damage(path: Path) -> str | None:
             pass
     except (OSError, zipfile.BadZipFile) as exc:
         return _damaged(path / "tensors.pt", exc)
-    return None
+    return digest_damage(path, json.loads((path / "meta.json").read_text()))
 
 
 def _damaged(file: Path, exc: BaseException) -> str:
     detail = " ".join(str(exc).split()) or type(exc).__name__
     return f"damaged checkpoint file {str(file)!r}: {type(exc).__name__}: {detail[:200]}"
+
+
+# --- digests: a checkpoint verifies its own files --------------------------------------------------------------
+# ``meta.json`` records the sha256 of the files a resume loads as data (``tensors.pt``, ``state.json``) as written
+# (``digests``); a file whose bytes changed since (a flipped bit, a copy cut short that still parses) is damaged,
+# found before anything of it is loaded. ``config.yaml`` is not digested: it is the one file meant to be read and
+# edited by hand, and a restore validates all of it (and checks its model against ``meta.json``) anyway. A
+# checkpoint from before digests (no ``digests`` key) is not checked.
+DIGESTS = "digests"
+
+
+def digests(files: dict[str, bytes]) -> dict[str, str]:
+    """``{file name: sha256 hex digest}`` of a checkpoint's files (their bytes as written)."""
+    return {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+
+
+def _sha256(file: Path) -> str:
+    h = hashlib.sha256()
+    with open(file, "rb") as f:
+        while chunk := f.read(1 << 22):  # a model's tensors.pt can be larger than memory should hold twice
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def digest_damage(path: Path, meta: dict) -> str | None:
+    """The first file of checkpoint ``path`` whose sha256 is not the one its ``meta.json`` recorded, in one line
+    naming it (None: every file matches, or the checkpoint records no digests)."""
+    recorded = meta.get(DIGESTS) if isinstance(meta, dict) else None
+    if not isinstance(recorded, dict):
+        return None
+    for name, want in recorded.items():
+        file = path / name
+        try:
+            got = _sha256(file)
+        except OSError as exc:
+            return _damaged(file, exc)
+        if got != want:
+            return (f"damaged checkpoint file {str(file)!r}: its sha256 is {got[:16]}..., not the {str(want)[:16]}... "
+                    f"meta.json recorded when it was saved ({file.stat().st_size} bytes now)")
+    return None
 
 
 def latest(directory: str | Path) -> Path | None:
@@ -230,6 +279,9 @@ def read(path: str | Path, version: str) -> Checkpoint:
             f"{meta.get('format')!r}); this is asyncrl {version!r} (format {FORMAT}), which restores only its own "
             "checkpoints"
         )
+    problem = digest_damage(path, meta)
+    if problem is not None:
+        raise CheckpointError(problem)
     config = _load(path / "config.yaml", yaml.safe_load)
     state = _load(path / "state.json", json.loads)
     tensors = _load(path / "tensors.pt", lambda _: torch.load(path / "tensors.pt", weights_only=True), text=False)

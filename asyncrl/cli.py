@@ -133,10 +133,10 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
             stop["handle"].wait()
     except Exception as exc:  # the run's own error, re-raised by wait()
         error = exc
-        traceback.print_exception(exc)
+        _report(exc)
     finally:
         signal.signal(signal.SIGINT, previous)
-    files.close()
+    error = _unwritable(files.close, error)  # a full disk or a read-only directory: one line, status failed
     status = ("failed" if error is not None else "interrupted" if stop["asked"] else
               "stopped" if stop.get("remote") else "completed")
     handle = stop["handle"]
@@ -148,14 +148,39 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
         final = ctrl.evaluate()
         summary.update({f"final_eval_{k}": v for k, v in final.items()})
     summary["constant_answer_accuracy"] = ctrl.task.constant_answer_accuracy
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    written = _unwritable(lambda: (out / "summary.json").write_text(json.dumps(summary, indent=2)), error)
     if not args.no_plot and len(ctrl.metrics):
-        _plot(ctrl, out / "reward.png")
+        _unwritable(lambda: _plot(ctrl, out / "reward.png"), error)
     ctrl.close()
     print(json.dumps(summary))
     if evaluates:
         print(_learning(ctrl, final))
-    return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status, 1)
+    return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status if written is error else "failed", 1)
+
+
+def _report(exc: Exception) -> None:
+    """The run's error: a run directory that cannot be written is one line naming the file; anything else its
+    traceback."""
+    from asyncrl.run_dir import RunDirError
+
+    if isinstance(exc, RunDirError):
+        print(f"asyncrl run: {exc}; the run stopped, every file ends with a whole row", file=sys.stderr)
+    else:
+        traceback.print_exception(exc)
+
+
+def _unwritable(write, error: Exception | None) -> Exception | None:
+    """``write()`` a file of the run directory; an ``OSError`` is one line (none when the run already stopped on an
+    unwritable file: that line said it) and becomes the run's error when it had none."""
+    from asyncrl.run_dir import RunDirError
+
+    try:
+        write()
+    except OSError as exc:
+        if not isinstance(error, RunDirError):
+            _report(exc if isinstance(exc, RunDirError) else RunDirError(exc.filename or "the run directory", exc))
+        return error or exc
+    return error
 
 
 def _check_writable(out: Path) -> None:

@@ -9,7 +9,9 @@ A run directory holds it as ``completions.jsonl`` (append-only, one JSON object 
 
 Invariants:
 - Rows are written when their group is committed (scored and in the buffer), a group's rows in one ``write`` of
-  whole lines, flushed at once: an interrupt or ``kill -9`` leaves every finished row whole. A reader ignores a
+  whole lines, flushed at once: an interrupt or ``kill -9`` leaves every finished row whole, and a write a full or
+  read-only disk refuses part-way is cut back (``asyncrl/run_dir.py``, ``RunDirError``; nothing is written after
+  it). A reader ignores a
   last line without its newline (a write cut short), and opening a file to append cuts such a line off first.
 - ``log_completions``: ``all`` (default), ``none``, or ``N``: the groups generated with weights ``0, N, 2N, ...``
   (a fact of the group, not of timing: two runs of one seed log the same rows).
@@ -27,6 +29,8 @@ import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
+
+from asyncrl.run_dir import RunDirError, append, open_for_append
 
 FILE = "completions.jsonl"
 COLUMNS = ("group_id", "prompt_id", "weight_version", "completion_index", "prompt", "prompt_tokens", "tokens",
@@ -65,7 +69,7 @@ def group_rows(group_id: int, prompt: Any, weight_version: int, rollouts: Any,
     return rows
 
 
-def _whole_lines(path: Path) -> int:
+def whole_length(path: Path) -> int:
     """The byte length of ``path``'s whole lines (a last line without its newline is not one)."""
     size = path.stat().st_size
     if size == 0:
@@ -90,6 +94,7 @@ class CompletionsLog:
         self.counts: dict[int, int] = {}  # group id -> rows logged (explain()'s ``completions`` column)
         self._fd: int | None = None
         self.path: Path | None = None
+        self.error: RunDirError | None = None  # the write the disk refused: nothing is written after it
 
     def wants(self, weight_version: int) -> bool:
         if self.every == "none":
@@ -101,8 +106,15 @@ class CompletionsLog:
             return
         if self._fd is None:
             self._memory.extend(rows)
-        else:  # one write of whole lines; O_APPEND: nothing interleaves, nothing is left in a Python buffer
-            os.write(self._fd, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode())
+        else:  # one write of whole lines, or none (a full disk: cut back, RunDirError); O_APPEND: nothing
+            # interleaves, nothing is left in a Python buffer
+            if self.error is not None:  # a row written after a refused one would hide the gap
+                raise self.error
+            try:
+                append(self._fd, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows).encode(), self.path)
+            except RunDirError as exc:
+                self.error = exc
+                raise
         self.rows += len(rows)
         for row in rows:
             self.counts[row["group_id"]] = self.counts.get(row["group_id"], 0) + 1
@@ -115,16 +127,19 @@ class CompletionsLog:
         path.parent.mkdir(parents=True, exist_ok=True)
         keep, end, self.counts = self.rows - len(self._memory), 0, {}
         if path.exists():
-            with open(path, "r+b") as f:
-                for seen, line in enumerate(f):
-                    if seen == keep or not line.endswith(b"\n"):
-                        break
-                    end += len(line)
-                    gid = _group_id(line)
-                    self.counts[gid] = self.counts.get(gid, 0) + 1
-                f.truncate(end)
+            try:
+                with open(path, "r+b") as f:
+                    for seen, line in enumerate(f):
+                        if seen == keep or not line.endswith(b"\n"):
+                            break
+                        end += len(line)
+                        gid = _group_id(line)
+                        self.counts[gid] = self.counts.get(gid, 0) + 1
+                    f.truncate(end)
+            except OSError as exc:
+                raise RunDirError(path, exc) from None
         self.close()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = open_for_append(path, truncate=False)
         self.path = path
         memory, self._memory = self._memory, []
         self.rows -= len(memory)

@@ -26,6 +26,10 @@ Invariants:
   groups buffered there (``.attrs["note"]`` says so).
 - Read-only: a view has no ticks; nothing here writes to a controller. A recording never runs reward functions:
   those of one's own a run directory names are imported only with ``trust_code=True``.
+- Damage read honestly: a run directory whose ``trace.csv``, ``metrics.csv`` or ``completions.jsonl`` ends mid-row
+  (a full disk, a kill mid-write, a copy cut short) opens through its last whole step, indexed or not, with one
+  ``RecordingDamaged`` warning per file saying where it ends (``asyncrl/run_files.py``, ``whole_steps``); ``steps``,
+  ``metrics``, ``trace`` and ``at`` agree on those steps.
 - What the model wrote: a recording's ``completions`` is the run's ``completions.jsonl`` (``asyncrl/completions.py``;
   a live source: the controller's ``completions``); a view's ``completions(group_id)`` reads one group's rows, and
   each ``explain()`` row's ``completions`` column says how many there are.
@@ -38,15 +42,17 @@ import io
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
 import pandas as pd
 
 from asyncrl import read_view
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.completions import FILE as COMPLETIONS_FILE, CompletionsFile
+from asyncrl.completions import FILE as COMPLETIONS_FILE, CompletionsFile, whole_length
 from asyncrl.rewards import imported_functions
 from asyncrl.reports import ControllerState
 from asyncrl.run_files import (  # noqa: F401  (importable from here too)
-    CONFIG_FILE, ENDS, INDEX_COLUMNS, INDEX_FILE, METRICS_FILE, TRACE_FILE, CsvLog, IndexEntry, RunFiles, StepIndexer,
+    CONFIG_FILE, ENDS, INDEX_COLUMNS, INDEX_FILE, METRICS_FILE, TRACE_FILE, CsvLog, IndexEntry, RecordingDamaged,
+    RunFiles, StepIndexer, whole_steps,
 )
 from asyncrl.samplers import Verdict, build_sampler
 from asyncrl.trace import ADMIT, COMMIT, DISPATCH, SELECT, STEP, TRACE_COLUMNS, TRACE_DTYPES, StepEvent, TraceRow
@@ -96,6 +102,8 @@ def _scan(rows: _FileRows) -> list[IndexEntry]:
         with open(rows.path, "rb") as f:
             f.readline()
             for line in f:  # csv.reader asks for lines only as it needs them: offset is the end of the last row
+                if not line.endswith(b"\n"):  # a row cut short is not a row (``_damage`` says so)
+                    return
                 offset[0] += len(line)
                 yield line.decode()
 
@@ -131,6 +139,7 @@ class Recording:
         from asyncrl.config import Config
 
         self._metrics_frame: pd.DataFrame | None = None
+        self._whole: int | None = None  # the steps a damaged run directory holds whole (None: every one)
         if hasattr(source, "subscribe") and isinstance(getattr(source, "cfg", None), Config):
             self.source, self.cfg, self.trusted = source, source.cfg, True
             self._rows = _MemoryRows()
@@ -154,6 +163,8 @@ class Recording:
         self._scanned = not (run_dir / INDEX_FILE).is_file()
         if self._scanned:  # a run directory from before the index: one pass over trace.csv makes it, in memory
             self._index = _scan(self._rows)
+        # files that end mid-row (a full disk, a kill, a copy cut short): read through the last whole step only
+        self._whole = whole_steps(run_dir, self._read_index(), indexed=not self._scanned)
         self._metrics = self._read_metrics
         self.task = None
         self._completions = CompletionsFile(run_dir / COMPLETIONS_FILE)
@@ -167,6 +178,10 @@ class Recording:
             self._indexer.step_done(row, row.seq + 1)
 
     def _entries(self) -> list[IndexEntry]:
+        entries = self._read_index()
+        return entries if self._whole is None else entries[:self._whole]
+
+    def _read_index(self) -> list[IndexEntry]:
         if self._subscription is None and not self._scanned:  # a run directory: the lines appended since
             with open(Path(self.source) / INDEX_FILE, "rb") as f:
                 if self._index_read == 0:
@@ -182,7 +197,9 @@ class Recording:
     def _read_metrics(self) -> pd.DataFrame:
         n = len(self._entries())
         if self._metrics_frame is None or len(self._metrics_frame) < n:
-            self._metrics_frame = pd.read_csv(Path(self.source) / METRICS_FILE)
+            path = Path(self.source) / METRICS_FILE
+            with open(path, "rb") as f:  # whole rows only: a row being written (or cut short) is not read
+                self._metrics_frame = pd.read_csv(io.BytesIO(f.read(whole_length(path))))
         return self._metrics_frame.iloc[:n]
 
     # ---------------------------------------------------------------------------------------------- reading

@@ -107,6 +107,15 @@ Each mechanism is described at the code that keeps it (`asyncrl/faults.py`, `asy
   generation after a restore could differ; `asyncrl run --resume DIR` continues a run killed with SIGKILL at any
   point to the uninterrupted run's history, for `in_order` and `weight_fifo` (tests/test_resume_kill.py kills runs
   at several points, with saves that caught batches in flight).
+- A checkpoint verifies itself: `meta.json` records the sha256 of `tensors.pt` and `state.json`, and a file whose
+  bytes changed (one flipped bit included) is a damaged checkpoint, named in one line and skipped by `--resume` for
+  the newest intact one, as a truncated one is; a checkpoint from before digests still loads.
+- A run directory that cannot be written (a full disk, a read-only directory) stops `asyncrl run` with one line naming
+  the file and the error, exit 1: each row goes out in one write and a write refused part-way is cut back, so
+  `metrics.csv`, `trace.csv` and `completions.jsonl` end with whole rows, and `summary.json` is written if it still
+  can be (`asyncrl/run_dir.py`).
+- A recording whose files end mid-row (`Recording`, `asyncrl replay`) opens through its last whole step, with one
+  warning (`RecordingDamaged`) per file saying where it ends, with or without `trace_index.csv`.
 
 | config key | default | meaning |
 | --- | --- | --- |

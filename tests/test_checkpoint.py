@@ -279,6 +279,71 @@ def test_resume_falls_back_to_the_newest_intact_checkpoint_and_says_so(tmp_path,
     assert pd.read_csv(out / "metrics.csv").step.tolist() == list(range(5))
 
 
+def flip_one_byte(file) -> None:
+    """Change one byte in the middle of ``file`` so that it still parses (a digit of state.json for another digit;
+    a byte of tensors.pt's tensor data, which torch reads back without noticing)."""
+    data = bytearray(file.read_bytes())
+    i = len(data) // 2
+    if file.suffix == ".json":
+        i = next(j for j in range(i, len(data)) if chr(data[j]).isdigit())
+        data[i] = ord("1") if data[i] != ord("1") else ord("2")
+    else:
+        data[i] ^= 0x01
+    file.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["tensors.pt", "state.json"])
+def test_a_checkpoint_with_one_flipped_byte_is_refused_naming_the_file(tmp_path, name):
+    ctrl = stepped(small_config(), 1)
+    path = ctrl.save(tmp_path / "c")
+    flip_one_byte(path / name)
+    with pytest.raises(checkpoint.CheckpointError) as caught:
+        Controller.restore(path)
+    message = str(caught.value)
+    assert "\n" not in message and f"damaged checkpoint file {str(path / name)!r}" in message, message
+    assert "sha256" in message and caught.value.__cause__ is None
+    assert set(json.loads((path / "meta.json").read_text())["digests"]) == {"tensors.pt", "state.json"}
+
+
+def test_a_checkpoint_without_digests_still_loads(tmp_path):
+    ctrl = stepped(small_config(), 2)
+    path = ctrl.save(tmp_path / "step-000002")
+    meta = json.loads((path / "meta.json").read_text())
+    del meta["digests"]
+    (path / "meta.json").write_text(json.dumps(meta))
+    assert checkpoint.damage(path) is None and checkpoint.resolve(tmp_path) == path
+    restored = Controller.restore(path)
+    assert restored.trainer_version == 2
+    for key, tensor in ctrl.policy.state_dict()["model"].items():
+        assert torch.equal(restored.policy.state_dict()["model"][key], tensor), key
+
+
+@pytest.mark.parametrize("name", ["tensors.pt", "state.json"])
+def test_resume_skips_a_checkpoint_with_a_flipped_byte_for_the_previous_good_one(tmp_path, capsys, name):
+    from asyncrl import cli
+
+    out = tmp_path / "run"
+    args = ["run", "quickstart", "--quiet", "--no-plot", "--set", "sampler.max_lookahead_versions=0",
+            "--set", "eval_every=null", "--set", "torch_threads=1", "--set", "groups_per_step=2",
+            "--set", "group_size=2"]
+    assert cli.main([*args, "--steps", "4", "--out", str(out), "--checkpoint-every", "2"]) == 0
+    first, newest = checkpoint._complete(out / "checkpoints")
+    flip_one_byte(newest / name)
+    capsys.readouterr()
+    assert cli.main([*args, "--steps", "5", "--resume", str(out)]) == 0
+    err = capsys.readouterr().err.splitlines()
+    skipped = [line for line in err if "skipping damaged checkpoint file" in line]
+    assert len(skipped) == 1 and str(newest / name) in skipped[0] and "sha256" in skipped[0], err
+    assert any(f"resuming from checkpoint {first} at step 2 of 5" in line for line in err), err
+    assert not any("Traceback" in line for line in err), err
+    assert pd.read_csv(out / "metrics.csv").step.tolist() == list(range(5))
+    flip_one_byte(first / name)  # no intact checkpoint left: one line, exit 2, nothing run
+    flip_one_byte(checkpoint.latest(out / "checkpoints") / name)
+    assert cli.main([*args, "--steps", "6", "--resume", str(out)]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "skipping" not in line]
+    assert len(err) == 1 and "no intact checkpoint" in err[0] and str(first / name) in err[0], err
+
+
 # ------------------------------------------------------------------------------ what a restore may run
 EVIL = '''
 import pathlib

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # Lower = lower layer, listed bottom up. A module may import only from lower layers (or from its own family).
 TIERS = [
+    ["asyncrl.run_dir"],  # a run directory's files written whole, or one error naming the file: imports nothing
     # the data that crosses the Protocols, the metric and trace vocabularies, the tokenizer: import nothing
     ["asyncrl.data", "asyncrl.metrics", "asyncrl.trace", "asyncrl.tokenizer", "asyncrl.sorted_ids",
      "asyncrl.tracking", "asyncrl.strict", "asyncrl.prompts", "asyncrl.completions"],  # strict: the strict base

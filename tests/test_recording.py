@@ -5,8 +5,12 @@ the skew metrics say what was generated, trained and dropped."""
 
 from __future__ import annotations
 
+import io
+import json
 import math
+import shutil
 import sys
+import warnings
 
 import pandas as pd
 import pytest
@@ -184,3 +188,70 @@ def test_skew_metrics_say_what_was_generated_trained_and_dropped():
     assert (m.drop_completions == G * m.groups_evicted).all()  # an abort in flight has no completions
     assert m.drop_len_mean[dropped].between(1, 3).all() and m.drop_len_mean[~dropped].map(math.isnan).all()
     assert m.drop_reward_mean[~dropped].map(math.isnan).all()
+
+
+# ------------------------------------------------------------------------------------- damaged run directories
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory):
+    """A run directory of 8 steps, written by ``RunFiles`` (trace, metrics, index, completions)."""
+    out = tmp_path_factory.mktemp("whole")
+    stepped(load_config("quickstart", seed=3, sampler={"name": "weight_fifo", "max_staleness_versions": 1},
+                        eval_every=None, torch_threads=1), out, steps=8)
+    return out
+
+
+def cut_mid_row(path, fraction: float = 0.6) -> int:
+    """Cut ``path`` inside a row near ``fraction`` of its length (what a full disk or a kill mid-write leaves);
+    returns the length of its whole lines."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n", 0, int(len(data) * fraction)) + 1
+    path.write_bytes(data[:end + max(1, (data.index(b"\n", end) - end) // 2)])
+    return end
+
+
+def whole_steps(run, name: str, end: int) -> int:
+    """How many steps a copy of ``run`` whose file ``name`` holds only its first ``end`` bytes whole has whole,
+    counted from the intact files."""
+    trace = Recording(run).trace
+    if name == "trace.csv":
+        kept = pd.read_csv(io.BytesIO((run / name).read_bytes()[:end]), keep_default_na=False)
+        return int((kept.event == "step").sum())
+    if name == "metrics.csv":
+        return (run / name).read_bytes()[:end].count(b"\n") - 1
+    cut_row = json.loads((run / name).read_bytes()[end:].split(b"\n")[0])  # the completions row cut short
+    committed = trace[(trace.event == "commit") & (trace.group_id == cut_row["group_id"])].seq.iloc[0]
+    return int(((trace.event == "step") & (trace.seq < committed)).sum())
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["with-index", "without-index"])
+@pytest.mark.parametrize("name", ["trace.csv", "metrics.csv", "completions.jsonl"])
+def test_a_file_cut_mid_row_opens_through_the_last_whole_step_and_says_where(whole_run, tmp_path, name, indexed):
+    from asyncrl.recording import RecordingDamaged
+
+    run = tmp_path / "run"
+    shutil.copytree(whole_run, run)
+    if not indexed:
+        (run / "trace_index.csv").unlink()
+    end = cut_mid_row(run / name)
+    whole = whole_steps(whole_run, name, end)
+    assert 0 < whole < 8
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rec = Recording(run)
+    damaged = [str(w.message) for w in said if issubclass(w.category, RecordingDamaged)]
+    assert len(damaged) == 1 and "\n" not in damaged[0], damaged
+    assert damaged[0].startswith(f"{name} ends mid-row") and f"(byte {end} of " in damaged[0], damaged
+    assert f"steps 0..{whole - 1}" in damaged[0], damaged
+    assert rec.steps == list(range(whole))
+    intact = Recording(whole_run)
+    last = rec.at(rec.steps[-1])  # steps and at() agree
+    assert last.trainer_version == whole and last.row.event == "step"
+    pd.testing.assert_frame_equal(last.explain(), intact.at(whole - 1).explain())
+    pd.testing.assert_frame_equal(rec.metrics, intact.metrics.iloc[:whole])
+    assert len(rec.trace) == len(intact.trace[intact.trace.seq <= intact.at(whole - 1).row.seq])
+
+
+def test_an_intact_run_directory_opens_without_a_warning(whole_run):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Recording(whole_run).steps == list(range(8))

@@ -196,3 +196,26 @@ def test_cli_replay_writes_the_table_the_figure_and_the_schedule(tmp_path, capsy
         assert cli.main(["replay", str(tmp_path / "run"), "--sampler", bad, "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("asyncrl replay:") and words in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("kept", ["5 bytes", "all but 1 byte"])
+def test_cli_replay_of_a_trace_cut_mid_row_says_so_and_replays_only_whole_steps(tmp_path, capsys, kept):
+    run = tmp_path / "run"
+    record(run, 10, sampler={"name": "weight_fifo", "max_staleness_versions": 1})
+    intact = pd.read_csv(run / "trace.csv", keep_default_na=False)
+    data = (run / "trace.csv").read_bytes()
+    end = data.rfind(b"\n", 0, len(data) * 6 // 10) + 1
+    cut = end + 5 if kept == "5 bytes" else data.index(b"\n", end)  # the last row cut mid-line
+    (run / "trace.csv").write_bytes(data[:cut])
+    kept = pd.read_csv(run / "trace.csv", keep_default_na=False).iloc[:-1]
+    whole = int((kept.event == "step").sum())  # the steps whose rows are all whole
+    assert 0 < whole < 10
+    last_step_seq = kept[kept.event == "step"].seq.iloc[-1]
+    want = int(((intact.event == "select") & (intact.seq < last_step_seq)).sum())  # groups trained in those steps
+    code = cli.main(["replay", str(run), "--sampler", "in_order", "--out", str(tmp_path / "out"), "--no-plot"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    said = [line for line in err.splitlines() if "trace.csv ends mid-row" in line]
+    assert len(said) == 1 and said[0].startswith("asyncrl replay: ") and f"steps 0..{whole - 1}" in said[0], err
+    table = pd.read_csv(tmp_path / "out" / "replay.csv", index_col="quantity")
+    assert int(table.loc["groups_trained", "recorded (weight_fifo W=1)"]) == want

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 from pathlib import Path
 
 
@@ -52,7 +53,7 @@ def parse_sampler(text: str) -> dict:
 def main(args: argparse.Namespace) -> int:
     import pandas as pd
 
-    from asyncrl.recording import Recording
+    from asyncrl.recording import Recording, RecordingDamaged
     from asyncrl.replay.comparison import compare
 
     start = time.perf_counter()
@@ -63,7 +64,15 @@ def main(args: argparse.Namespace) -> int:
         out = Path(args.out)
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {str(out)!r} is not a directory")
-        cmp = compare(Recording(args.run), samplers, args.steps, args.overlap_slowdown)
+        with warnings.catch_warnings(record=True) as said:  # a file cut mid-row: one line each, whole steps only
+            warnings.simplefilter("always", RecordingDamaged)
+            recording = Recording(args.run)
+        for w in said:
+            if issubclass(w.category, RecordingDamaged):
+                print(f"asyncrl replay: {w.message}", file=sys.stderr)
+            else:
+                warnings.showwarning(w.message, w.category, w.filename, w.lineno)
+        cmp = compare(recording, samplers, args.steps, args.overlap_slowdown)
     except (ValueError, TypeError, ImportError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"asyncrl replay: {_one_line(exc)}", file=sys.stderr)
         return 2
