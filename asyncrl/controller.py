@@ -54,6 +54,11 @@ from asyncrl.trace import (  # noqa: F401  (all importable from here too)
 from asyncrl.tracking import Tracker
 
 
+def _fixed_part(name: str) -> str:
+    return (f"Controller.{name} is fixed at construction (its pumps hold the {name} they were built with); to use "
+            f"another {name}, build a new Controller(cfg, task, policy, generator, tokenizer) with it")
+
+
 def _tick(method):
     """A tick by hand is refused while a run's pumps go (pause the run first), its time is active time for the
     step timer, and its events go to the subscribers when it ends."""
@@ -119,6 +124,20 @@ class Controller:
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
         self.sync_weights(0)
+
+    # The parts are fixed at construction: the pumps were built holding them, so a part assigned later would be
+    # silently ignored (a wrapped generator that measures nothing). Assigning or deleting one is an error.
+    PARTS = ("policy", "generator", "task", "sampler", "buffer")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in Controller.PARTS and name in self.__dict__:
+            raise AttributeError(_fixed_part(name))
+        super().__setattr__(name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if name in Controller.PARTS:
+            raise AttributeError(_fixed_part(name))
+        super().__delattr__(name)
 
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (a conversational one's are its chat template's: ``asyncrl/chat.py``), cached per
