@@ -15,16 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
-import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.presets import presets  # the rest is imported where it is used: `asyncrl --help` loads no torch
 from asyncrl.replay import command as replay_command
+from asyncrl.run_endings import RunSignals, Terminated, failure_line
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -57,77 +56,11 @@ def run(args: argparse.Namespace) -> int:
     controller; 130 on Ctrl-C (SIGINT), 143 on SIGTERM, 129 on SIGHUP (128 + the signal: the run stops at a safe
     point, the files hold every finished step, summary.json says ``interrupted`` or ``terminated``); 1 when it
     failed (one line on stderr, the traceback in DIR/error.log); summary.json says which (``status``) and why."""
-    with _Signals() as signals:
+    with RunSignals() as signals:
         return _run_checked(args, signals)
 
 
-class Terminated(BaseException):
-    """SIGTERM or SIGHUP before the run's pumps started: it unwinds as Ctrl-C's ``KeyboardInterrupt`` does."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _Signals:
-    """SIGINT, SIGTERM and SIGHUP for ``asyncrl run`` (what Ctrl-C, ``timeout``, job schedulers, container stops and
-    a closed terminal send).
-
-    Invariants:
-    - Before the pumps start nothing is running to stop: SIGINT raises ``KeyboardInterrupt`` (Python's own
-      handler), SIGTERM and SIGHUP raise ``Terminated``; ``run`` catches both, writes nothing, and exits 128 + the
-      signal.
-    - From ``running(stop)`` on, each of the three asks the run to stop at its next safe point (``asked``: the first
-      signal's number), so every file is written, summary.json is written and control.sock removed; the same signal
-      again kills at once (its default action).
-    - A signal the process inherited as ignored (``nohup``'s SIGHUP, a scheduler's) stays ignored, SIGINT aside,
-      which a run always took as Ctrl-C. Every handler is put back on exit (``cli.main`` runs in tests' processes).
-    """
-
-    TERMINATING = (signal.SIGTERM, signal.SIGHUP)
-
-    def __init__(self) -> None:
-        self.asked: int | None = None
-        self._previous: dict[int, object] = {}
-        self._stop = None
-
-    def __enter__(self) -> _Signals:
-        for signum in self.TERMINATING:
-            self._install(signum, self._raise)
-        return self
-
-    def _install(self, signum: int, handler) -> None:
-        current = signal.getsignal(signum)
-        if current == signal.SIG_IGN and signum != signal.SIGINT:
-            return
-        previous = signal.signal(signum, handler)
-        self._previous.setdefault(signum, signal.SIG_DFL if previous is None else previous)
-
-    def _raise(self, signum, frame) -> None:
-        raise Terminated(signum)
-
-    def running(self, stop) -> None:
-        """The pumps are about to start: from now on a signal calls ``stop()`` (a safe-point stop, no wait)."""
-        self._stop = stop
-        for signum in (signal.SIGINT, *self.TERMINATING):
-            self._install(signum, self._on_signal)
-
-    def _on_signal(self, signum, frame) -> None:
-        self.asked = self.asked or signum
-        signal.signal(signum, signal.SIG_DFL)  # the same signal again: killed at once
-        self._stop()
-
-    @property
-    def status(self) -> str | None:
-        """What summary.json says of a run a signal stopped: ``interrupted`` (Ctrl-C) or ``terminated``."""
-        return None if self.asked is None else "interrupted" if self.asked == signal.SIGINT else "terminated"
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self._previous.items():
-            signal.signal(signum, handler)
-
-
-def _run_checked(args: argparse.Namespace, signals: _Signals) -> int:
+def _run_checked(args: argparse.Namespace, signals: RunSignals) -> int:
     import yaml
 
     from asyncrl.checkpoint import CheckpointSkipped, resolve
@@ -174,7 +107,7 @@ def _run_checked(args: argparse.Namespace, signals: _Signals) -> int:
         print(_error_message(exc), file=sys.stderr)
         return 2
     except Exception as exc:  # user code building the run (a custom sampler, a loss, ...): one line, error.log
-        print(_failure(out, exc), file=sys.stderr)
+        print(failure_line(out, exc), file=sys.stderr)
         return 1
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -210,7 +143,7 @@ def _keep_tracking(cfg, saved: dict, config, overrides: dict):
     return load_config(config, **{**overrides, "tracking": {**given, **keep}})
 
 
-def _run(args, ctrl, cfg, out: Path, stop: dict, signals: _Signals) -> int:
+def _run(args, ctrl, cfg, out: Path, stop: dict, signals: RunSignals) -> int:
     """The run itself, its files and its summary (``run`` checked everything and listens for ``attach``)."""
     import yaml
 
@@ -242,7 +175,7 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, signals: _Signals) -> int:
     status = ("failed" if error is not None else signals.status or ("stopped" if stop.get("remote") else "completed"))
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
     if signals.asked is not None:
-        summary["signal"] = signal.Signals(signals.asked).name
+        summary["signal"] = signals.name
     if error is not None:
         summary["error"] = f"{type(error).__name__}: {error}"
     if final is not None:
@@ -254,30 +187,12 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, signals: _Signals) -> int:
     ctrl.close()
     print(json.dumps(summary))
     if error is not None:
-        print(_failure(out, error), file=sys.stderr)
+        print(failure_line(out, error), file=sys.stderr)
     if final is not None:
         print(_learning(ctrl, final))
     if status in ("completed", "stopped"):
         return 0
     return 1 if status == "failed" else 128 + signals.asked  # killed by a signal, after the clean-up, says the shell
-
-
-def _failure(out: Path | None, exc: BaseException) -> str:
-    """The one line a failed run prints: the error's type and message (its first line: a ``StallError`` goes on
-    with a table), and where the full traceback was written: ``error.log`` in the run directory (on stderr as it
-    is when that cannot be written)."""
-    text = "".join(traceback.format_exception(exc))
-    lines = str(exc).strip().splitlines() or [""]
-    more = f" ({len(lines) - 1} more lines)" if len(lines) > 1 else ""
-    line = f"asyncrl run: failed: {type(exc).__name__}: {lines[0]}{more}"
-    try:
-        if out is None:
-            raise OSError("no run directory")
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "error.log").write_text(text)
-    except OSError as write_error:
-        return f"{text}{line} (error.log not written: {write_error})"
-    return f"{line}; the full traceback is in {out / 'error.log'}"
 
 
 def _check_writable(out: Path) -> None:

@@ -42,6 +42,7 @@ from asyncrl.algorithms import Loss
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
+from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
@@ -52,11 +53,6 @@ from asyncrl.trace import (  # noqa: F401  (all importable from here too)
     ABORT, EVICT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
 )
 from asyncrl.tracking import Tracker
-
-
-def _fixed_part(name: str) -> str:
-    return (f"Controller.{name} is fixed at construction (its pumps hold the {name} they were built with); to use "
-            f"another {name}, build a new Controller(cfg, task, policy, generator, tokenizer) with it")
 
 
 def _tick(method):
@@ -76,7 +72,7 @@ def _tick(method):
     return tick
 
 
-class Controller:
+class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed at construction
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
                  reward_funcs=None):
         from asyncrl.chat import prepare_task
@@ -124,20 +120,6 @@ class Controller:
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
         self.sync_weights(0)
-
-    # The parts are fixed at construction: the pumps were built holding them, so a part assigned later would be
-    # silently ignored (a wrapped generator that measures nothing). Assigning or deleting one is an error.
-    PARTS = ("policy", "generator", "task", "sampler", "buffer")
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in Controller.PARTS and name in self.__dict__:
-            raise AttributeError(_fixed_part(name))
-        super().__setattr__(name, value)
-
-    def __delattr__(self, name: str) -> None:
-        if name in Controller.PARTS:
-            raise AttributeError(_fixed_part(name))
-        super().__delattr__(name)
 
     def encode(self, prompt) -> list[int]:
         """A prompt's token ids (a conversational one's are its chat template's: ``asyncrl/chat.py``), cached per

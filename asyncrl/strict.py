@@ -65,7 +65,8 @@ def booleans_for_numbers(model: type[BaseModel], data: Any, where: str = "") -> 
         items = [(f"{where}{key}.", value)] if isinstance(value, Mapping) else \
             [(f"{where}{key}[{i}].", item) for i, item in enumerate(value)] if isinstance(value, (list, tuple)) else []
         for at, item in items:
-            fits = [m for m in _models(field.annotation) if isinstance(item, Mapping) and set(item) <= set(m.model_fields)]
+            fits = [m for m in _models(field.annotation)
+                    if isinstance(item, Mapping) and set(item) <= set(m.model_fields)]
             if fits:
                 found += booleans_for_numbers(fits[0], item, at)
     return found
@@ -81,7 +82,8 @@ def _leaves(annotation: Any) -> list[Any]:
 
 
 def _takes_bool(annotation: Any) -> bool:
-    return any(leaf in (bool, Any, object) or (get_origin(leaf) is Literal and any(isinstance(v, bool) for v in get_args(leaf)))
+    return any(leaf in (bool, Any, object)
+               or (get_origin(leaf) is Literal and any(isinstance(v, bool) for v in get_args(leaf)))
                for leaf in _leaves(annotation))
 
 

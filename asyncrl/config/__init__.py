@@ -221,7 +221,7 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
         data = read_yaml(path.read_text(), f"config file {str(path)!r}")
         if data is None:
             raise ValueError(f"config file {str(path)!r} is empty: it holds no configuration keys (give a preset, "
-                             f"e.g. {presets()[0]!r}, or write keys such as 'groups_per_step: 8')")
+                             "e.g. 'quickstart', or write keys such as 'groups_per_step: 8')")
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(path)!r} holds a YAML {type(data).__name__}, not a mapping of "
                              "configuration keys (key: value lines, such as 'groups_per_step: 8')")
