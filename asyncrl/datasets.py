@@ -96,7 +96,7 @@ def _read_path(path: Path, role: str) -> Table:
     data = path.read_bytes()
     fingerprint = "sha256:" + hashlib.sha256(data).hexdigest()
     if fmt in ("jsonl", "json", "csv"):
-        _check_utf8(data, name)
+        _check_utf8(data, name, fmt)
     if fmt == "jsonl":
         rows, lines = _json_lines(data, name)
         return Table(name, rows, fingerprint, lines)
@@ -119,16 +119,19 @@ def _read_path(path: Path, role: str) -> Table:
     return Table(name, [_plain_row(row, name, i) for i, row in enumerate(rows)], fingerprint)
 
 
-def _check_utf8(data: bytes, name: str) -> None:
-    """A text dataset file is UTF-8; a byte that is not is named by its line (and column), where an editor finds
-    it, not only by its offset in the file."""
+def _check_utf8(data: bytes, name: str, fmt: str) -> None:
+    """A text dataset file is UTF-8; a byte that is not is named by its line and column, where an editor finds it,
+    and its row where a line is a row (JSON Lines: the non-blank lines before it; CSV: after the header)."""
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data.count(b"\n", 0, exc.start) + 1
         column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
-        raise DataError(f"dataset file {name} line {line}: not UTF-8 text (byte {data[exc.start]:#04x} at column "
-                         f"{column}, byte offset {exc.start}); save the file as UTF-8") from None
+        before = data[:data.rfind(b"\n", 0, exc.start) + 1].splitlines()
+        row = {"jsonl": sum(1 for b in before if b.strip()), "csv": line - 2}.get(fmt)
+        raise DataError(f"dataset file {name} line {line}{f' (row {row})' if row is not None else ''}: not UTF-8 "
+                         f"text (byte {data[exc.start]:#04x} at column {column}, byte offset {exc.start}); save the "
+                         "file as UTF-8") from None
 
 
 def _json_lines(data: bytes, name: str) -> tuple[list[dict], list[int]]:

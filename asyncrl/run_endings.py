@@ -88,8 +88,8 @@ class RunSignals:
 
 def failure_line(out: Path | None, exc: BaseException) -> str:
     """The one line a failed run prints: the error's type and message (its first line: a ``StallError`` goes on
-    with a table), and where the full traceback was written: ``error.log`` in the run directory (on stderr as it
-    is when that cannot be written)."""
+    with a table; summary.json has all of it), and where the full traceback was written: ``error.log`` in the run
+    directory. Where that cannot be written either (a full disk), the line says why instead."""
     text = "".join(traceback.format_exception(exc))
     lines = str(exc).strip().splitlines() or [""]
     more = f" ({len(lines) - 1} more lines)" if len(lines) > 1 else ""
@@ -100,5 +100,5 @@ def failure_line(out: Path | None, exc: BaseException) -> str:
         out.mkdir(parents=True, exist_ok=True)
         (out / "error.log").write_text(text)
     except OSError as write_error:
-        return f"{text}{line} (error.log not written: {write_error})"
+        return f"{line} (no traceback: error.log could not be written: {write_error})"
     return f"{line}; the full traceback is in {out / 'error.log'}"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -112,7 +113,14 @@ def _finish(proc: subprocess.Popen, timeout: float = HANG_S) -> tuple[int | str,
 
 def _first(stderr: str) -> str:
     """stderr's first line (with the next, when it is a heading such as "invalid configuration (1 error):")."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip() and "it/s]" not in line]
+    lines, warning = [], False
+    for line in stderr.splitlines():
+        if re.match(r"\S+:\d+: \w*Warning: ", line) or (warning and line.startswith(" ")):
+            warning = True  # a Python warning and the source line it shows: not what the run says
+            continue
+        warning = False
+        if line.strip() and "it/s]" not in line:
+            lines.append(line.strip())
     if len(lines) > 1 and lines[0].endswith(":"):
         return f"{lines[0]} {lines[1]}"
     return lines[0] if lines else ""
@@ -306,7 +314,8 @@ def _kill_and_resume(tmp: Path) -> Outcome:
     if whole.exit != 0 or resumed.exit != 0:
         return Outcome(resumed.exit, resumed.says, f"uninterrupted exit {whole.exit}: {whole.result}")
     a, b = pd.read_csv(tmp / "whole" / "metrics.csv"), pd.read_csv(tmp / "killed" / "metrics.csv")
-    timing = [c for c in a.columns if c.endswith("_s") or "per_s" in c or "time" in c or "idle" in c]
+    timing = [c for c in a.columns
+              if c.endswith("_s") or any(word in c for word in ("per_s", "time", "idle", "tflops", "mfu"))]
     columns = [c for c in a.columns if c not in timing and c in b.columns]
     differ = [c for c in columns if not a[c].equals(b[c])]
     return Outcome(resumed.exit, resumed.says, f"{len(b)} rows; " + (

@@ -151,18 +151,18 @@ def test_a_controllers_parts_are_fixed_at_construction(part):
 
 
 # ------------------------------------------------------------------------------------------------- datasets
-@pytest.mark.parametrize("suffix, text, line", [
-    (".jsonl", b'{"prompt": "2+2=", "answer": "4"}\n{"prompt": "3+\xff", "answer": "5"}\n', 2),
-    (".csv", b"prompt,answer\n2+2=,4\n3+\xff,5\n", 3),
-    (".json", b'[{"prompt": "2+2=", "answer": "4"},\n {"prompt": "3+\xff", "answer": "5"}]\n', 2),
+@pytest.mark.parametrize("suffix, text, where", [
+    (".jsonl", b'{"prompt": "2+2=", "answer": "4"}\n\n{"prompt": "3+\xff", "answer": "5"}\n', "line 3 (row 1)"),
+    (".csv", b"prompt,answer\n2+2=,4\n3+\xff,5\n", "line 3 (row 1)"),
+    (".json", b'[{"prompt": "2+2=", "answer": "4"},\n {"prompt": "3+\xff", "answer": "5"}]\n', "line 2"),
 ])
-def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path, suffix, text, line):
+def test_a_byte_that_is_not_utf8_is_named_by_its_line(tmp_path, suffix, text, where):
     path = tmp_path / f"data{suffix}"
     path.write_bytes(text)
     with pytest.raises(DataError) as info:
         build_task({"name": "dataset", "options": {"train": str(path)}})
     message = str(info.value)
-    assert "\n" not in message and f"{str(path)!r} line {line}: not UTF-8 text (byte 0xff at column" in message, message
+    assert "\n" not in message and f"{str(path)!r} {where}: not UTF-8 text (byte 0xff at column" in message, message
 
 
 def test_the_columns_a_reward_misses_are_listed_with_the_prompt_column(tmp_path):
