@@ -14,30 +14,38 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import Controller, load_config
+from asyncrl import Controller, cli, load_config
 from asyncrl.datasets import DataError
 from asyncrl.tasks import build_task
 from tests.test_cli import ROOT, SIMULATED, assert_clean_error, asyncrl
 
 
-def one_line_error(proc: subprocess.CompletedProcess) -> str:
-    (line,) = assert_clean_error(proc).strip().splitlines()
+def one_line_error(capsys, *argv: str) -> str:
+    """``asyncrl run ARGV`` through the CLI's own entry point, in this process (``cli.main`` returns what
+    ``python -m asyncrl.cli`` exits with; a fresh interpreter per case costs seconds of imports): exit 2, one line on
+    stderr, nothing on stdout, no traceback or pydantic boilerplate."""
+    code = cli.main(["run", *argv])
+    captured = capsys.readouterr()
+    assert code == 2 and captured.out == "", (code, captured)
+    for noise in ("Traceback", "errors.pydantic.dev", "input_value", "input_type", "[type="):
+        assert noise not in captured.err, captured.err
+    (line,) = captured.err.strip().splitlines()
     return line
 
 
 # ------------------------------------------------------------------------------------------------------- YAML
-def test_a_set_value_that_is_not_yaml_names_the_set_its_line_and_column(tmp_path):
-    line = one_line_error(asyncrl("run", "quickstart", "--steps", "1", "--out", str(tmp_path / "x"),
-                                  "--set", "reward.funcs=[unclosed"))
+def test_a_set_value_that_is_not_yaml_names_the_set_its_line_and_column(tmp_path, capsys):
+    line = one_line_error(capsys, "quickstart", "--steps", "1", "--out", str(tmp_path / "x"),
+                          "--set", "reward.funcs=[unclosed")
     assert line.startswith("asyncrl run: --set 'reward.funcs=[unclosed': the value is not valid YAML at line 1, "
                            "column "), line
     assert not (tmp_path / "x").exists()
 
 
-def test_a_config_file_with_a_yaml_mistake_names_the_file_its_line_and_column(tmp_path):
+def test_a_config_file_with_a_yaml_mistake_names_the_file_its_line_and_column(tmp_path, capsys):
     config = tmp_path / "cfg.yaml"
     config.write_text("seed: 1\nsampler:\n\tname: in_order\n")  # a tab where YAML takes spaces
-    line = one_line_error(asyncrl("run", str(config), "--steps", "1", "--out", str(tmp_path / "x")))
+    line = one_line_error(capsys, str(config), "--steps", "1", "--out", str(tmp_path / "x"))
     assert line.startswith(f"asyncrl run: config file {str(config)!r} is not valid YAML at line 3, column 1: "), line
     assert "\\t" in line or "tab" in line
 
@@ -52,16 +60,17 @@ def test_a_config_file_that_is_empty_or_not_a_mapping_is_refused_naming_it(tmp_p
         load_config(config)
 
 
-def test_the_cli_refuses_an_empty_config_file_in_one_line(tmp_path):
+def test_the_cli_refuses_an_empty_config_file_in_one_line(tmp_path, capsys):
     config = tmp_path / "empty.yaml"
     config.write_text("")
-    line = one_line_error(asyncrl("run", str(config), "--steps", "1", "--out", str(tmp_path / "x")))
+    line = one_line_error(capsys, str(config), "--steps", "1", "--out", str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()
     assert line.startswith(f"asyncrl run: config file {str(config)!r} is empty"), line
 
 
-def test_a_key_given_both_a_value_and_subkeys_is_one_line():
-    line = one_line_error(asyncrl("run", "quickstart", "--steps", "1", "--out", "/tmp/never-written",
-                                  "--set", "sampler=x", "--set", "sampler.name=in_order"))
+def test_a_key_given_both_a_value_and_subkeys_is_one_line(tmp_path, capsys):
+    line = one_line_error(capsys, "quickstart", "--steps", "1", "--out", str(tmp_path / "x"),
+                          "--set", "sampler=x", "--set", "sampler.name=in_order")
     assert "--set 'sampler.name=in_order'" in line and "'sampler' is given a value by another --set" in line
 
 
@@ -86,7 +95,7 @@ def test_booleans_where_booleans_are_taken_still_load():
 
 def test_set_true_for_an_integer_is_one_line_at_the_cli(tmp_path):
     proc = asyncrl("run", "quickstart", "--steps", "1", "--out", str(tmp_path / "x"), "--set", "groups_per_step=true")
-    lines = assert_clean_error(proc).strip().splitlines()
+    lines = assert_clean_error(proc).strip().splitlines()  # in a subprocess: as a user's shell runs it
     assert lines[1].strip().startswith("groups_per_step = True: a boolean where the key takes a number"), lines
     assert not (tmp_path / "x").exists()
 
