@@ -15,24 +15,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 import tempfile
-import traceback
 import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from asyncrl.presets import presets  # the rest is imported where it is used: `asyncrl --help` loads no torch
 from asyncrl.replay import command as replay_command
+from asyncrl.run_endings import RunSignals, Terminated, failure_line
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
 
 def parse_overrides(pairs: list[str]) -> dict:
-    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``: ``--set`` values, dotted keys, YAML values."""
-    import yaml
+    """``["a.b=1", "c=x"]`` -> ``{"a": {"b": 1}, "c": "x"}``: ``--set`` values, dotted keys, YAML values. A value
+    that is not YAML, or a key both set and given subkeys, is a one-line ``ValueError`` naming the ``--set``."""
+    from asyncrl.config import read_yaml
 
     out: dict = {}
     for pair in pairs:
@@ -43,7 +43,9 @@ def parse_overrides(pairs: list[str]) -> dict:
         *parents, leaf = key.split(".")
         for part in parents:
             node = node.setdefault(part, {})
-        node[leaf] = yaml.safe_load(raw)
+            if not isinstance(node, dict):
+                raise ValueError(f"--set {pair!r}: {part!r} is given a value by another --set, so it has no keys")
+        node[leaf] = read_yaml(raw, f"--set {pair!r}: the value")
     return out
 
 
@@ -51,22 +53,22 @@ def run(args: argparse.Namespace) -> int:
     """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv (and
     trace_index.csv, which lets ``asyncrl.Recording`` scrub it), listening on DIR/control.sock for
     ``asyncrl.attach`` meanwhile. Exit 0 when the run completed (or the data ran out) or was stopped by an attached
-    controller, 130 on Ctrl-C (the files hold every finished step), 1 when it failed; summary.json says which
-    (``status``) and why."""
+    controller; 130 on Ctrl-C (SIGINT), 143 on SIGTERM, 129 on SIGHUP (128 + the signal: the run stops at a safe
+    point, the files hold every finished step, summary.json says ``interrupted`` or ``terminated``); 1 when it
+    failed (one line on stderr, the traceback in DIR/error.log); summary.json says which (``status``) and why."""
+    with RunSignals() as signals:
+        return _run_checked(args, signals)
+
+
+def _run_checked(args: argparse.Namespace, signals: RunSignals) -> int:
     import yaml
 
     from asyncrl.checkpoint import CheckpointSkipped, resolve
     from asyncrl.config import load_config
     from asyncrl.controller import Controller
 
-    stop = {"asked": False, "handle": None}
-
-    def on_sigint(signum, frame):  # stop at the pumps' next safe point; a second Ctrl-C kills at once
-        stop["asked"] = True
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        if stop["handle"] is not None:
-            stop["handle"].stop(wait=False)
-
+    stop = {"handle": None}
+    out = None
     try:  # nothing is written before the config, the output directory and the controller are known to be good
         if args.out is None and args.resume is None:
             raise ValueError("give --out DIR (or --resume DIR to continue a run)")
@@ -80,11 +82,14 @@ def run(args: argparse.Namespace) -> int:
             else:
                 warnings.showwarning(w.message, w.category, w.filename, w.lineno)
         every = args.checkpoint_every
+        saved = (yaml.safe_load((resume / "config.yaml").read_text()) or {}) if resume is not None else {}
         if every is None and resume is not None:  # a resumed run keeps checkpointing as it did
-            every = (yaml.safe_load((resume / "config.yaml").read_text()) or {}).get("checkpoint_every")
+            every = saved.get("checkpoint_every")
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
         cfg = load_config(args.config, **overrides)
+        if resume is not None:  # and keeps its TensorBoard / W&B sinks unless told otherwise
+            cfg = _keep_tracking(cfg, saved.get("tracking") or {}, args.config, overrides)
         if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps is None:
             cfg.trainer.lr_decay_steps = args.steps  # a decaying lr_schedule's horizon: the run's --steps in all
         _check_writable(out)
@@ -95,24 +100,50 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted before the run started; nothing written", file=sys.stderr)
         return 130
+    except Terminated as exc:
+        print(f"asyncrl run: {exc} before the run started; nothing written", file=sys.stderr)
+        return 128 + exc.signum
     except (ValueError, TypeError, ImportError, OSError) as exc:  # pydantic's ValidationError is a ValueError
         print(_error_message(exc), file=sys.stderr)
         return 2
-    out.mkdir(parents=True, exist_ok=True)
-    from asyncrl.remote import ControlServer
-
-    try:  # a live run in this directory answers on its socket: refuse before touching its files
-        server = ControlServer(out, ctrl, lambda: stop["handle"], lambda: stop.update(remote=True)).start()
-    except (RuntimeError, OSError) as exc:
-        print(f"asyncrl run: {exc}", file=sys.stderr)
-        return 2
+    except Exception as exc:  # user code building the run (a custom sampler, a loss, ...): one line, error.log
+        print(failure_line(out, exc), file=sys.stderr)
+        return 1
     try:
-        return _run(args, ctrl, cfg, out, stop, on_sigint)
-    finally:
-        server.close()  # last: an attached Remote that sees it hang up knows every file is written
+        out.mkdir(parents=True, exist_ok=True)
+        from asyncrl.remote import ControlServer
+
+        try:  # a live run in this directory answers on its socket: refuse before touching its files
+            server = ControlServer(out, ctrl, lambda: stop["handle"], lambda: stop.update(remote=True)).start()
+        except (RuntimeError, OSError) as exc:
+            print(f"asyncrl run: {exc}", file=sys.stderr)
+            return 2
+        try:
+            return _run(args, ctrl, cfg, out, stop, signals)
+        finally:
+            server.close()  # last: an attached Remote that sees it hang up knows every file is written
+    except KeyboardInterrupt:  # before the pumps started: the socket is gone, nothing was trained
+        print("interrupted before the run started", file=sys.stderr)
+        return 130
+    except Terminated as exc:
+        print(f"asyncrl run: {exc} before the run started", file=sys.stderr)
+        return 128 + exc.signum
 
 
-def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
+def _keep_tracking(cfg, saved: dict, config, overrides: dict):
+    """A resumed run's config with the first run's tracking sinks (TensorBoard directory, W&B project and run
+    name) wherever the resume's config and ``--set`` / ``--tensorboard`` / ``--wandb`` leave them unset."""
+    from asyncrl.config import load_config
+
+    given = overrides.get("tracking") or {}
+    keep = {key: value for key, value in saved.items()
+            if value is not None and key not in given and getattr(cfg.tracking, key, None) is None}
+    if not keep:
+        return cfg
+    return load_config(config, **{**overrides, "tracking": {**given, **keep}})
+
+
+def _run(args, ctrl, cfg, out: Path, stop: dict, signals: RunSignals) -> int:
     """The run itself, its files and its summary (``run`` checked everything and listens for ``attach``)."""
     import yaml
 
@@ -123,63 +154,66 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     # resumed run's files start from its checkpoint's history, not the old files
     files = RunFiles(out).attach(ctrl)  # and completions.jsonl, what the model wrote (asyncrl/completions.py)
 
-    previous = signal.signal(signal.SIGINT, on_sigint)
+    signals.running(lambda: stop["handle"] is not None and stop["handle"].stop(wait=False))
     error = None
     try:
         if args.steps > ctrl.trainer_version:  # --steps counts in all: a resumed run has done some
             stop["handle"] = ctrl.start(args.steps - ctrl.trainer_version, progress=not args.quiet)
-            if stop["asked"]:
+            if signals.asked:
                 stop["handle"].stop(wait=False)
             stop["handle"].wait()
-    except Exception as exc:  # the run's own error, re-raised by wait()
+    except Exception as exc:  # the run's own error, re-raised by wait(): one line here, the traceback in error.log
         error = exc
-        _report(exc)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    error = _unwritable(files.close, error)  # a full disk or a read-only directory: one line, status failed
-    status = ("failed" if error is not None else "interrupted" if stop["asked"] else
-              "stopped" if stop.get("remote") else "completed")
+    error = _unwritable(files.close, error)  # a full disk or a read-only directory: the run's error
     handle = stop["handle"]
+    final = None
+    if error is None and signals.asked is None and not stop.get("remote") and ctrl.task.eval_prompts:
+        try:  # a dataset may have no evaluation split
+            final = ctrl.evaluate()
+        except Exception as exc:
+            error = exc
+    status = ("failed" if error is not None else signals.status or ("stopped" if stop.get("remote") else "completed"))
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
+    if signals.asked is not None:
+        summary["signal"] = signals.name
     if error is not None:
         summary["error"] = f"{type(error).__name__}: {error}"
-    evaluates = status == "completed" and bool(ctrl.task.eval_prompts)  # a dataset may have no evaluation split
-    if evaluates:
-        final = ctrl.evaluate()
+    if final is not None:
         summary.update({f"final_eval_{k}": v for k, v in final.items()})
     summary["constant_answer_accuracy"] = ctrl.task.constant_answer_accuracy
-    written = _unwritable(lambda: (out / "summary.json").write_text(json.dumps(summary, indent=2)), error)
+    error = _unwritable(lambda: (out / "summary.json").write_text(json.dumps(summary, indent=2)), error)
     if not args.no_plot and len(ctrl.metrics):
-        _unwritable(lambda: _plot(ctrl, out / "reward.png"), error)
+        error = _unwritable(lambda: _plot(ctrl, out / "reward.png"), error)
     ctrl.close()
     print(json.dumps(summary))
-    if evaluates:
+    if error is not None:
+        print(_failure(out, error), file=sys.stderr)
+    if final is not None:
         print(_learning(ctrl, final))
-    return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status if written is error else "failed", 1)
+    if error is not None:
+        return 1
+    return 0 if status in ("completed", "stopped") else 128 + signals.asked  # killed by a signal, after the clean-up
 
 
-def _report(exc: Exception) -> None:
-    """The run's error: a run directory that cannot be written is one line naming the file; anything else its
-    traceback."""
+def _failure(out: Path, exc: BaseException) -> str:
+    """The one line a failed run prints: a run directory that cannot be written names the file (no error.log: the
+    disk may be full); any other error its line and where its traceback went (``run_endings.failure_line``)."""
     from asyncrl.run_dir import RunDirError
 
     if isinstance(exc, RunDirError):
-        print(f"asyncrl run: {exc}; the run stopped, every file ends with a whole row", file=sys.stderr)
-    else:
-        traceback.print_exception(exc)
+        return f"asyncrl run: {exc}; the run stopped, every file ends with a whole row"
+    return failure_line(out, exc)
 
 
 def _unwritable(write, error: Exception | None) -> Exception | None:
-    """``write()`` a file of the run directory; an ``OSError`` is one line (none when the run already stopped on an
-    unwritable file: that line said it) and becomes the run's error when it had none."""
+    """``write()`` a file of the run directory; an ``OSError`` becomes the run's error (a ``RunDirError`` naming the
+    file) when it had none, and the run's own error stays the one reported when it had one."""
     from asyncrl.run_dir import RunDirError
 
     try:
         write()
     except OSError as exc:
-        if not isinstance(error, RunDirError):
-            _report(exc if isinstance(exc, RunDirError) else RunDirError(exc.filename or "the run directory", exc))
-        return error or exc
+        return error or (exc if isinstance(exc, RunDirError) else RunDirError(exc.filename or "the run directory", exc))
     return error
 
 
@@ -240,12 +274,15 @@ def _error_message(exc: Exception) -> str:
 def _config_errors(exc) -> list[str]:
     """One line per error: the dotted key, what was given, what is allowed (no pydantic boilerplate, no dump of
     the whole config)."""
-    from asyncrl.config import GENERATION_CONFIGS, TRAINER_CONFIGS, Config
+    from asyncrl.config import BOOLEAN_NOT_A_NUMBER, GENERATION_CONFIGS, TRAINER_CONFIGS, Config
     from asyncrl.samplers import SAMPLERS
 
     tags = {"sampler": {*SAMPLERS, "custom"}, "generation": set(GENERATION_CONFIGS), "trainer": set(TRAINER_CONFIGS)}
     lines = []
     for err in exc.errors(include_url=False):
+        if err["type"] == BOOLEAN_NOT_A_NUMBER:  # names its keys and values itself
+            lines.append(err["msg"])
+            continue
         # Sampler and backend configs are unions tagged by name / backend: the tag is in the location, not a key a
         # person types.
         loc = [str(p) for i, p in enumerate(err["loc"]) if not (i == 1 and p in tags.get(err["loc"][0], ()))]

@@ -45,6 +45,7 @@ from asyncrl.algorithms import Loss
 from asyncrl.buffer import ReplayBuffer
 from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
+from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
@@ -74,7 +75,7 @@ def _tick(method):
     return tick
 
 
-class Controller:
+class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed at construction
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
                  reward_funcs=None):
         from asyncrl.chat import prepare_task

@@ -95,6 +95,8 @@ def _read_path(path: Path, role: str) -> Table:
                          f"allowed: {ALLOWED}")
     data = path.read_bytes()
     fingerprint = "sha256:" + hashlib.sha256(data).hexdigest()
+    if fmt in ("jsonl", "json", "csv"):
+        _check_utf8(data, name, fmt)
     if fmt == "jsonl":
         rows, lines = _json_lines(data, name)
         return Table(name, rows, fingerprint, lines)
@@ -115,6 +117,21 @@ def _read_path(path: Path, role: str) -> Table:
         except Exception as exc:
             raise DataError(f"dataset file {name}: not a readable CSV file ({_short(exc)})") from None
     return Table(name, [_plain_row(row, name, i) for i, row in enumerate(rows)], fingerprint)
+
+
+def _check_utf8(data: bytes, name: str, fmt: str) -> None:
+    """A text dataset file is UTF-8; a byte that is not is named by its line and column, where an editor finds it,
+    and its row where a line is a row (JSON Lines: the non-blank lines before it; CSV: after the header)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        column = exc.start - (data.rfind(b"\n", 0, exc.start) + 1) + 1
+        before = data[:data.rfind(b"\n", 0, exc.start) + 1].splitlines()
+        row = {"jsonl": sum(1 for b in before if b.strip()), "csv": line - 2}.get(fmt)
+        raise DataError(f"dataset file {name} line {line}{f' (row {row})' if row is not None else ''}: not UTF-8 "
+                         f"text (byte {data[exc.start]:#04x} at column {column}, byte offset {exc.start}); save the "
+                         "file as UTF-8") from None
 
 
 def _json_lines(data: bytes, name: str) -> tuple[list[dict], list[int]]:
@@ -441,6 +458,7 @@ def check_reward_columns(task: Any, funcs: Iterable[Callable]) -> None:
     """Every row of ``task`` has the columns each reward function needs; else one line naming the row, the column
     and the function."""
     where = getattr(task, "where", lambda pid: f"task {task.name!r} prompt {pid!r}")
+    prompt_key = getattr(task, "prompt_key", "prompt")  # the row's prompt column is one of its columns too
     needs = [(getattr(f, "__name__", repr(f)), need) for f in funcs for need in required_columns(f)]
     if not needs:
         return
@@ -449,4 +467,4 @@ def check_reward_columns(task: Any, funcs: Iterable[Callable]) -> None:
             if not any(column in prompt.columns for column in need):
                 wanted = " or ".join(repr(c) for c in need)
                 raise DataError(f"{where(prompt.id)} has no column {wanted}, which reward function {name} needs; "
-                                 f"its columns are {sorted(prompt.columns)}")
+                                 f"its columns are {sorted({prompt_key, *prompt.columns})}")

@@ -12,6 +12,9 @@ Invariants:
   one left behind by a killed run is stale (``attach`` says so; the next run in that directory replaces it).
 - One attached controller at a time: a second ``attach`` is refused with an error naming the first, and the run
   and the first connection go on unharmed. An error in a command is the reply, never the run's error.
+- A pause has an owner: the attached controller that paused the run. When it disconnects (it exited, crashed, or
+  closed) with the run still paused, the run resumes at once and says so on its stderr, so a client that died never
+  leaves a run paused for ever; ``attach(..., keep_paused=True)`` is a client that means its pause to outlive it.
 - ``stop`` asks the run to end at its next safe point and replies at once; the run writes every file, exits 0 and
   says ``"status": "stopped"`` in ``summary.json``; the socket closes last, so a ``Remote`` that saw it close knows
   everything is on disk.
@@ -23,6 +26,7 @@ import dataclasses
 import json
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -70,12 +74,15 @@ def _connect(directory: Path, timeout: float | None = None) -> socket.socket:
 # ------------------------------------------------------------------------------------------------- server
 class ControlServer:
     """What ``asyncrl run`` listens with. ``handle()`` gives the run's ``RunHandle`` (None before it started);
-    ``on_stop()`` is told before a remote stop, so the CLI can write ``"status": "stopped"``."""
+    ``on_stop()`` is told before a remote stop, so the CLI can write ``"status": "stopped"``; ``warn(line)`` says
+    what the run did on its own (a pause whose owner went away), by default on stderr."""
 
-    def __init__(self, run_dir: str | Path, ctrl, handle, on_stop):
+    def __init__(self, run_dir: str | Path, ctrl, handle, on_stop, warn=None):
         self.run_dir, self.ctrl, self.handle, self.on_stop = Path(run_dir), ctrl, handle, on_stop
+        self.warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
         self._sock: socket.socket | None = None
         self._client: tuple[socket.socket, str] | None = None  # the attached controller and who it is
+        self._paused_by: socket.socket | None = None  # the connection whose pause holds the run (guarded by _lock)
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -124,7 +131,7 @@ class ControlServer:
 
     def _serve(self, conn: socket.socket) -> None:
         reader = conn.makefile("r", encoding="utf-8")
-        mine = False
+        mine, keep_paused = False, False
         try:
             for line in reader:
                 request = json.loads(line)
@@ -135,6 +142,7 @@ class ControlServer:
                                          f"{self.run_dir} ({self._client[1]}); detach it (remote.close()) first"})
                             return
                         self._client, mine = (conn, str(request.get("who", "a client"))), True
+                        keep_paused = bool(request.get("keep_paused", False))
                 if not mine:
                     _send(conn, {"ok": False, "error": "say hello first"})
                     return
@@ -142,14 +150,37 @@ class ControlServer:
                     reply = {"ok": True, "value": self._do(request)}
                 except Exception as exc:  # the caller's mistake (or a tick refused): the reply, not the run's error
                     reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+                else:
+                    if request.get("cmd") in ("pause", "resume", "stop"):
+                        with self._lock:
+                            self._paused_by = conn if request["cmd"] == "pause" else None
                 _send(conn, reply)
         except (OSError, ValueError):
             pass
         finally:
             with self._lock:
-                if mine and self._client is not None and self._client[0] is conn:
+                who = self._client[1] if mine and self._client is not None and self._client[0] is conn else None
+                if who is not None:
                     self._client = None
+                owned = self._paused_by is conn
+                if owned:
+                    self._paused_by = None
             conn.close()
+            if owned and not self._closed.is_set():
+                self._orphaned_pause(who or "a client", keep_paused)
+
+    def _orphaned_pause(self, who: str, keep_paused: bool) -> None:
+        """The client whose pause holds the run went away: resume, unless it attached with ``keep_paused``."""
+        handle = self.handle()
+        if handle is None or not handle.paused:
+            return
+        if keep_paused:
+            self.warn(f"asyncrl run: warning: the attached controller ({who}) that paused the run disconnected; "
+                      "the run stays paused (it attached with keep_paused=True): attach and resume it")
+            return
+        handle.resume()
+        self.warn(f"asyncrl run: warning: the attached controller ({who}) that paused the run disconnected; the "
+                  "run resumes (attach with keep_paused=True to keep a pause past the client)")
 
     def _do(self, request: dict) -> Any:
         cmd, handle, ctrl = request.get("cmd"), self.handle(), self.ctrl
@@ -201,10 +232,11 @@ def _send(conn: socket.socket, message: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------------------- client
-def attach(run_dir: str | Path) -> Remote:
+def attach(run_dir: str | Path, keep_paused: bool = False) -> Remote:
     """Control the live ``asyncrl run`` writing ``run_dir``: a ``Remote`` (``AttachError`` when there is no live
-    run there, its socket is stale, or another controller is attached)."""
-    return Remote(run_dir)
+    run there, its socket is stale, or another controller is attached). A run this ``Remote`` paused resumes when it
+    disconnects (closes, or its process exits), unless ``keep_paused``: then it stays paused for the next client."""
+    return Remote(run_dir, keep_paused=keep_paused)
 
 
 class _Task:
@@ -216,13 +248,14 @@ class Remote:
     """A live ``asyncrl run``, driven from here: ``pause()``, ``resume()``, ``stop()``, and while paused
     ``rollout_tick()``, ``train_tick()``, ``tick()``, ``explain()``, ``state()``. ``metrics`` and ``trace`` read the
     run's live files (a ``read_view.ReadView``, as a controller is). It also stands in for the run's handle (``last_run``: ``running``, ``paused``, ``status``,
-    ``target``), so ``widgets.Dashboard(remote)`` works with the same buttons. ``close()`` detaches."""
+    ``target``), so ``widgets.Dashboard(remote)`` works with the same buttons. ``close()`` detaches (and a run it
+    paused resumes, unless ``keep_paused``)."""
 
     error = None
     breakpoint = None
 
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
+    def __init__(self, run_dir: str | Path, keep_paused: bool = False):
+        self.run_dir, self.keep_paused = Path(run_dir), bool(keep_paused)
         path = self.run_dir / SOCKET
         if not path.exists():
             summary = self.run_dir / "summary.json"
@@ -240,7 +273,7 @@ class Remote:
         self._lock = threading.Lock()
         self._closed = False
         try:
-            self._status = self._call("hello", who=f"pid {os.getpid()}")
+            self._status = self._call("hello", who=f"pid {os.getpid()}", keep_paused=self.keep_paused)
         except AttachError:
             self.close()
             raise
@@ -376,7 +409,7 @@ class Remote:
 
     # ---------------------------------------------------------------------------------------------- closing
     def close(self) -> None:
-        """Detach (the run goes on)."""
+        """Detach (the run goes on; paused by this ``Remote``, it resumes unless ``keep_paused``)."""
         with self._lock:
             self._closed = True
             try:

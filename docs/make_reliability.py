@@ -1,13 +1,16 @@
 """Write docs/reliability.md: run every fault scenario of the shared harness (tests/faults.py) on the real CPU
-backends and tabulate what was injected and what the controller did. The tests assert the same scenarios.
+backends and tabulate what was injected and what the controller did (the tests assert the same scenarios); then run
+every attack at the command line and on disk (tests/cli_attacks.py: configs, signals, user code, damaged files, a
+full disk, attach) against the real CLI and tabulate the exit status, the first line a person reads and the outcome.
 
-    PYTHONPATH=. python docs/make_reliability.py            # all scenarios, Ray ones included when Ray is there
+    PYTHONPATH=. python docs/make_reliability.py            # all of it, Ray scenarios included when Ray is there
 """
 
 from __future__ import annotations
 
 import platform
 import sys
+import tempfile
 import time
 from datetime import date
 from pathlib import Path
@@ -16,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from asyncrl.faults import FaultsConfig  # noqa: E402
+from tests.cli_attacks import ATTACKS, HANG_S, run_attack  # noqa: E402
 from tests.faults import SCENARIOS, close, run_scenario  # noqa: E402
 
 RUN_MODE = ("poll_errors", "submit_errors", "lost_groups", "reward_raises", "stragglers")
@@ -43,6 +47,26 @@ def row(name: str, mode: str) -> str:
             f"{ends_text}; {result['live']} live | {outcome(result)} | {sc.expect} | {seconds:.1f} |")
 
 
+def cell(text: object, limit: int = 220) -> str:
+    """One table cell: one line, pipes escaped, long text cut."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return (text[:limit] + "...") if len(text) > limit else text or "-"
+
+
+def attack_rows() -> list[str]:
+    rows = []
+    for name, attack in ATTACKS.items():
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory(prefix=f"asyncrl-attack-{name}-") as tmp:
+            outcome = run_attack(name, Path(tmp))
+        seconds = time.perf_counter() - start
+        says = f"`{cell(outcome.says)}`" if outcome.says else "-"
+        rows.append(f"| `{name}` | {attack.what} | {outcome.exit} | {says} | {cell(outcome.result)} | "
+                    f"{attack.expect} | {seconds:.1f} |")
+        print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     rows = []
     ray_ok = True
@@ -61,6 +85,7 @@ def main() -> None:
         if name in RUN_MODE:
             rows.append(row(name, "run"))
         print(rows[-1], flush=True)
+    attacks = attack_rows()
     knobs = [f"| `faults.{k}` | {f.default!r} | {f.description} |" for k, f in FaultsConfig.model_fields.items()]
     text = f"""# Reliability: faults tried and what happened
 
@@ -77,6 +102,19 @@ Seconds are wall time on a shared, loaded machine: read them as "it did not hang
 {chr(10).join(rows)}
 
 {"" if ray_ok else "Ray could not start on this machine, so the actor scenarios were not run." + chr(10)}
+## At the CLI and on disk
+
+Each attack below (`tests/cli_attacks.py`) ran against the real `asyncrl` command in a subprocess, in a fresh
+directory: configuration mistakes, signals, user code that misbehaves, damaged files, a full disk, an attached client
+that goes away. "exit" is the exit status (`hung`: killed after {HANG_S:g} s); "says" is the first line a person
+reads (stderr's first line; for Python code, the exception's line); "outcome" is what the run directory held
+afterwards, or what the attack observed. The behaviours are asserted one by one by the tests (`tests/test_signals.py`,
+`tests/test_user_mistakes.py`, `tests/test_attach.py`, `tests/test_checkpoint.py`, ...); this table is their record.
+
+| attack | what was done | exit | says | outcome | expected | s |
+| --- | --- | --- | --- | --- | --- | --- |
+{chr(10).join(attacks)}
+
 ## How faults are contained
 
 Each mechanism is described at the code that keeps it (`asyncrl/faults.py`, `asyncrl/checkpoint.py`):
@@ -100,6 +138,18 @@ Each mechanism is described at the code that keeps it (`asyncrl/faults.py`, `asy
   budget and the last error; the groups stay live, so stepping again after a fix continues.
 - A dead generator actor (Ray) is restarted with the trainer's current weights and its groups re-dispatched; a dead
   trainer actor stops the run with `TrainerFailed`, pointing at the last checkpoint.
+- At the command line, a mistake is one line and nothing is written: YAML that does not parse names the file (or
+  the `--set`), the line and the column; an empty config file, or one that is not a mapping, is refused naming it; a
+  boolean given for a number (`--set groups_per_step=true`) is a configuration error, not 1. User code that fails
+  while the run goes (a reward of the wrong length or type, a custom sampler or loss that raises) ends the run with
+  its error's line on stderr and the whole traceback in `error.log` in the run directory, exit 1.
+- SIGTERM and SIGHUP stop `asyncrl run` as Ctrl-C does: at a safe point, every file written, `summary.json` saying
+  `"status": "terminated"` (and which signal), `control.sock` removed, exit 128 + the signal (143, 129; Ctrl-C 130).
+  A signal the run inherited as ignored (`nohup`'s SIGHUP) stays ignored; the same signal twice kills at once.
+- A pause has an owner: when the attached client that paused a run disconnects, the run resumes and says so on
+  stderr; `asyncrl.attach(run_dir, keep_paused=True)` is a client whose pause outlives it.
+- A controller's parts (`policy`, `generator`, `task`, `sampler`, `buffer`) are fixed at construction: assigning
+  one is an `AttributeError` saying to build a new `Controller(cfg, task, policy, generator, tokenizer)`.
 - Checkpoints are written to a temporary directory and renamed into place (`tests/test_checkpoint.py` crashes a
   save at each of its file operations and loads the previous checkpoint every time). A save first brings back
   every group in flight (it waits for a batch the running rollout pump generated and has not committed, then polls

@@ -96,3 +96,49 @@ def test_attach_to_no_run_or_a_stale_socket_is_a_clear_error(tmp_path):
     stale.close()
     with pytest.raises(AttachError, match="stale socket .*killed"):
         attach(tmp_path)
+
+
+def _client(out: Path, keep_paused: bool) -> subprocess.CompletedProcess:
+    """Another process attaches, pauses the run and exits without resuming it (as a crashed notebook would)."""
+    code = (f"import sys\nfrom asyncrl import attach\nremote = attach(sys.argv[1], keep_paused={keep_paused})\n"
+            "remote.pause()\nassert remote.paused\nprint(remote.trainer_version)\n")
+    return subprocess.run([sys.executable, "-c", code, str(out)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+
+
+def test_a_pause_ends_when_the_client_that_paused_goes_unless_it_keeps_it(tmp_path):
+    """The pause belongs to the attached client that asked for it: when that process exits, the run resumes within
+    seconds and says so on its stderr; a client that attached with ``keep_paused=True`` leaves it paused."""
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "100000", "--out",
+                             str(out), "--quiet", "--no-plot", "--set", "eval_every=null",
+                             "--set", "generation.backend=simulated", "--set", "generation.clock=wall",
+                             "--set", "generation.prefill_s=0.01", "--set", "trainer.backend=simulated"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (out / SOCKET).exists() and rows(out) >= 2, 120, "socket and two steps", proc)
+        client = _client(out, keep_paused=False)
+        assert client.returncode == 0, client.stderr
+        paused_at = int(client.stdout.strip())
+        wait_for(lambda: rows(out) > paused_at + 2, 10, "steps after the pausing client exited", proc)
+
+        client = _client(out, keep_paused=True)
+        assert client.returncode == 0, client.stderr
+        held = rows(out)
+        time.sleep(1.5)
+        assert rows(out) == held  # kept paused past the client, as it asked
+        remote = attach(out)  # the next client finds it paused and takes it from there
+        assert remote.paused
+        remote.stop()
+        assert proc.wait(timeout=120) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stderr = proc.stderr.read()
+    assert "Traceback" not in stderr, stderr
+    warnings = [line for line in stderr.splitlines() if "that paused the run disconnected" in line]
+    assert len(warnings) == 2, stderr
+    assert warnings[0].startswith("asyncrl run: warning:") and "the run resumes" in warnings[0]
+    assert "stays paused" in warnings[1] and "keep_paused=True" in warnings[1]
+    assert json.loads((out / "summary.json").read_text())["status"] == "stopped"

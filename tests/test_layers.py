@@ -54,6 +54,7 @@ TIERS = [
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],
     ["asyncrl.backends"],  # the registry: build_backends picks engines by name
     ["asyncrl.evaluation"],  # evaluation on a split: n samples a prompt (a generator's capability), mean@n, pass@n
+    ["asyncrl.parts"],  # the controller's parts, fixed at construction
     ["asyncrl.reports"],  # what a tick did and the state snapshot: the controller's read API types
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
@@ -72,6 +73,7 @@ TIERS = [
     ["asyncrl.replay.comparison"], ["asyncrl.replay"],
     ["asyncrl.recording", "asyncrl.remote"],  # a run read back (its files or a live controller); a live run's socket
     ["asyncrl.replay.command"],  # ``asyncrl replay``: opens a recording, compares
+    ["asyncrl.run_endings"],  # how ``asyncrl run`` ends early: signals at a safe point, a failure's line and error.log
     ["asyncrl.cli"],
     ["widgets"],  # the notebook package (and its modules): on top, nothing in asyncrl imports it
 ]

@@ -72,3 +72,31 @@ def test_wandb_gets_every_row_at_its_step_and_the_run_config(monkeypatch):
     assert [step for _, step, _ in logs] == [0, 1]
     assert logs[1][2]["reward_mean"] == pytest.approx(ctrl.metrics.reward_mean.iloc[1])
     assert calls[-1] == ("finish",)
+
+
+def test_a_resumed_run_keeps_logging_to_the_first_runs_tensorboard_directory(tmp_path):
+    """``asyncrl run ... --tensorboard TB`` then ``--resume`` without the flag: the resumed steps go to TB too."""
+    pytest.importorskip("tensorboard")
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import yaml
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    root = Path(__file__).resolve().parents[1]
+    out, tb = tmp_path / "run", tmp_path / "tb"
+    simulated = ["--set", "generation.backend=simulated", "--set", "trainer.backend=simulated"]
+
+    def cli(*args):
+        proc = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--out", str(out), "--quiet",
+                               "--no-plot", *simulated, *args], capture_output=True, text=True, timeout=300,
+                              cwd=root, env={**os.environ, "MPLBACKEND": "Agg"})
+        assert proc.returncode == 0, proc.stderr
+
+    cli("--steps", "2", "--checkpoint-every", "2", "--tensorboard", str(tb))
+    cli("--steps", "4", "--resume", str(out))
+    assert yaml.safe_load((out / "config.yaml").read_text())["tracking"]["tensorboard_dir"] == str(tb)
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    assert sorted({e.step for e in events.Scalars("reward_mean")}) == [0, 1, 2, 3]

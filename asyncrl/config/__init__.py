@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.config.backends import GENERATION_CONFIGS, TRAINER_CONFIGS, GenerationConfig, ModelConfig, TrainerConfig
@@ -49,12 +50,12 @@ from asyncrl.presets import PRESETS, presets
 from asyncrl.completions import check_every
 from asyncrl.rewards import RewardConfig
 from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
-from asyncrl.strict import StrictModel
+from asyncrl.strict import StrictModel, booleans_for_numbers
 from asyncrl.tasks import build_task
 from asyncrl.tracking import TrackingConfig
 
 __all__ = [
-    "Config", "load_config", "merge_overrides", "presets", "PRESETS",
+    "Config", "load_config", "merge_overrides", "read_yaml", "presets", "PRESETS",
     "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
@@ -64,6 +65,8 @@ __all__ = [
     # and asyncrl.tasks
     "CustomConfig", "InOrderConfig", "build_custom", "build_sampler", "build_task",
 ]
+
+BOOLEAN_NOT_A_NUMBER = "boolean_not_a_number"  # the error type of a bool given where a number is taken
 
 
 class Config(BaseModel):
@@ -123,6 +126,17 @@ class Config(BaseModel):
         "generated with weights 0, N, 2N, ...); asyncrl/completions.py")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
     ray: RayConfig = Field(default_factory=RayConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        # pydantic's lax mode reads True as 1 (and YAML's true/yes/on are True): refused in every section, each key
+        # named (the error type tells the CLI to print the message as it is)
+        wrong = booleans_for_numbers(cls, data)
+        if wrong:
+            raise PydanticCustomError(BOOLEAN_NOT_A_NUMBER, "{keys}: a boolean where the key takes a number or text "
+                                      "(YAML reads true/false/yes/no/on/off as booleans)", {"keys": "; ".join(wrong)})
+        return data
 
     @field_validator("log_completions")
     @classmethod
@@ -204,5 +218,22 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
                 raise ValueError(f"unknown preset {str(preset_or_path)!r}; presets: {presets()}, or a YAML path")
         elif not path.exists():
             raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
-        data = yaml.safe_load(path.read_text()) or {}
+        data = read_yaml(path.read_text(), f"config file {str(path)!r}")
+        if data is None:
+            raise ValueError(f"config file {str(path)!r} is empty: it holds no configuration keys (give a preset, "
+                             "e.g. 'quickstart', or write keys such as 'groups_per_step: 8')")
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {str(path)!r} holds a YAML {type(data).__name__}, not a mapping of "
+                             "configuration keys (key: value lines, such as 'groups_per_step: 8')")
     return Config.model_validate(merge_overrides(data, overrides))
+
+
+def read_yaml(text: str, what: str) -> Any:
+    """``text`` as YAML; a syntax error is a ``ValueError`` of one line naming ``what``, the line and the column."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = " ".join(str(getattr(exc, "problem", None) or exc).split())
+        raise ValueError(f"{what} is not valid YAML{where}: {problem}") from None
