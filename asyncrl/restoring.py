@@ -30,7 +30,9 @@ def check_on_sampler_change(how: str) -> None:
 
 def check_given(path: Path, config: Any, data: dict[str, Any]) -> None:
     """The objects the checkpoint's run was built from are among ``data`` (``restore``'s keyword arguments), or a
-    ``CheckpointError`` of one line naming what to pass. With a ``config`` of the caller's, that config decides."""
+    ``CheckpointError`` of one line naming what to pass. Reward functions alone are named in the config as
+    ``module:function`` and import when trusted (``checkpoint.own_config`` says so); data cannot be rebuilt. With a
+    ``config`` of the caller's, that config decides."""
     if config is not None:
         return
     try:
@@ -38,7 +40,7 @@ def check_given(path: Path, config: Any, data: dict[str, Any]) -> None:
     except (OSError, ValueError):
         return  # a damaged meta.json is named by the load that follows
     missing = [name for name in given if data.get(name) is None]
-    if missing:
+    if [name for name in missing if name != "reward_funcs"]:  # functions alone: imported when trusted (checkpoint.py)
         args = ", ".join(f"{name}=..." for name in missing)
         raise checkpoint.CheckpointError(
             f"checkpoint {str(path)!r} is of a run built from Python objects ({', '.join(given)}), which a checkpoint "
@@ -71,7 +73,7 @@ def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) 
     where = repr(str(ckpt.path))
     model_cfg = ModelConfig.model_validate(ckpt.config.get("model") or {})
     trainer_cfg = TypeAdapter(TrainerConfig).validate_python(ckpt.config.get("trainer") or {})
-    if adapter and getattr(model_cfg, "lora", None) is None:
+    if adapter and (model_cfg.lora is None or trainer_cfg.backend != "torch"):
         raise ValueError(f"--adapter: checkpoint {where} has no adapter (its model.lora is not set): export the whole "
                          "model without --adapter")
     if getattr(trainer_cfg, "ranks", 1) > 1:
@@ -85,7 +87,9 @@ def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) 
     try:
         policy.load_state_dict(ckpt.tensors["policy"])
         if adapter:
-            written = policy.save_adapter(out)
+            from asyncrl.backends.lora import save_adapter
+
+            written = save_adapter(policy.peft, out)
             tokenizer.save_pretrained(str(written))
         else:
             written = export_pretrained(policy, model_cfg, tokenizer, out)
