@@ -24,7 +24,7 @@ from asyncrl.strict import StrictModel
 class RewardConfig(StrictModel):
     """``reward:`` — the run's reward functions (TRL's signature; docs/tasks.md) and how they are run."""
 
-    funcs: list[str | dict[str, Any] | Callable[..., Any] | tuple[Any, Any] | Any] = Field(
+    funcs: list[str | dict[str, Any] | Callable[..., Any] | Any] = Field(
         default_factory=list, description="reward functions: a built-in's name (math_answer, exact_match, "
         "format_tags, countdown), 'package.module:function', a reward model {model: PATH, batch_size: 32} (a "
         "sequence-classification model directory with one label), or in Python a function or a transformers model "
