@@ -246,6 +246,8 @@ def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = (), bac
     else:
         reward.check_unused()  # weights or an accuracy function with no function to name
         functions = RewardFunctions.of_task(task)
+    if reward.accuracy is not None and reward.accuracy not in functions.names:  # functions given as objects too
+        raise ValueError(f"reward.accuracy {reward.accuracy!r} is not one of the reward functions {functions.names}")
     check_reward_columns(task, [f for f in functions.funcs if not isinstance(f, TaskReward)])
     return functions
 

@@ -145,3 +145,15 @@ def test_a_reward_model_that_is_not_one_is_one_line(tmp_path):
         str(tmp_path / "two"))
     with pytest.raises(ValueError, match=r"reward model '.*two' has 2 labels"):
         RewardConfig(funcs=[{"model": str(tmp_path / "two")}])
+
+
+def test_an_accuracy_function_is_checked_against_the_functions_given():
+    from asyncrl import Controller
+
+    ctrl = Controller.from_config(small_config(reward={"accuracy": "first_char"}), reward_funcs=[rf.first_char])
+    assert ctrl.cfg.reward.accuracy == "first_char"
+    ctrl.close()
+    with pytest.raises(ValueError, match=r"reward.accuracy 'nope' is not one of the reward functions \['first_char'\]"):
+        Controller.from_config(small_config(reward={"accuracy": "nope"}), reward_funcs=[rf.first_char])
+    with pytest.raises(ValueError, match=r"reward.accuracy 'nope' names a function, and no reward function is named"):
+        Controller.from_config(small_config(reward={"accuracy": "nope"}))
