@@ -64,6 +64,17 @@ def test_only_the_adapter_trains_and_the_generator_gets_the_merged_weights():
         held = ctrl.generator.model.state_dict()
         assert all(torch.equal(held[k], v) for k, v in merged.items())
         assert ctrl.generator.version == 2
+        # a kept version is the adapter's copy (the base is the same in every version), and it scores as before
+        from tests.test_export import _batch
+
+        batch, before = _batch(), policy.logprobs(_batch())
+        assert policy.keep_versions([2], 2) == [2]
+        assert policy.kept_bytes() == sum(p.numel() * p.element_size() for p in adapter.values())
+        with torch.no_grad():  # what an optimizer step does to the adapter
+            for p in policy.params:
+                p.add_(0.01)
+        assert torch.equal(policy.logprobs_at(batch, 2, 3), before)
+        assert not torch.equal(policy.logprobs(batch), before)
 
 
 def test_lora_config_mistakes_are_one_line():
@@ -123,3 +134,19 @@ def test_a_lora_run_checkpoints_the_adapter_exports_merged_or_alone_and_resumes_
     plain.close()
     assert cli.main(["export", str(tmp_path / "plain"), str(tmp_path / "y"), "--adapter"]) == 2
     assert "has no adapter" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_with_dropout_a_logprob_is_the_policy_s_without_it():
+    from asyncrl import Controller
+    from tests.test_export import _batch
+
+    with Controller.from_config(small_config(model={"lora": {"rank": 4, "dropout": 0.5}})) as ctrl:
+        stepped(ctrl, 2)  # lora_B is no longer zero: dropout on the adapter's input changes the output
+        policy, batch = ctrl.policy, _batch()
+        first = policy.logprobs(batch)
+        assert torch.equal(first, policy.logprobs(batch)) and policy.model.training
+        with torch.no_grad():
+            noisy = policy.model(input_ids=batch.input_ids).logits
+            again = policy.model(input_ids=batch.input_ids).logits
+        assert not torch.equal(noisy, again)  # the training forward is random: not the previous policy's
+        assert ctrl.metrics.loss.notna().all()

@@ -194,7 +194,8 @@ class TorchPolicy(KeptVersions):
         batch = self._to_device(batch)
         out = torch.zeros(batch.input_ids.shape, device=self.device)
         training = model.training
-        model.train(not self._dropout)  # LoRA dropout: a logprob is the policy's, without it
+        if self._dropout:  # LoRA dropout: a logprob is the policy's, without it
+            model.eval()
         try:
             for mb in plans:
                 mb = mb.to(self.device)
