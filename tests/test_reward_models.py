@@ -76,10 +76,11 @@ def reward_model_dir(path, family="llama", seed=0):
     return model, tok
 
 
-def direct(model, tok, text: str) -> float:
-    """What the reward model says of one text: one forward, no padding, its one logit."""
+def direct(model, tok, text: str, templated: bool = False) -> float:
+    """What the reward model says of one text: one forward, no padding, its one logit (a templated text is
+    encoded as apply_chat_template(tokenize=True) encodes it: nothing added again)."""
     with torch.no_grad():
-        ids = tok(text, return_tensors="pt", add_special_tokens=False)
+        ids = tok(text, return_tensors="pt", add_special_tokens=not templated)
         return float(model(**ids).logits[0, 0])
 
 
@@ -105,7 +106,11 @@ def test_a_reward_model_directory_scores_in_a_worker_as_a_direct_forward(tmp_pat
     want = [direct(model, tok, p + c) for p, c in zip(prompts, completions)]
     torch.testing.assert_close(plain.parts["my-rm"], want, atol=1e-5, rtol=0)
     assert plain.rewards == pytest.approx([2 * s + len(c) for s, c in zip(plain.parts["my-rm"], completions)])
-    want_chat = [direct(model, tok, f"<user>{p}<assistant>{c}") for p, c in zip(prompts, completions)]
+    want_chat = [direct(model, tok, f"<user>{p}<assistant>{c}", templated=True) for p, c in zip(prompts, completions)]
+    ids = tok.apply_chat_template(conversational[0] + chat[0], tokenize=True, return_dict=True)["input_ids"]
+    with torch.no_grad():
+        assert conv.parts["my-rm"][0] == pytest.approx(float(model(input_ids=torch.tensor([ids])).logits[0, 0]),
+                                                       abs=1e-5)
     torch.testing.assert_close(conv.parts["my-rm"], want_chat, atol=1e-5, rtol=0)
     assert want_chat != want  # the chat template was used
 

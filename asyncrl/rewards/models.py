@@ -6,10 +6,11 @@ An entry of ``reward.funcs`` may be a model directory, ``{model: PATH, batch_siz
 arguments; without a tokenizer, the one in the model's ``name_or_path`` directory). ``RewardModel`` wraps either
 as a reward function of TRL's signature, so it is loaded, called, timed, weighted and reported like any other.
 
-How it scores (TRL's ``GRPOTrainer`` does the same): the text is prompt + completion, for conversational data the
-messages ``prompt + [completion]`` through the reward tokenizer's chat template; it is tokenized without special
-tokens added again (the template writes its own), right-padded, and the reward is the model's one logit
-(``logits[:, 0]``), ``batch_size`` texts per forward, in float32 on the CPU with no gradient.
+How it scores (as TRL's ``GRPOTrainer`` does): the text is prompt + completion, for conversational data the
+messages ``prompt + [completion]`` through the reward tokenizer's chat template; it is tokenized as asyncrl
+tokenizes a prompt (``asyncrl/chat.py``): a standard text with the tokenizer's special tokens, a templated one
+with nothing added again (the template writes its own); right-padded, ``batch_size`` texts per forward, in the
+model's dtype on the CPU with no gradient; the reward is the model's one logit (``logits[:, 0]``).
 
 Invariants:
 - Its name, hence its metric ``reward/<name>``, is the model directory's name (a model object: the basename of its
@@ -123,32 +124,38 @@ class RewardModel:
                 model.eval()
             return model, tok
 
-    def texts(self, prompts: list, completions: list) -> list[str]:
-        """Prompt + completion of each row, through the chat template for conversational rows (TRL's rule)."""
+    def texts(self, prompts: list, completions: list) -> list[tuple[str, bool]]:
+        """``(text, conversational)`` of each row: prompt + completion, through the chat template for a
+        conversational row (TRL's rule)."""
+        from asyncrl.rewards.builtin import completion_text
+
         _, tok = self.load()
         out = []
         for prompt, completion in zip(prompts, completions):
             if isinstance(prompt, list):  # conversational: the messages, then the completion's
                 messages = prompt + (completion if isinstance(completion, list) else
                                      [{"role": "assistant", "content": str(completion)}])
-                out.append(tok.apply_chat_template(messages, tokenize=False))
+                out.append((tok.apply_chat_template(messages, tokenize=False), True))
             else:
-                from asyncrl.rewards.builtin import completion_text
-
-                out.append(str(prompt) + completion_text(completion))
+                out.append((str(prompt) + completion_text(completion), False))
         return out
 
     def __call__(self, prompts: list, completions: list, **kwargs: Any) -> list[float]:
         import torch
 
         model, tok = self.load()
-        texts = self.texts(prompts, completions)
+        rows = self.texts(prompts, completions)
         scores: list[float] = []
         with torch.no_grad():
-            for start in range(0, len(texts), self.batch_size):
-                inputs = tok(texts[start:start + self.batch_size], return_tensors="pt", padding=True,
-                             padding_side="right", add_special_tokens=False)
+            start = 0
+            while start < len(rows):  # batches of one kind: a template writes its own special tokens
+                end = start + 1
+                while end < min(len(rows), start + self.batch_size) and rows[end][1] == rows[start][1]:
+                    end += 1
+                inputs = tok([text for text, _ in rows[start:end]], return_tensors="pt", padding=True,
+                             padding_side="right", add_special_tokens=not rows[start][1])
                 scores += model(**inputs).logits[:, 0].float().tolist()
+                start = end
         return scores
 
     def __repr__(self) -> str:
