@@ -474,7 +474,7 @@ class Controller:
 
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
-        check_given(path, config, data)
+        check_given(path, config, data, trust_code)
         cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")))
         ctrl = cls.from_config(cfg if config is not None or tracking else untracked(cfg), **data)
         try:

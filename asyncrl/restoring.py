@@ -28,11 +28,12 @@ def check_on_sampler_change(how: str) -> None:
         raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {how!r}")
 
 
-def check_given(path: Path, config: Any, data: dict[str, Any]) -> None:
+def check_given(path: Path, config: Any, data: dict[str, Any], trust_code: bool = False) -> None:
     """The objects the checkpoint's run was built from are among ``data`` (``restore``'s keyword arguments), or a
-    ``CheckpointError`` of one line naming what to pass. Reward functions alone are named in the config as
-    ``module:function`` and import when trusted (``checkpoint.own_config`` says so); data cannot be rebuilt. With a
-    ``config`` of the caller's, that config decides."""
+    ``CheckpointError`` of one line naming what to pass. Reward functions are named in the config as
+    ``module:function``: untrusted, ``checkpoint.own_config`` refuses to import them (naming ``reward_funcs=``);
+    trusted, they are needed only when one does not import (a function of a notebook or a test's closure). Data
+    cannot be rebuilt. With a ``config`` of the caller's, that config decides."""
     if config is not None:
         return
     try:
@@ -40,12 +41,33 @@ def check_given(path: Path, config: Any, data: dict[str, Any]) -> None:
     except (OSError, ValueError):
         return  # a damaged meta.json is named by the load that follows
     missing = [name for name in given if data.get(name) is None]
-    if [name for name in missing if name != "reward_funcs"]:  # functions alone: imported when trusted (checkpoint.py)
+    if missing == ["reward_funcs"] and not (trust_code and _unimportable(path)):
+        return
+    if missing:
         args = ", ".join(f"{name}=..." for name in missing)
         raise checkpoint.CheckpointError(
             f"checkpoint {str(path)!r} is of a run built from Python objects ({', '.join(given)}), which a checkpoint "
             f"does not hold: pass {', '.join(f'{m}=' for m in missing)} again, as Controller.restore(path, "
             f"trust_code=True, {args})")
+
+
+def _unimportable(path: Path) -> bool:
+    """Whether a reward function the checkpoint's config names does not load here (trusted: importing is allowed)."""
+    import yaml
+
+    from asyncrl.rewards.config import imported_functions
+    from asyncrl.rewards.functions import load_function
+
+    try:
+        specs = imported_functions(yaml.safe_load((Path(path) / "config.yaml").read_text()) or {})
+    except (OSError, yaml.YAMLError):
+        return False
+    for spec in specs:
+        try:
+            load_function(spec)
+        except ValueError:
+            return True
+    return False
 
 
 def untracked(cfg: Any) -> Any:

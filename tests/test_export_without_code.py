@@ -94,3 +94,23 @@ def test_restoring_a_run_built_from_objects_says_what_to_pass(tmp_path):
         while again.trainer_version < 4:
             again.tick()
         assert again.metrics.loss.tolist() == want  # exact: the same data, functions and weights
+
+
+def test_a_trusted_restore_asks_for_reward_functions_that_do_not_import(tmp_path):
+    from asyncrl import Controller
+    from tests.faults import small_config
+
+    def local_reward(completions, **kwargs):  # a closure: config.yaml names it, nothing can import it
+        return [float(len(c)) for c in completions]
+
+    rows = _rows()
+    with Controller.from_config(small_config(groups_per_step=2), train_dataset=rows,
+                                reward_funcs=[local_reward]) as ctrl:
+        ctrl.tick()
+        saved = ctrl.save(tmp_path / "ckpt")
+    with pytest.raises(CheckpointError, match=r"built from Python objects \(train_dataset, reward_funcs\).*: pass "
+                                              r"reward_funcs= again, as Controller.restore\(path, trust_code=True, "
+                                              r"reward_funcs=\.\.\.\)$"):
+        Controller.restore(saved, trust_code=True, train_dataset=rows)
+    with Controller.restore(saved, train_dataset=rows, reward_funcs=[local_reward]) as again:
+        assert again.trainer_version == ctrl.trainer_version
