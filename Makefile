@@ -3,7 +3,7 @@
 #   make quickstart  set up .venv, run the quickstart notebook headless and a 300-step CLI run; outputs in runs/quickstart/
 VENV ?= .venv
 PY := $(VENV)/bin/python
-EXTRAS ?= notebook,ray,megatron,tracking,dev
+EXTRAS ?= notebook,ray,megatron,tracking,lora,dev
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 export HF_HUB_OFFLINE := 1
 export MPLBACKEND := Agg

@@ -349,6 +349,7 @@ def save(path: str | Path, config: Any, state: dict) -> Path:
         "shapes": shapes(state["policy"]),
         **{key: state[key] for key in META_KEYS},
         **({"data": state["data"]} if state.get("data") else {}),  # a dataset task's sources and content hashes
+        **({"given": state["given"]} if state.get("given") else {}),  # built from objects: restore asks for them
     }
     files = {key: buffer if key == "buffer" else state[key] for key in STATE_KEYS}
     if not any(files["in_step"].values()):  # nothing counted: the files are those of the format before in_step
@@ -407,7 +408,7 @@ def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: 
     data = (own_config(ckpt, sampler is not None, trust_code, rewards_given) if config is None
             else config.model_dump(mode="json"))
     if rewards_given:  # the caller's objects replace the functions named (nothing of them is imported)
-        data["reward"] = {**(data.get("reward") or {}), "funcs": [], "weights": None, "accuracy": None}
+        data["reward"] = {**(data.get("reward") or {}), "funcs": []}  # weights and accuracy are data: kept
     if sampler is not None:
         data["sampler"] = sampler_config(sampler).model_dump(mode="json")
     cfg = Config.model_validate(data)

@@ -366,24 +366,22 @@ def simulate(args: argparse.Namespace) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
-    """``asyncrl export RUN_OR_CHECKPOINT DIR``: restore the checkpoint (a run directory: its newest) and write its
-    policy with ``Controller.save_pretrained``. A bad checkpoint or DIR is one line, exit 2, nothing written."""
-    from asyncrl.controller import Controller
+    """``asyncrl export RUN_OR_CHECKPOINT DIR [--adapter]``: the checkpoint's policy (a run directory: its newest)
+    as a Hugging Face model directory, or a LoRA run's adapter alone, from its weights and tokenizer only
+    (``asyncrl.restoring.export_checkpoint``: no reward, task or sampler code imported, no tracking sink opened). A
+    bad checkpoint or DIR is one line, exit 2, nothing written."""
+    from asyncrl.restoring import export_checkpoint
 
     out = Path(args.dir)
     try:
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise ValueError(f"{args.dir!r} exists and is not an empty directory: export writes a new one")
-        ctrl = Controller.restore(args.run)
+        out, step = export_checkpoint(args.run, out, adapter=getattr(args, "adapter", False))
     except (ValueError, TypeError, ImportError, OSError) as exc:
         print(_error_message(exc).replace("asyncrl run:", "asyncrl export:"), file=sys.stderr)
         return 2
-    try:
-        ctrl.save_pretrained(out)
-    finally:
-        ctrl.close()
-    print(f"asyncrl export: the policy after step {ctrl.trainer_version} of {args.run} written to {out}",
-          file=sys.stderr)
+    what = "LoRA adapter" if getattr(args, "adapter", False) else "policy"
+    print(f"asyncrl export: the {what} after step {step} of {args.run} written to {out}", file=sys.stderr)
     return 0
 
 
@@ -433,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
                        "(config, safetensors, tokenizer) that transformers and vLLM load")
     p.add_argument("run", metavar="RUN_OR_CHECKPOINT", help="a run directory (its newest checkpoint) or a checkpoint")
     p.add_argument("dir", metavar="DIR", help="the directory to write (must not exist, or be empty)")
+    p.add_argument("--adapter", action="store_true", help="a LoRA run (model.lora): write the adapter alone "
+                   "(peft.PeftModel.from_pretrained loads it onto the base) instead of the merged model")
     replay_command.add_parser(sub)
     args = parser.parse_args(argv)
     # As `python -m` and a script would: a config's "module:function" rewards or "module:Class" sampler in the

@@ -47,6 +47,7 @@ from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
 from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
+from asyncrl.restoring import GIVEN, check_on_sampler_change as _check_on_sampler_change
 from asyncrl.rollout import RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
 from asyncrl.samplers import build_sampler
@@ -83,6 +84,7 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
 
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
+        self.given: list[str] = []  # from_config's arguments given as objects: what a restore must be given again
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated")
         if cfg.eval_every and not task.eval_prompts:
@@ -137,20 +139,28 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
 
     @classmethod
     def from_config(cls, cfg: Config, loss: Loss | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-                    reward_funcs: list | None = None) -> Controller:
+                    reward_funcs: list | None = None, reward_weights: list[float] | None = None,
+                    reward_processing_classes: list | None = None) -> Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
         a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``train_dataset`` /
         ``eval_dataset`` (a ``datasets.Dataset``, a DataFrame, a list of dicts, or a path) make the task a ``dataset``
-        task over them; ``reward_funcs`` are reward functions as objects (docs/tasks.md)."""
+        task over them; ``reward_funcs``, ``reward_weights``, ``reward_processing_classes`` are TRL's (functions or
+        reward models, docs/tasks.md). Objects given are named in checkpoints: ``restore`` asks for them again."""
         from asyncrl.backends import build_backends
+        from asyncrl.rewards.models import with_tokenizers
         from asyncrl.tasks import task_with_data
 
+        reward_funcs = with_tokenizers(reward_funcs, reward_processing_classes)
+        if reward_weights is not None:  # checked against the functions when the controller is built
+            cfg = cfg.model_copy(update={"reward": cfg.reward.with_funcs([], reward_weights)})
         if cfg.torch_threads is not None:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         task = task_with_data(cfg.task, train_dataset, eval_dataset)
         policy, generator, tokenizer = build_backends(cfg, loss)
-        return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
+        ctrl = cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
+        ctrl.given = [k for k, v in zip(GIVEN, (train_dataset, eval_dataset, reward_funcs)) if v is not None]
+        return ctrl
 
     # ------------------------------------------------------------------------------------------ rollout pump
     @_tick
@@ -405,7 +415,7 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
                                 "versions": self._train.version_state()},
                     "sampler": self.cfg.sampler.model_dump(mode="json"), "dispatch_index": self.sampler.dispatch_index,
                     "policy": self.policy.state_dict(), "generator": self.generator.state_dict(),
-                    "torch_rng": torch.get_rng_state(), "data": getattr(self.task, "identity", None)}
+                    "torch_rng": torch.get_rng_state(), "data": getattr(self.task, "identity", None), "given": self.given}
 
     def load_state_dict(self, state: dict, on_sampler_change: str = "rejudge") -> None:
         """Continue from ``state`` (``state_dict()``'s keys; ``buffer`` slots holding ``Prompt`` and
@@ -453,26 +463,24 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,
-                on_sampler_change: str = "rejudge", trust_code: bool = False, **data: Any) -> Controller:
-        """A controller that continues from the checkpoint at ``path`` (a checkpoint directory, or a directory of
-        them: the newest intact one), built from ``config`` (default: the checkpoint's own), whose model must
-        have the checkpoint's shape. ``sampler`` (a sampler config or mapping) replaces the config's sampler.
-        ``trust_code``: what a restore without a config may import, and where it connects (asyncrl/checkpoint.py).
-        When the sampler differs from the checkpoint's, the capacity is the new sampler's and the restored
-        groups are, with ``on_sampler_change="rejudge"``, judged by the new sampler's rules: groups it can never
-        train (no ``target_step`` under a stamping sampler such as ``in_order``) and groups beyond its capacity
-        (newest first) are skipped, the rest stay and its ``evict`` runs at once; its dispatch index counts the
-        batches it kept. With ``"drop"`` every restored group is skipped and the new sampler starts at the
-        checkpoint's step with an empty buffer. Either way the trace records each skip and eviction. ``data``:
-        ``from_config``'s ``train_dataset``, ``eval_dataset``, ``reward_funcs`` (in place of the functions the
-        checkpoint names: none of those is imported); data that changed since the checkpoint is refused in one line
-        (its content hash)."""
+                on_sampler_change: str = "rejudge", trust_code: bool = False, tracking: bool = False,
+                **data: Any) -> Controller:
+        """A controller that continues from the checkpoint at ``path`` (a checkpoint, or a directory of them: the
+        newest intact one), built from ``config`` (default: the checkpoint's own, with no tracking sink unless
+        ``tracking``) of the checkpoint's model shape; ``sampler`` replaces its sampler; ``trust_code``: what a
+        restore without a config may import, and where it connects (asyncrl/checkpoint.py). Under another
+        sampler, ``on_sampler_change="rejudge"`` skips the restored groups it can never train (no ``target_step``
+        under a stamping sampler) or past its capacity (newest first) and runs its ``evict``; ``"drop"`` skips them
+        all; the trace records each. ``data``: ``from_config``'s objects (reward functions replace those named:
+        none is imported), which a run built from them must be given again (``asyncrl/restoring.py``)."""
         from asyncrl import checkpoint
+        from asyncrl.restoring import check_given, untracked
 
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
+        check_given(path, config, data, trust_code)
         cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")))
-        ctrl = cls.from_config(cfg, **data)
+        ctrl = cls.from_config(cfg if config is not None or tracking else untracked(cfg), **data)
         try:
             checkpoint.check_shapes(checkpoint.shapes(state["policy"]), checkpoint.shapes(ctrl.policy.state_dict()),
                                     repr(str(path)))
@@ -499,11 +507,6 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
     def __repr__(self) -> str:
         return (f"Controller(T={self.trainer_version}, sampler={self.sampler!r}, buffer={self.buffer!r}, "
                 f"inflight={len(self.inflight)})")
-
-
-def _check_on_sampler_change(how: str) -> None:
-    if how not in ("rejudge", "drop"):
-        raise ValueError(f"on_sampler_change must be 'rejudge' or 'drop', got {how!r}")
 
 
 def _backend_name(part) -> str:

@@ -238,13 +238,16 @@ def check_rewards(task: Task, reward: Any, reward_funcs: Sequence[Any] = (), bac
     elif reward.funcs:
         functions = reward.functions()
     elif getattr(task, "reward_funcs", None):
-        functions = RewardFunctions(list(task.reward_funcs))
+        functions = RewardFunctions(list(task.reward_funcs), reward.weights)
     elif isinstance(task, DatasetTask) and type(task).reward is DatasetTask.reward and not backend_scores:
         raise ValueError(f"task {task.name!r} ({task.sources.get('train')}) has no reward of its own: name reward "
                          "functions (reward.funcs: a built-in such as math_answer, or 'package.module:function'; in "
                          "Python Controller.from_config(cfg, reward_funcs=[...]))")
     else:
+        reward.check_unused()  # weights or an accuracy function with no function to name
         functions = RewardFunctions.of_task(task)
+    if reward.accuracy is not None and reward.accuracy not in functions.names:  # functions given as objects too
+        raise ValueError(f"reward.accuracy {reward.accuracy!r} is not one of the reward functions {functions.names}")
     check_reward_columns(task, [f for f in functions.funcs if not isinstance(f, TaskReward)])
     return functions
 

@@ -46,7 +46,7 @@ TIERS = [
      "asyncrl.backends.megatron_step",
      "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode",
-     "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline"],
+     "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline", "asyncrl.backends.lora"],
     # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
     ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
@@ -60,6 +60,8 @@ TIERS = [
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
     # rollout pump only as the part it is handed: a type, imported ``if TYPE_CHECKING:``)
     ["asyncrl.rollout", "asyncrl.train", "asyncrl.run_loop", "asyncrl.checkpoint"],
+    # a checkpoint read back for less than a run: export (the policy alone), what a restore must be given
+    ["asyncrl.restoring"],
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets

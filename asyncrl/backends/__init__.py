@@ -45,6 +45,9 @@ def build_backends(cfg, loss: Loss | None = None):
     from asyncrl.algorithms import GRPOLoss
     from asyncrl.backends.hf import check_model, load_tokenizer
 
+    if cfg.model.lora is not None and cfg.trainer.backend != "torch":
+        raise ValueError(f"model.lora trains an adapter on the torch engine; trainer.backend is "
+                         f"{cfg.trainer.backend!r} (set trainer.backend: torch, or leave model.lora unset)")
     tokenizer = load_tokenizer(cfg.model)
     if "simulated" not in (cfg.trainer.backend, cfg.generation.backend):  # the simulated engines build no model
         check_model(cfg.model, tokenizer)  # a bad model directory or architecture: one line, before any engine starts

@@ -150,9 +150,14 @@ class TorchPolicy(KeptVersions):
         self.pad_id, bos_id, self.eos_id, vocab = special_ids(tokenizer)
         self.device = torch.device(trainer_cfg.device)
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
+        self.peft = None  # model.lora: the adapter is injected into self.model; only it trains (backends/lora.py)
+        if model_cfg.lora is not None:
+            from asyncrl.backends.lora import apply_lora
+
+            self.peft = apply_lora(self.model, model_cfg.lora, seed)
         self.model.train()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.num_parameters = sum(p.numel() for p in self.params)
+        self.num_parameters = sum(p.numel() for p in self.model.parameters())  # a pass runs through all of them
         peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)
         self.peak_flops = 0.0 if math.isnan(peak) else peak  # 0: unknown (mfu then stays empty)
         # fused: one kernel over all parameters (CPU and CUDA): 0.7 ms a step for the quickstart model on one CPU
@@ -188,12 +193,28 @@ class TorchPolicy(KeptVersions):
         plans = self._plan(batch)  # the training forward's micro-batches: the same numbers (class docstring)
         batch = self._to_device(batch)
         out = torch.zeros(batch.input_ids.shape, device=self.device)
-        for mb in plans:
-            mb = mb.to(self.device)
-            seqs = micro_batches.take(batch, mb)
-            lp, _ = policy_logprobs(model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens, None)
-            out[mb.rows, :mb.width] = lp * seqs.loss_mask
+        training = model.training
+        if self._dropout:  # LoRA dropout: a logprob is the policy's, without it
+            model.eval()
+        try:
+            for mb in plans:
+                mb = mb.to(self.device)
+                seqs = micro_batches.take(batch, mb)
+                lp, _ = policy_logprobs(model, seqs, mb, self.trainer_cfg.logprob_chunk_tokens, None)
+                out[mb.rows, :mb.width] = lp * seqs.loss_mask
+        finally:
+            model.train(training)
         return out.cpu()
+
+    @property
+    def _dropout(self) -> bool:
+        """Whether the training forward is random (LoRA dropout): then it is not the previous policy's."""
+        return self.model_cfg.lora is not None and self.model_cfg.lora.dropout > 0
+
+    def _parameters(self) -> list:
+        """What a kept version copies (``KeptVersions``): the trained parameters (a LoRA run's frozen base is the
+        same in every version)."""
+        return self.params
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
@@ -211,7 +232,8 @@ class TorchPolicy(KeptVersions):
         with self._copy_lock:
             if self._copy is None:
                 self._copy = copy.deepcopy(self.model)
-                self._copy_params = list(self._copy.parameters())  # listed once: zipped with a kept version per call
+                # listed once, in self.params' order: zipped with a kept version per call
+                self._copy_params = [p for p in self._copy.parameters() if p.requires_grad]
                 for p in self._copy_params:
                     p.grad = None
                     p.requires_grad_(False)
@@ -237,6 +259,8 @@ class TorchPolicy(KeptVersions):
             raise RuntimeError("train_microbatches before begin_train_step")
         if self.ref_model is not None and batch.ref_logprobs is None:
             batch = replace(batch, ref_logprobs=self.ref_logprobs(batch))
+        if self._dropout and batch.prev_logprobs is None:  # the forward below is not the previous policy's
+            batch = replace(batch, prev_logprobs=self.logprobs(batch))
         plans = self._plan(batch)
         batch = self._to_device(batch)
         parts = []  # every micro-batch's contributions, on the device: one transfer at the end of the chunk
@@ -287,7 +311,12 @@ class TorchPolicy(KeptVersions):
     # -- weights and state -----------------------------------------------------------------------------------------
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Detached copies of the current weights under Hugging Face names (``model.state_dict()`` keys; with tied
-        embeddings ``lm_head.weight`` is present too, as a copy of ``model.embed_tokens.weight``)."""
+        embeddings ``lm_head.weight`` is present too, as a copy of ``model.embed_tokens.weight``); a LoRA run's
+        with the adapter merged in."""
+        if self.peft is not None:
+            from asyncrl.backends.lora import merged_weights
+
+            return merged_weights(self.model)
         with torch.no_grad():
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
@@ -296,7 +325,13 @@ class TorchPolicy(KeptVersions):
         return greedy_completions(self.model, prompts, max_new_tokens, self.eos_id, self.pad_id)
 
     def state_dict(self) -> dict[str, Any]:
-        """Everything an exact resume needs: weights, AdamW state, the reference weights (KL), steps done."""
+        """Everything an exact resume needs: weights, AdamW state, the reference weights (KL), steps done. A LoRA
+        run's ``model`` is the adapter alone and ``base`` names the model it adapts (the reference is the base)."""
+        if self.peft is not None:
+            from asyncrl.backends.lora import adapter_state
+
+            return {"model": adapter_state(self.model), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+                    "steps_done": self.steps_done, "base": self.model_cfg.hf_path or f"built-in (seed {self.seed})"}
         state = {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
             "optimizer": copy.deepcopy(self.optimizer.state_dict()),
@@ -310,7 +345,12 @@ class TorchPolicy(KeptVersions):
         """Nothing to release: the model lives in this process and goes with the object."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
+        if self.peft is not None:
+            from asyncrl.backends.lora import load_adapter_state
+
+            load_adapter_state(self.model, state["model"])
+        else:
+            self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         if self.ref_model is not None and "ref_model" in state:
             self.ref_model.load_state_dict(state["ref_model"])
@@ -442,10 +482,11 @@ class TorchGenerator:
     # -- save / restore --------------------------------------------------------------------------------------------
     def state_dict(self, include_weights: bool = True) -> dict[str, Any]:
         """The version, the sampling RNG state and (by default) the weights: restoring these makes the next
-        rollouts identical to an uninterrupted run. Queued requests are not included."""
+        rollouts identical to an uninterrupted run. Queued requests are not included. A LoRA run's checkpoint
+        holds the adapter, not merged weights: a restore's weight sync loads them here again."""
         with self._model_lock:
             state: dict[str, Any] = {"version": self._version, "rng": self._rng.get_state()}
-            if include_weights:
+            if include_weights and self.model_cfg.lora is None:
                 state["weights"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
             return state
 

@@ -20,6 +20,34 @@ from asyncrl.config.generation import SimulatedGenerationConfig, TorchGeneration
 from asyncrl.config.training import MegatronTrainerConfig, SimulatedTrainerConfig, TorchTrainerConfig
 
 
+class LoraConfig(BaseModel):
+    """``model.lora``: train a LoRA adapter (``peft``) on the frozen model instead of its weights (the torch engine).
+    The generator gets the merged weights each step; a checkpoint holds the adapter and names the base."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rank: int = Field(8, ge=1, description="the adapter's rank r")
+    alpha: float | None = Field(None, gt=0, description="the adapter's scale is alpha / rank (None: 2 x rank)")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapter's input while training")
+    target_modules: list[str] | None = Field(
+        None, description="the linear layers to adapt, by name (q_proj, v_proj, ...); None: every linear layer of "
+        "the transformer blocks (peft's 'all-linear': the output layer is not adapted)")
+
+    @model_validator(mode="after")
+    def _defaults(self) -> "LoraConfig":
+        import importlib.util
+
+        if importlib.util.find_spec("peft") is None:
+            raise ValueError("model.lora needs the 'peft' package, which is not installed (pip install "
+                             "'asyncrl[lora]'); or leave model.lora unset")
+        if self.alpha is None:
+            self.alpha = 2.0 * self.rank
+        if self.target_modules is not None and not self.target_modules:
+            raise ValueError("model.lora.target_modules is empty: name the layers to adapt, or None for every "
+                             "linear layer of the blocks")
+        return self
+
+
 class ModelConfig(BaseModel):
     """A Llama-style causal LM built from this config (random init), or loaded from ``hf_path``: then the
     architecture fields are that directory's (read from its config.json, replacing a preset's), so a run's
@@ -43,6 +71,9 @@ class ModelConfig(BaseModel):
     chat_template: str | None = Field(
         None, description="the chat template conversational prompts are rendered with (a Jinja template, or the "
         "path of a file holding one); None: the tokenizer's own (asyncrl/chat.py)")
+    lora: LoraConfig | None = Field(
+        None, description="train a LoRA adapter instead of the weights (rank, alpha, dropout, target_modules; the "
+        "torch engine; needs peft): None, the whole model trains")
     vocab_size: int | None = Field(
         None, ge=259, description="the embedded byte tokenizer padded with unused tokens to this vocabulary (a real "
         "model's output layer, e.g. 151936: asyncrl/tokenizer.py); None: 259. With hf_path, like the other "
@@ -52,8 +83,8 @@ class ModelConfig(BaseModel):
         """The fields that make the weights (what a checkpoint keeps as its model and a restore must match): all
         but ``chat_template``, which changes how prompts are rendered, not the model (and ``vocab_size`` when
         unset, so checkpoints from before it stay as they were)."""
-        return self.model_dump(mode="json", exclude={"chat_template"} | ({"vocab_size"} if self.vocab_size is None
-                                                                         else set()))
+        unset = {name for name in ("vocab_size", "lora") if getattr(self, name) is None}  # older checkpoints'
+        return self.model_dump(mode="json", exclude={"chat_template"} | unset)
 
     @model_validator(mode="after")
     def _architecture_of_hf_path(self) -> "ModelConfig":

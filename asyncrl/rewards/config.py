@@ -24,9 +24,11 @@ from asyncrl.strict import StrictModel
 class RewardConfig(StrictModel):
     """``reward:`` — the run's reward functions (TRL's signature; docs/tasks.md) and how they are run."""
 
-    funcs: list[str | Callable[..., Any]] = Field(
+    funcs: list[str | dict[str, Any] | Callable[..., Any] | Any] = Field(
         default_factory=list, description="reward functions: a built-in's name (math_answer, exact_match, "
-        "format_tags, countdown), 'package.module:function', or in Python a function; empty: the task's own reward")
+        "format_tags, countdown), 'package.module:function', a reward model {model: PATH, batch_size: 32} (a "
+        "sequence-classification model directory with one label), or in Python a function or a transformers model "
+        "(alone or as (model, tokenizer)); empty: the task's own reward")
     weights: list[float] | None = Field(
         None, description="one weight per function (None: 1 each); a completion's reward is the weighted sum over "
         "the functions that apply to it (a function returns None where it does not)")
@@ -46,11 +48,9 @@ class RewardConfig(StrictModel):
 
     @model_validator(mode="after")
     def _loads(self) -> RewardConfig:
-        if not self.funcs:
+        if not self.funcs:  # weights (and accuracy) may name functions given as objects: checked with them
             if self.weights is not None:
-                raise ValueError(f"reward.weights {self.weights} without reward.funcs: weights are one per function")
-            if self.accuracy is not None:
-                raise ValueError(f"reward.accuracy {self.accuracy!r} without reward.funcs: name one of the functions")
+                RewardFunctions.check_weights(self.weights, None)
             return self
         functions = RewardFunctions(self.funcs, self.weights)  # imports, signatures, weights, names
         if self.accuracy is not None and self.accuracy not in functions.names:
@@ -59,15 +59,30 @@ class RewardConfig(StrictModel):
         return self
 
     @field_serializer("funcs")
-    def _named(self, funcs: list) -> list[str]:
+    def _named(self, funcs: list) -> list[str | dict]:
         return [f if isinstance(f, str) else spec_of(f) for f in funcs]
 
-    def with_funcs(self, funcs: list) -> RewardConfig:
-        """This section with ``funcs`` (objects a caller passed: ``Controller.from_config(cfg, reward_funcs=...)``)."""
-        if self.funcs:
+    def with_funcs(self, funcs: list, weights: list[float] | None = None) -> RewardConfig:
+        """This section with ``funcs`` (objects a caller passed: ``Controller.from_config(cfg, reward_funcs=...)``)
+        and, when given, ``weights`` (``reward_weights=``, TRL's name) in place of ``reward.weights``."""
+        if self.funcs and funcs:
             raise ValueError(f"reward functions given twice: reward_funcs= and reward.funcs={self._named(self.funcs)}; "
                              "name them in one place")
-        return RewardConfig.model_validate({**self.model_dump(), "funcs": list(funcs)})
+        if weights is not None and self.weights is not None and list(weights) != list(self.weights):
+            raise ValueError(f"reward weights given twice: reward_weights={list(weights)} and reward.weights="
+                             f"{self.weights}; give them in one place")
+        return RewardConfig.model_validate({**self.model_dump(), "funcs": list(funcs or self.funcs),
+                                            "weights": self.weights if weights is None else list(weights)})
+
+    def check_unused(self) -> None:
+        """No reward function is named or given (the task's own reward scores): weights or an accuracy function
+        would name functions that do not exist, so they are one line here."""
+        if self.weights is not None:
+            raise ValueError(f"reward.weights {self.weights} has {len(self.weights)} values for 0 reward functions: "
+                             "name the functions (reward.funcs, or reward_funcs= in Python), one weight each")
+        if self.accuracy is not None:
+            raise ValueError(f"reward.accuracy {self.accuracy!r} names a function, and no reward function is named "
+                             "(reward.funcs, or reward_funcs= in Python)")
 
     def functions(self, task: Any = None) -> RewardFunctions:
         """The run's ``RewardFunctions``: the functions named, or ``task``'s own reward when none is."""
@@ -80,7 +95,8 @@ class RewardConfig(StrictModel):
 
 def imported_functions(data: Any) -> list[str]:
     """The ``package.module:function`` entries of a config's ``reward.funcs`` (plain data, not validated): what
-    validating it would import. Built-ins import nothing of the user's."""
+    validating it would import. Built-ins import nothing of the user's, nor does a reward model (its weights are
+    data: loaded without remote code)."""
     reward = data.get("reward") if isinstance(data, dict) else None
     funcs = reward.get("funcs") if isinstance(reward, dict) else None
-    return [f for f in funcs or [] if not (isinstance(f, str) and f in BUILTINS)]
+    return [f for f in funcs or [] if not (isinstance(f, str) and f in BUILTINS or isinstance(f, dict))]

@@ -34,6 +34,7 @@ from typing import Any
 
 from asyncrl.faults import describe
 from asyncrl.rewards.builtin import BUILTINS, MissingColumn
+from asyncrl.rewards.models import RewardModel, is_reward_model
 
 RESERVED = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
 TRL_ARGUMENTS = (*RESERVED, "trainer_state", "log_extra", "log_metric")  # never columns (TRL passes them itself)
@@ -70,8 +71,11 @@ def function_name(func: Any) -> str:
     return name if isinstance(name, str) else type(func).__name__
 
 
-def spec_of(func: Any) -> str:
-    """How a config names ``func``: its built-in name, else ``module:qualname``."""
+def spec_of(func: Any) -> str | dict:
+    """How a config names ``func``: its built-in name, a reward model's ``{model: PATH, batch_size: N}``, else
+    ``module:qualname``."""
+    if is_reward_model(func):
+        return RewardModel.from_spec(func).spec()
     name = function_name(func)
     if BUILTINS.get(name) is func:
         return name
@@ -83,12 +87,14 @@ def load_function(spec: Any) -> Callable:
     ``package.module:function`` (imported). Every failure is one ``ValueError`` line naming ``spec``."""
     if isinstance(spec, TaskReward):
         return spec
+    if is_reward_model(spec):  # a model directory or object: a RewardModel (asyncrl/rewards/models.py)
+        return RewardModel.from_spec(spec)
     if callable(spec) and not isinstance(spec, str):
         check_signature(spec, repr(function_name(spec)))
         return spec
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward function {spec!r}: name a built-in ({sorted(BUILTINS)}) or "
-                         "'package.module:function', or pass a function")
+        raise ValueError(f"reward function {spec!r}: name a built-in ({sorted(BUILTINS)}), "
+                         "'package.module:function' or a reward model {model: PATH}, or pass a function")
     if ":" not in spec:
         if spec not in BUILTINS:
             raise ValueError(f"unknown reward function {spec!r}: the built-ins are {sorted(BUILTINS)}; name your own "
@@ -263,15 +269,19 @@ class RewardFunctions:
         if twice:
             raise ValueError(f"reward functions named twice: {twice}; each function's metric is reward/<__name__>, "
                              "so names must differ (give one a different __name__)")
-        if weights is None:
-            weights = [1.0] * len(self.funcs)
-        if len(weights) != len(self.funcs):
-            raise ValueError(f"reward.weights has {len(weights)} values for {len(self.funcs)} functions "
-                             f"{self.names}: give one weight per function (or none: 1 each)")
-        bad = [w for w in weights if not isinstance(w, numbers.Real) or not math.isfinite(w)]
+        self.weights = [1.0] * len(self.funcs) if weights is None else self.check_weights(weights, self.names)
+
+    @staticmethod
+    def check_weights(weights: Sequence[float], names: Sequence[str] | None) -> list[float]:
+        """``weights`` as floats: finite numbers, one per function of ``names`` (None: the functions are not known
+        yet, only the numbers are checked); else one ``ValueError`` line naming both counts or the bad values."""
+        if names is not None and len(weights) != len(names):
+            raise ValueError(f"reward.weights has {len(weights)} values for {len(names)} functions "
+                             f"{list(names)}: give one weight per function (or none: 1 each)")
+        bad = [w for w in weights if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w)]
         if bad:
             raise ValueError(f"reward.weights {list(weights)}: each weight must be a finite number, got {bad}")
-        self.weights = [float(w) for w in weights]
+        return [float(w) for w in weights]
 
     @classmethod
     def of_task(cls, task: Any) -> RewardFunctions:
