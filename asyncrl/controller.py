@@ -47,14 +47,14 @@ from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
 from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
-from asyncrl.restoring import GIVEN, check_on_sampler_change as _check_on_sampler_change
+from asyncrl.restoring import GIVEN, check_on_sampler_change as _check_on_sampler_change, rejudge
 from asyncrl.rollout import RolloutPump
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
 from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
 from asyncrl.train import TrainPump
 from asyncrl.trace import (  # noqa: F401  (all importable from here too)
-    ABORT, EVICT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
+    ABORT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
 )
 from asyncrl.tracking import Tracker
 
@@ -439,27 +439,9 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
             if state["sampler"] == self.cfg.sampler.model_dump(mode="json"):
                 self.sampler.dispatch_index = state["dispatch_index"]  # exact, including batches admitted ahead of T
             else:
-                self._rejudge(state["sampler"], on_sampler_change)
+                rejudge(self.buffer, self.sampler, self._rollout, self._state, self.cfg, state["sampler"],
+                        on_sampler_change)
             self._rollout.flush_unsent()
-
-    def _rejudge(self, old: dict, how: str) -> None:
-        """Restored under another sampler: skip what it cannot keep, fix its dispatch index, let it evict."""
-        T, N, new = self.trainer_version, self.cfg.groups_per_step, self.cfg.sampler.name
-        change = f"restored under sampler {new} (was {old.get('name')})"
-        stamps = self.sampler.stamps_target
-        for slot in self.buffer.slots():
-            if how == "drop":
-                self._rollout.skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
-            elif stamps and slot.target_step is None:
-                self._rollout.skip(slot.group_id, f"{change}, which trains only groups stamped with a target step",
-                                   replace=False)
-        for slot in reversed(self.buffer.slots()[self.capacity:]):
-            self._rollout.skip(slot.group_id, f"{change}; over its capacity {self.capacity}", replace=False)
-        self.sampler.resume_schedule(self.buffer.slots(), T, N)  # the batches it holds count as admitted
-        for slot, reason in self.sampler.evict_reasoned(T):
-            self._state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
-                               "on restore", f"{reason} ({change})")
-        self._rollout.take_skipped()
 
     @classmethod
     def restore(cls, path: str | Path, sampler: Any = None, config: Config | None = None,

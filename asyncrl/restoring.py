@@ -7,6 +7,9 @@
 - ``check_given``: a run built from Python objects (``from_config(train_dataset=..., reward_funcs=...)``) records
   which in its checkpoints (``meta.json``'s ``given``); restoring it without them is one line naming what to pass,
   before anything is loaded, never a fall back to the config's own task.
+- ``rejudge``: restored under another sampler, the restored groups are judged by its rules (``Controller.restore``
+  says how): what it can never train or has no room for is skipped, its dispatch index follows what it holds, and
+  it evicts what it would.
 - ``untracked``: a restore opens no tracking sink unless asked (``Controller.restore(tracking=True)``, or a
   config of the caller's that names one): reading a checkpoint back must not start a new W&B run or write an
   empty TensorBoard file into the old run's folder.
@@ -118,3 +121,25 @@ def export_checkpoint(path: str | Path, out: str | Path, adapter: bool = False) 
     finally:
         policy.close()
     return Path(written), int(ckpt.meta["trainer_version"])
+
+
+def rejudge(buffer, sampler, rollout, state, cfg, old: dict, how: str) -> None:
+    """Restored under another sampler (``cfg.sampler``; ``old`` the checkpoint's): skip what it cannot keep (all of
+    it with ``how="drop"``), fix its dispatch index, let it evict. ``rollout`` is the rollout pump (the one way a
+    group is given up: ``skip``), ``state`` the run state (the trace)."""
+    from asyncrl.trace import EVICT
+
+    T, N, new = state.trainer_version, cfg.groups_per_step, cfg.sampler.name
+    change = f"restored under sampler {new} (was {old.get('name')})"
+    for slot in buffer.slots():
+        if how == "drop":
+            rollout.skip(slot.group_id, f"{change}; dropped (on_sampler_change='drop')", replace=False)
+        elif sampler.stamps_target and slot.target_step is None:
+            rollout.skip(slot.group_id, f"{change}, which trains only groups stamped with a target step", replace=False)
+    for slot in reversed(buffer.slots()[buffer.capacity:]):
+        rollout.skip(slot.group_id, f"{change}; over its capacity {buffer.capacity}", replace=False)
+    sampler.resume_schedule(buffer.slots(), T, N)  # the batches it holds count as admitted
+    for slot, reason in sampler.evict_reasoned(T):
+        state.record(EVICT, slot.group_id, slot.weight_version, slot.target_step, T - slot.weight_version,
+                     "on restore", f"{reason} ({change})")
+    rollout.take_skipped()
