@@ -54,7 +54,7 @@ from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
 from asyncrl.train import TrainPump
 from asyncrl.trace import (  # noqa: F401  (all importable from here too)
-    ABORT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
+    ABORT, EVICT, SELECT, STEP, SYNC, TRACE_COLUMNS, TRACE_DTYPES, TRACE_EVENTS, TRAIN, StepEvent, TraceRow,
 )
 from asyncrl.tracking import Tracker
 
