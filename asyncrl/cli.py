@@ -51,7 +51,8 @@ def run(args: argparse.Namespace) -> int:
     """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv (and
     trace_index.csv, which lets ``asyncrl.Recording`` scrub it), listening on DIR/control.sock for
     ``asyncrl.attach`` meanwhile. Exit 0 when the run completed (or the data ran out) or was stopped by an attached
-    controller, 130 on Ctrl-C (the files hold every finished step), 1 when it failed; summary.json says which
+    controller (or reached --max-time: status time_limit), 130 on Ctrl-C (the files hold every finished step), 1 when
+    it failed; summary.json says which
     (``status``) and why."""
     import yaml
 
@@ -84,6 +85,8 @@ def run(args: argparse.Namespace) -> int:
             every = (yaml.safe_load((resume / "config.yaml").read_text()) or {}).get("checkpoint_every")
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
+        if args.max_time is not None:  # the wall-time limit (run_loop: ends after a step, status time_limit)
+            overrides.update(max_time_s=args.max_time)
         cfg = load_config(args.config, **overrides)
         if cfg.trainer.lr_schedule != "constant" and cfg.trainer.lr_decay_steps is None:
             cfg.trainer.lr_decay_steps = args.steps  # a decaying lr_schedule's horizon: the run's --steps in all
@@ -138,7 +141,8 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
         signal.signal(signal.SIGINT, previous)
     files.close()
     status = ("failed" if error is not None else "interrupted" if stop["asked"] else
-              "stopped" if stop.get("remote") else "completed")
+              "stopped" if stop.get("remote") else
+              "time_limit" if stop["handle"] is not None and stop["handle"].status == "time_limit" else "completed")
     handle = stop["handle"]
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
     if error is not None:
@@ -155,7 +159,7 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, on_sigint) -> int:
     print(json.dumps(summary))
     if evaluates:
         print(_learning(ctrl, final))
-    return {"completed": 0, "stopped": 0, "interrupted": 130}.get(status, 1)
+    return {"completed": 0, "stopped": 0, "time_limit": 0, "interrupted": 130}.get(status, 1)
 
 
 def _check_writable(out: Path) -> None:
@@ -254,6 +258,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def simulate(args: argparse.Namespace) -> int:
     """``asyncrl simulate PRESET --steps N --out DIR``: the controller on the simulated backends' virtual clock."""
     from asyncrl import simulate as sim_module
@@ -342,6 +356,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(created if missing; files in it are overwritten; with --resume: the resumed directory)")
     p.add_argument("--checkpoint-every", type=_positive, metavar="K",
                    help="checkpoint every K steps under OUT/checkpoints, keeping the newest keep_checkpoints")
+    p.add_argument("--max-time", type=_positive_seconds, metavar="SECONDS",
+                   help="wall-time limit: stop after the step during which it passed, with a checkpoint when "
+                        "--checkpoint-every is set; summary.json status 'time_limit', exit 0 (config: max_time_s)")
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run in DIR (an --out directory or a checkpoint) from its newest complete "
                         "checkpoint to --steps in all; CONFIG must have the same model")

@@ -18,6 +18,9 @@ Invariants:
   exception object (its traceback shows where in the pump it happened).
 - One run at a time per controller, and no tick by hand while its pumps go; parked (paused) pumps allow it.
 - Stop and pause take effect within one tick plus ``POLL_S``: an idle pump never waits longer than that.
+- Wall-time limit (``max_time_s``, default ``cfg.max_time_s``): judged after each finished step, so the run ends
+  on a step boundary ("time_limit"), never inside one; then, as a completed run, it collects what finished and, with
+  ``checkpoint_every``, saves a checkpoint of that step unless the step's own periodic save just wrote it.
 - Public API only: the handle drives the controller through its ticks, ``subscribe`` (the ``until`` breakpoint,
   ``on_step``, the progress bar), ``changed`` / ``num_events`` (wake-ups), ``clock``, ``drain`` and ``explain``.
 - No lost wake-ups. A pump waits on the controller's condition only if the trace has not grown since its tick
@@ -45,7 +48,7 @@ from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
 
 POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
 STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call
-ENDS = ("completed", "exhausted", "breakpoint", "stopped", "interrupted", "failed")
+ENDS = ("completed", "exhausted", "breakpoint", "time_limit", "stopped", "interrupted", "failed")
 
 
 class StallError(RuntimeError):
@@ -108,10 +111,17 @@ class RunHandle:
     """
 
     def __init__(self, ctrl: Any, steps: int, until=None, progress: bool = True,
-                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None):
+                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None, max_time_s: float | None = None):
         # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module)
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        if max_time_s is None:
+            max_time_s = ctrl.cfg.max_time_s
+        if max_time_s is not None and (isinstance(max_time_s, bool) or not isinstance(max_time_s, (int, float))
+                                       or not max_time_s > 0):
+            raise ValueError(f"max_time_s must be a number of seconds > 0 (or None: no limit), got {max_time_s!r}")
+        self.max_time_s = max_time_s
+        self._started_at = time.monotonic()  # the wall-time limit's clock (reset at launch)
         self._match = breakpoint_matcher(until, TRACE_EVENTS)
         self.ctrl, self.steps, self.until, self.on_step = ctrl, steps, until, on_step
         self.target = ctrl.trainer_version + steps  # the run ends when T reaches it (hand ticks while paused count)
@@ -144,6 +154,7 @@ class RunHandle:
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
 
     def _launch(self) -> None:
+        self._started_at = time.monotonic()
         release_idle_openmp_workers()
         self._subscription = self.ctrl.subscribe(self._on_event)
         with self._cv:
@@ -261,6 +272,9 @@ class RunHandle:
                 or report.filtered):  # a uniform group came back: filter_uniform_groups judges that streak itself
             self._progress_at = time.monotonic()
         if report.step_finished:
+            if (self.max_time_s is not None and time.monotonic() - self._started_at >= self.max_time_s
+                    and self.ctrl.trainer_version < self.target):  # (the last step: the run completed)
+                self._request_end("time_limit")  # a step just ended: the safe point the limit waits for
             with self._cv:
                 steps, self._steps = self._steps, []
             for row in steps:
@@ -318,9 +332,11 @@ class RunHandle:
 
     def _close(self) -> None:
         self.stuck = [f"{name} pump: {self._doing[name][0]}" for name, t in self._threads.items() if t.is_alive()]
-        if self.error is None and self._end in ("completed", "exhausted"):
+        if self.error is None and self._end in ("completed", "exhausted", "time_limit"):
             try:  # collect what finished after the pumps stopped, as the old run did
                 self.ctrl.drain()
+                if self._end == "time_limit" and not self.stuck:
+                    self._checkpoint_at_limit()
             except BaseException as exc:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
@@ -336,6 +352,14 @@ class RunHandle:
             self.status = self._end or "stopped"
             self._finished.set()
             self._cv.notify_all()
+
+    def _checkpoint_at_limit(self) -> None:
+        """A run stopped by its wall-time limit keeps its last step: a checkpoint where ``checkpoint_every`` is
+        configured (the controller's periodic save: same directory, same pruning), unless that step's periodic save
+        wrote it already."""
+        cfg, T = self.ctrl.cfg, self.ctrl.trainer_version
+        if cfg.checkpoint_every and cfg.checkpoint_dir and T > 0 and T % cfg.checkpoint_every:
+            self.ctrl._save_periodic()
 
     # ---------------------------------------------------------------------------------------- the person's side
     @property

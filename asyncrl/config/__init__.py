@@ -21,6 +21,7 @@ Cross-field rules are checked here, where a bad combination is rejected before a
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -110,6 +111,13 @@ class Config(BaseModel):
     checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
     checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    max_time_s: float | None = Field(
+        None, gt=0, description="wall-time limit of a run (`asyncrl run --max-time`, ctrl.run(max_time_s=)): it "
+        "stops after the step during which the limit passed, with a checkpoint when checkpoint_every is set, "
+        "status 'time_limit'; None: no limit")
+    device: str | None = Field(
+        None, description="where both engines run unless their own section names a device ('cuda', 'cpu'): one "
+        "--set device=cuda moves a CPU preset's torch engines to the GPU; None: each section's device")
     faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -128,6 +136,19 @@ class Config(BaseModel):
     @classmethod
     def _every(cls, value: str | int) -> str | int:
         return check_every(value)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _device_for_both_engines(cls, data: Any) -> Any:
+        # The top-level device fills in each engine section that does not name one (a section's own device wins).
+        if isinstance(data, dict) and data.get("device") is not None:
+            data = dict(data)
+            for section in ("generation", "trainer"):
+                part = data.get(section)
+                part = dict(part) if isinstance(part, dict) else {}
+                part.setdefault("device", data["device"])
+                data[section] = part
+        return data
 
     @field_validator("loss", mode="before")
     @classmethod
@@ -154,8 +175,13 @@ class Config(BaseModel):
             raise ValueError(
                 f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
             )
+        if self.loss.scale_rewards == "batch" and self.chunk_bounds[0] < N:
+            raise ValueError(f"loss.scale_rewards 'batch' divides by the std of the step's rewards, which a chunk of "
+                             f"min_groups_per_chunk {self.chunk_bounds[0]} < groups_per_step {N} does not know yet: "
+                             "use 'group', or unset min_groups_per_chunk")
         check_placement(self.generation, self.trainer)
         check_sampler_config(self)
+        warn_toy_knobs(self)
         return self
 
     @property
@@ -167,6 +193,19 @@ class Config(BaseModel):
         if self.max_buffered_groups is not None:
             return self.max_buffered_groups
         return required if required is not None else 4 * self.groups_per_step
+
+
+def warn_toy_knobs(cfg: Config, dataset: bool = False) -> None:
+    """One ``UserWarning`` line when a toy preset's knob meets a real model or real data: ``loss.entropy_coef``
+    (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task (``dataset``: the controller
+    was given data objects). On a warm-started model with long completions such a bonus drives the entropy up to
+    its maximum within a few steps; the ``grpo`` preset has none."""
+    real = [what for what, yes in (("model.hf_path", cfg.model.hf_path is not None),
+                                   ("a dataset task", dataset or cfg.task.name == "dataset")) if yes]
+    if cfg.loss.entropy_coef > 0 and real:
+        warnings.warn(f"loss.entropy_coef {cfg.loss.entropy_coef} (a toy preset's entropy bonus) with "
+                      f"{' and '.join(real)}: it can drive a real model's entropy to its maximum within a few steps; "
+                      "set loss.entropy_coef=0 or start from the 'grpo' preset", UserWarning, stacklevel=2)
 
 
 _VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
