@@ -145,8 +145,7 @@ class Controller:
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         task = task_with_data(cfg.task, train_dataset, eval_dataset)
-        if train_dataset is not None and cfg.task.name != "dataset" and cfg.model.hf_path is None:
-            warn_toy_knobs(cfg, dataset=True)  # (a dataset task or hf_path warned when the config loaded)
+        warn_toy_knobs(cfg, objects=train_dataset is not None)  # (a config's own data warned when it loaded)
         policy, generator, tokenizer = build_backends(cfg, loss)
         return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
 
@@ -176,20 +175,18 @@ class Controller:
         return report
 
     # ------------------------------------------------------------------------------------------------ running
-    def start(self, steps: int, until=None, progress: bool = True, on_step=None,
-              max_time_s: float | None = None) -> RunHandle:
+    def start(self, steps: int, until=None, progress: bool = True, on_step=None, max_time_s=None) -> RunHandle:
         """Run both pumps in the background until ``T`` has grown by ``steps`` (or the data ran out, or ``until``
         matched); returns a ``RunHandle`` at once (``pause``, ``resume``, ``stop``, ``wait``, ``running``,
         ``error``). ``until``: a trace event name (``TRACE_EVENTS``) or a callable on a trace row: the run stops
         right after the tick that emitted the first match among this run's events. ``on_step(row, events)`` is
         called in the train pump after each step with its metrics row and the trace rows (``TraceRow``) since the
         last call. With a sampler that cannot admit ahead (``lockstep``) one thread runs both ticks in turn.
-        ``max_time_s`` (default ``cfg.max_time_s``): a wall-time limit; the run ends after the step during which it
-        passed, status ``time_limit``, with a checkpoint when ``checkpoint_every`` is set (asyncrl/run_loop.py)."""
+        ``max_time_s``: a wall-time limit (default ``cfg.max_time_s``; status ``time_limit``: asyncrl/run_loop.py)."""
         if self._run is not None and self._run.alive:
             raise RuntimeError(f"a run is already going ({self._run!r}): wait for it, or stop it, before starting "
                                "another")
-        handle = RunHandle(self, steps, until, progress, on_step, max_time_s)  # validates its arguments first
+        handle = RunHandle(self, steps, until, progress, on_step, max_time_s, self._save_periodic)  # validates first
         self._run = handle
         self._train.measure_beside(lambda: handle.running)  # the gap pass's thread, for the run's length
         handle._launch()

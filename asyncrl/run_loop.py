@@ -32,8 +32,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
 import time
 import warnings
@@ -43,6 +41,7 @@ from typing import Any
 import pandas as pd
 import torch
 
+from asyncrl.pump_threads import _libgomp_pause, release_idle_openmp_workers, torch_threads_per_pump  # noqa: F401
 from asyncrl.reports import TickReport
 from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
 
@@ -111,17 +110,16 @@ class RunHandle:
     """
 
     def __init__(self, ctrl: Any, steps: int, until=None, progress: bool = True,
-                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None, max_time_s: float | None = None):
-        # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module)
+                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None, max_time_s: float | None = None,
+                 checkpoint: Callable[[], Any] | None = None):
+        # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module); ``checkpoint``:
+        # its periodic save (``checkpoint_every``), for a run that ends at its wall-time limit
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        if max_time_s is None:
-            max_time_s = ctrl.cfg.max_time_s
-        if max_time_s is not None and (isinstance(max_time_s, bool) or not isinstance(max_time_s, (int, float))
-                                       or not max_time_s > 0):
+        self.max_time_s = ctrl.cfg.max_time_s if max_time_s is None else max_time_s
+        if self.max_time_s is not None and not (type(self.max_time_s) in (int, float) and self.max_time_s > 0):
             raise ValueError(f"max_time_s must be a number of seconds > 0 (or None: no limit), got {max_time_s!r}")
-        self.max_time_s = max_time_s
-        self._started_at = time.monotonic()  # the wall-time limit's clock (reset at launch)
+        self._started_at, self._checkpoint = time.monotonic(), checkpoint  # the limit's clock (reset at launch)
         self._match = breakpoint_matcher(until, TRACE_EVENTS)
         self.ctrl, self.steps, self.until, self.on_step = ctrl, steps, until, on_step
         self.target = ctrl.trainer_version + steps  # the run ends when T reaches it (hand ticks while paused count)
@@ -335,8 +333,9 @@ class RunHandle:
         if self.error is None and self._end in ("completed", "exhausted", "time_limit"):
             try:  # collect what finished after the pumps stopped, as the old run did
                 self.ctrl.drain()
-                if self._end == "time_limit" and not self.stuck:
-                    self._checkpoint_at_limit()
+                cfg, T = self.ctrl.cfg, self.ctrl.trainer_version  # a time limit keeps its step (unless just saved)
+                if self._end == "time_limit" and self._checkpoint and cfg.checkpoint_every and T % cfg.checkpoint_every:
+                    self._checkpoint()
             except BaseException as exc:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
@@ -352,14 +351,6 @@ class RunHandle:
             self.status = self._end or "stopped"
             self._finished.set()
             self._cv.notify_all()
-
-    def _checkpoint_at_limit(self) -> None:
-        """A run stopped by its wall-time limit keeps its last step: a checkpoint where ``checkpoint_every`` is
-        configured (the controller's periodic save: same directory, same pruning), unless that step's periodic save
-        wrote it already."""
-        cfg, T = self.ctrl.cfg, self.ctrl.trainer_version
-        if cfg.checkpoint_every and cfg.checkpoint_dir and T > 0 and T % cfg.checkpoint_every:
-            self.ctrl._save_periodic()
 
     # ---------------------------------------------------------------------------------------- the person's side
     @property
@@ -485,46 +476,6 @@ def _cuda_index(device: str) -> int | None:
     if not device.startswith("cuda"):
         return None
     return int(device.partition(":")[2] or 0)
-
-
-def torch_threads_per_pump(cfg: Any, pumps: int) -> int | None:
-    """Torch intra-op threads for each pump thread of a run, or None to leave them as they are.
-
-    Two pumps that both compute on this process's CPU (the torch generator in the rollout pump, the torch policy in
-    the train pump) each with torch's default of a thread per core ask for twice the cores: their pools then wait
-    on each other, and an asynchronous run on 2 cores was slower than stepping (benchmarks/README.md, "Two torch
-    threads"). So when ``torch_threads`` is left unset, each of two such pumps gets half the caller's threads; a
-    lockstep run (one pump) keeps them all. A set ``torch_threads`` is the person's choice and is kept."""
-    if cfg.torch_threads is not None or pumps < 2:
-        return None
-    on_cpu = all(section.placement == "local" and str(section.device) == "cpu"
-                 for section in (cfg.generation, cfg.trainer))
-    return max(1, torch.get_num_threads() // 2) if on_cpu else None
-
-
-def release_idle_openmp_workers() -> bool:
-    """Let the calling thread's idle OpenMP workers go; True if a pool was let go.
-
-    Why: GNU libgomp (torch's intra-op threads on Linux) spins a worker between two parallel regions only while it
-    manages no more threads than there are CPUs; above that it puts them to sleep after each region, and every op
-    then pays a wake-up. The person's thread keeps a pool from its own torch work (building the model, hand ticks);
-    beside a pump thread's pool that is one pool too many: on 2 cores with 2 torch threads a lockstep run took
-    1.2-1.45x the time of the same ticks by hand (benchmarks/README.md, "Two torch threads").
-    ``omp_pause_resource_all`` in libgomp frees only the calling thread's pool (and refuses inside a parallel
-    region); the next torch op on this thread builds a new one. A no-op where libgomp is not loaded (other OpenMP
-    runtimes pause every thread's pool: not safe here)."""
-    pause = _libgomp_pause()
-    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
-
-
-@functools.cache
-def _libgomp_pause():
-    try:
-        with open("/proc/self/maps") as maps:  # Linux: the libgomp torch loaded, wherever its wheel put it
-            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
-        return ctypes.CDLL(path).omp_pause_resource_all if path else None
-    except (OSError, AttributeError):
-        return None
 
 
 def _progress_bar(start: int, target: int):

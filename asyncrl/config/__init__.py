@@ -195,13 +195,16 @@ class Config(BaseModel):
         return required if required is not None else 4 * self.groups_per_step
 
 
-def warn_toy_knobs(cfg: Config, dataset: bool = False) -> None:
+def warn_toy_knobs(cfg: Config, objects: bool | None = None) -> None:
     """One ``UserWarning`` line when a toy preset's knob meets a real model or real data: ``loss.entropy_coef``
-    (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task (``dataset``: the controller
-    was given data objects). On a warm-started model with long completions such a bonus drives the entropy up to
-    its maximum within a few steps; the ``grpo`` preset has none."""
+    (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task. On a warm-started model with
+    long completions such a bonus drove the entropy to its maximum within about 10 steps (issue 47); the ``grpo``
+    preset has none. ``objects``: from ``Controller.from_config``, whether data objects were given (it warns only
+    where the config itself did not: with neither hf_path nor a dataset task)."""
+    if objects is not None and (not objects or cfg.task.name == "dataset" or cfg.model.hf_path is not None):
+        return
     real = [what for what, yes in (("model.hf_path", cfg.model.hf_path is not None),
-                                   ("a dataset task", dataset or cfg.task.name == "dataset")) if yes]
+                                   ("a dataset task", bool(objects) or cfg.task.name == "dataset")) if yes]
     if cfg.loss.entropy_coef > 0 and real:
         warnings.warn(f"loss.entropy_coef {cfg.loss.entropy_coef} (a toy preset's entropy bonus) with "
                       f"{' and '.join(real)}: it can drive a real model's entropy to its maximum within a few steps; "
