@@ -66,6 +66,7 @@ def test_a_toy_entropy_bonus_with_a_real_model_or_real_data_warns_in_one_line():
     assert _warnings(lambda: load_config("quickstart")) == []  # the toy task keeps its toy knob
     assert _warnings(lambda: load_config("grpo", task=WORDS, model={"hf_path": "x"})) == []
     assert _warnings(lambda: load_config("quickstart", task=WORDS, loss={"entropy_coef": 0.0})) == []
+    assert _warnings(lambda: load_config("grpo", task=WORDS, loss={"entropy_coef": 0.01})) == []  # a choice
     rows = [{"prompt": f"{a}+1=", "answer": str(a + 1)} for a in range(8)]
     (msg,) = _warnings(lambda: Controller.from_config(load_config("quickstart", eval_every=None), train_dataset=rows,
                                                       reward_funcs=[lambda completions, **kw: [0.0] * len(completions)]))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.config.backends import GENERATION_CONFIGS, TRAINER_CONFIGS, GenerationConfig, ModelConfig, TrainerConfig
@@ -131,6 +131,7 @@ class Config(BaseModel):
         "generated with weights 0, N, 2N, ...); asyncrl/completions.py")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
     ray: RayConfig = Field(default_factory=RayConfig)
+    _entropy_from_file: bool = PrivateAttr(False)  # loss.entropy_coef came from a preset or file (warn_toy_knobs)
 
     @field_validator("log_completions")
     @classmethod
@@ -181,7 +182,6 @@ class Config(BaseModel):
                              "use 'group', or unset min_groups_per_chunk")
         check_placement(self.generation, self.trainer)
         check_sampler_config(self)
-        warn_toy_knobs(self)
         return self
 
     @property
@@ -199,16 +199,19 @@ def warn_toy_knobs(cfg: Config, objects: bool | None = None) -> None:
     """One ``UserWarning`` line when a toy preset's knob meets a real model or real data: ``loss.entropy_coef``
     (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task. On a warm-started model with
     long completions such a bonus drove the entropy to its maximum within about 10 steps (issue 47); the ``grpo``
-    preset has none. ``objects``: from ``Controller.from_config``, whether data objects were given (it warns only
-    where the config itself did not: with neither hf_path nor a dataset task)."""
-    if objects is not None and (not objects or cfg.task.name == "dataset" or cfg.model.hf_path is not None):
+    preset has none. Only a coefficient that came from the preset or file ``load_config`` read is judged (an
+    override that sets it is a choice). ``load_config`` asks with ``objects`` None; ``Controller.from_config`` with
+    whether data objects were given (then it warns only where ``load_config`` could not know: no hf_path, no
+    dataset task)."""
+    if not cfg._entropy_from_file or (objects is not None and (not objects or cfg.task.name == "dataset"
+                                                                or cfg.model.hf_path is not None)):
         return
     real = [what for what, yes in (("model.hf_path", cfg.model.hf_path is not None),
                                    ("a dataset task", bool(objects) or cfg.task.name == "dataset")) if yes]
     if cfg.loss.entropy_coef > 0 and real:
         warnings.warn(f"loss.entropy_coef {cfg.loss.entropy_coef} (a toy preset's entropy bonus) with "
                       f"{' and '.join(real)}: it can drive a real model's entropy to its maximum within a few steps; "
-                      "set loss.entropy_coef=0 or start from the 'grpo' preset", UserWarning, stacklevel=2)
+                      "set loss.entropy_coef=0 or start from the 'grpo' preset", UserWarning, stacklevel=3)
 
 
 _VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
@@ -247,4 +250,7 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
         elif not path.exists():
             raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
         data = yaml.safe_load(path.read_text()) or {}
-    return Config.model_validate(merge_overrides(data, overrides))
+    cfg = Config.model_validate(merge_overrides(data, overrides))
+    cfg._entropy_from_file = "entropy_coef" not in (overrides.get("loss") or {})
+    warn_toy_knobs(cfg)
+    return cfg
