@@ -89,11 +89,13 @@ def run(name: str, model_dir: Path, data: list[dict], steps: int, seed: int, ove
     import pandas as pd  # noqa: F401
 
     from asyncrl import Controller, load_config
+    from asyncrl.config import merge_overrides
 
     train = [r for i, r in enumerate(data) if i % 5]
     held_out = [r for i, r in enumerate(data) if i % 5 == 0]
-    cfg = load_config("grpo", seed=seed, model={"hf_path": str(model_dir)}, eval_every=None,
-                      generation={"max_new_tokens": 24}, trainer={"lr_decay_steps": steps}, **overrides)
+    cfg = load_config("grpo", **merge_overrides({"seed": seed, "model": {"hf_path": str(model_dir)}, "eval_every": None,
+                                                 "generation": {"max_new_tokens": 24},
+                                                 "trainer": {"lr_decay_steps": steps}}, overrides))
     ctrl = Controller.from_config(cfg, train_dataset=train, eval_dataset=held_out, reward_funcs=[answer_reward])
     before = ctrl.evaluate()["accuracy"]
     start = time.perf_counter()

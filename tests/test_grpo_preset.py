@@ -105,3 +105,19 @@ def test_cli_max_time_ends_with_status_time_limit_exit_0_and_a_checkpoint(tmp_pa
     bad = subprocess.run([sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "1", "--out",
                           str(tmp_path / "x"), "--max-time", "0"], capture_output=True, text=True, env=env)
     assert bad.returncode == 2 and "--max-time" in bad.stderr
+
+
+@pytest.mark.slow
+def test_grpo_preset_trains_a_warm_started_chat_model_on_a_dataset_with_bounded_entropy(tmp_path):
+    """benchmarks/bench_grpo_preset.py's setting, the preset as it is: 50 CPU steps from a warm-started tiny Qwen3
+    with a chat template, a conversational dataset and a reward function: the entropy stays near where it started
+    (the quickstart's bonus took a model like it to its maximum, ~5.6 nats, within about 10 steps)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_grpo_preset import rows, run, warm_start
+
+    data = rows()
+    warm_start(tmp_path / "qwen3", data, sft_steps=60, seed=0)
+    steps, summary = run("grpo", tmp_path / "qwen3", data, steps=50, seed=0, overrides={})
+    assert len(steps) == 50 and summary["lr"] == 1e-6 and summary["entropy_coef"] == 0
+    assert summary["entropy_max"] < summary["entropy_first"] + 0.5 and summary["entropy_max"] < 2.0
+    assert summary["heldout_accuracy_after"] >= summary["heldout_accuracy_before"] - 0.05
