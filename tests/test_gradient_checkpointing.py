@@ -64,8 +64,15 @@ def test_gradient_checkpointing_gives_the_same_loss_and_gradients(where, tmp_pat
 
 def test_gradient_checkpointing_is_a_trainer_knob_of_the_model_engines():
     assert load_config("grpo", trainer={"gradient_checkpointing": True}).trainer.gradient_checkpointing
-    cfg = load_config("grpo", trainer={"backend": "megatron", "gradient_checkpointing": True})
-    assert cfg.trainer.gradient_checkpointing
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         load_config("quickstart", trainer={"backend": "simulated", "gradient_checkpointing": True},
                     generation={"backend": "simulated"})
+
+
+
+def test_megatron_recompute_is_refused_off_cuda_in_one_line():
+    """Megatron-core's recompute restores the CUDA RNG state (a CPU step fails deep inside it): refused up front."""
+    with pytest.raises(ValueError, match="trainer.gradient_checkpointing with the Megatron trainer needs a CUDA"):
+        load_config("grpo", trainer={"backend": "megatron", "gradient_checkpointing": True})
+    cfg = load_config("grpo", device="cuda", trainer={"backend": "megatron", "gradient_checkpointing": True})
+    assert cfg.trainer.gradient_checkpointing and cfg.trainer.device == "cuda"

@@ -22,11 +22,12 @@ Cross-field rules are checked here, where a bad combination is rejected before a
 from __future__ import annotations
 
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from asyncrl.algorithms import LossConfig
 from asyncrl.config.backends import GENERATION_CONFIGS, TRAINER_CONFIGS, GenerationConfig, ModelConfig, TrainerConfig
@@ -131,7 +132,6 @@ class Config(BaseModel):
         "generated with weights 0, N, 2N, ...); asyncrl/completions.py")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig)  # TensorBoard / W&B; nothing unless set
     ray: RayConfig = Field(default_factory=RayConfig)
-    _entropy_from_file: bool = PrivateAttr(False)  # loss.entropy_coef came from a preset or file (warn_toy_knobs)
 
     @field_validator("log_completions")
     @classmethod
@@ -195,6 +195,11 @@ class Config(BaseModel):
         return required if required is not None else 4 * self.groups_per_step
 
 
+# id -> whether loss.entropy_coef of a config load_config made came from the preset or file rather than an override
+# (kept beside the config, dropped when it is collected, so its equality and dump stay its fields alone).
+_ENTROPY_FROM_FILE: dict[int, bool] = {}
+
+
 def warn_toy_knobs(cfg: Config, objects: bool | None = None) -> None:
     """One ``UserWarning`` line when a toy preset's knob meets a real model or real data: ``loss.entropy_coef``
     (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task. On a warm-started model with
@@ -203,7 +208,7 @@ def warn_toy_knobs(cfg: Config, objects: bool | None = None) -> None:
     override that sets it is a choice). ``load_config`` asks with ``objects`` None; ``Controller.from_config`` with
     whether data objects were given (then it warns only where ``load_config`` could not know: no hf_path, no
     dataset task)."""
-    if not cfg._entropy_from_file or (objects is not None and (not objects or cfg.task.name == "dataset"
+    if not _ENTROPY_FROM_FILE.get(id(cfg), False) or (objects is not None and (not objects or cfg.task.name == "dataset"
                                                                 or cfg.model.hf_path is not None)):
         return
     real = [what for what, yes in (("model.hf_path", cfg.model.hf_path is not None),
@@ -251,6 +256,7 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
             raise ValueError(f"config file {str(preset_or_path)!r} does not exist")
         data = yaml.safe_load(path.read_text()) or {}
     cfg = Config.model_validate(merge_overrides(data, overrides))
-    cfg._entropy_from_file = "entropy_coef" not in (overrides.get("loss") or {})
+    _ENTROPY_FROM_FILE[id(cfg)] = "entropy_coef" not in (overrides.get("loss") or {})
+    weakref.finalize(cfg, _ENTROPY_FROM_FILE.pop, id(cfg), None)
     warn_toy_knobs(cfg)
     return cfg

@@ -133,6 +133,10 @@ class MegatronTrainerConfig(_MicroBatched):
         if self.optimizer == "megatron" and not str(self.device).startswith("cuda"):
             raise ValueError(f"trainer.optimizer 'megatron' needs a CUDA device (megatron-core's optimizer makes its "
                              f"tensors on cuda); got trainer.device {self.device!r}: use optimizer 'torch'")
+        if self.gradient_checkpointing and not str(self.device).startswith("cuda"):  # its recompute replays CUDA RNG
+            raise ValueError(f"trainer.gradient_checkpointing with the Megatron trainer needs a CUDA device "
+                             f"(megatron-core's recompute restores the CUDA RNG state); got trainer.device "
+                             f"{self.device!r}: use the torch trainer on CPU")
         return self
 
     @property
