@@ -11,6 +11,17 @@ differently — is corrected by ``w = exp(prev - gen)`` per token (or per sequen
 - ``icepop``: zero tokens whose ``w`` is outside ``[is_low, is_high]``;
 - ``seq-mask-tis``: drop whole sequences whose sequence-level ``w`` (geometric mean over its tokens) is outside
   ``[is_low, is_high]``, and clamp the kept tokens' ``w`` at ``is_cap``.
+
+TRL's switches, same names and meaning (``GRPOConfig``; docs/staleness.md, "The loss", says how they compose):
+- ``loss_type`` is the token normalisation: ``grpo`` each sequence's mean then the mean over sequences; ``bnpo`` and
+  ``dapo`` the sum over the step's tokens divided by their number; ``dr_grpo`` the sum divided by the step's
+  sequences x ``max_completion_length`` (``generation.max_new_tokens``). The normaliser is always the whole step's
+  (summed over chunks, micro-batches and data-parallel ranks), so a step never depends on how it was split.
+- ``importance_sampling_level``: the surrogate ratio ``curr / prev`` per token, or (``sequence``, GSPO) one ratio a
+  sequence, ``exp(mean over its tokens of (curr - prev))``, clipped as the token ratio is. The staleness weight
+  ``w`` above multiplies the clipped surrogate either way.
+- ``scale_rewards``: advantages divided by the group's reward std, the batch's, or not at all (+1e-4, as TRL).
+- ``mask_truncated_completions``: completions cut at ``max_new_tokens`` (finish reason ``length``) leave the loss.
 """
 
 from __future__ import annotations
@@ -38,7 +49,12 @@ class LossConfig(BaseModel):
 
     advantage: Literal["group_mean", "leave_one_out"] = Field(
         "group_mean", description="baseline per group: the group's mean reward, or the mean of the other completions")
-    scale_by_std: bool = Field(False, description="divide advantages by the group's reward std")
+    scale_rewards: Literal["group", "batch", "none"] = Field(
+        "none", description="TRL's scale_rewards: advantages divided by (the reward std of the group, or of the "
+        "batch (the step's groups), + 1e-4), or not scaled ('none')")
+    scale_by_std: bool | None = Field(
+        None, description="older spelling of scale_rewards: true is 'group', false 'none' (a contradicting "
+        "scale_rewards is an error)")
     clip_eps_low: float = Field(0.2, ge=0, description="surrogate ratio clipped below at 1 - clip_eps_low")
     clip_eps_high: float = Field(0.2, ge=0, description="surrogate ratio clipped above at 1 + clip_eps_high")
     importance_correction: Literal["none", "token", "sequence"] = Field(
@@ -51,8 +67,19 @@ class LossConfig(BaseModel):
     kl: Literal["none", "k1", "k2", "k3"] = Field("none", description="KL estimator to the initial weights")
     kl_coef: float = Field(0.0, ge=0, description="KL penalty coefficient (set together with kl)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
-    normalisation: Literal["token", "sequence"] = Field(
-        "token", description="loss normalised over the step's tokens, or per sequence then over its sequences")
+    loss_type: Literal["grpo", "bnpo", "dr_grpo", "dapo"] = Field(
+        "dapo", description="TRL's loss_type, the token normalisation over the whole step: 'grpo' each sequence's "
+        "mean, then the mean over sequences; 'bnpo' / 'dapo' the sum over tokens / the step's tokens; 'dr_grpo' the "
+        "sum / (sequences x generation.max_new_tokens)")
+    normalisation: Literal["token", "sequence"] | None = Field(
+        None, description="older spelling of loss_type: 'token' is 'dapo', 'sequence' is 'grpo' (a contradicting "
+        "loss_type is an error)")
+    importance_sampling_level: Literal["token", "sequence"] = Field(
+        "token", description="TRL's importance_sampling_level: the clipped surrogate ratio curr/prev per token, or "
+        "per sequence (GSPO: exp of the mean over its tokens of curr - prev), clipped alike")
+    mask_truncated_completions: bool = Field(
+        False, description="TRL's mask_truncated_completions: completions that reached max_new_tokens without eos "
+        "(finish reason 'length') are left out of the loss (they still count in their group's advantages)")
     gap_metrics: bool = Field(
         True, description="split stale tokens' importance weights into staleness and mismatch (mismatch_kl, "
         "is_mismatch_*, is_staleness_*): the policy keeps the weights of the versions buffered groups were sampled "
@@ -71,7 +98,21 @@ class LossConfig(BaseModel):
             raise ValueError(f"kl={self.kl!r} with kl_coef={self.kl_coef}: set both or neither")
         if self.importance_correction == "none" and self.truncation != "none":
             raise ValueError(f"truncation {self.truncation!r} needs an importance_correction ('token' or 'sequence')")
+        # The older knobs derive the TRL-named ones; set together, they must agree.
+        for old, new, table in (("normalisation", "loss_type", _LOSS_TYPE_OF),
+                                ("scale_by_std", "scale_rewards", _SCALE_OF)):
+            value = getattr(self, old)
+            if value is None:
+                continue
+            if new in self.model_fields_set and getattr(self, new) != table[value]:
+                raise ValueError(f"loss.{old} {value!r} contradicts loss.{new} {getattr(self, new)!r} (it means "
+                                 f"{new} {table[value]!r}): set only loss.{new}")
+            object.__setattr__(self, new, table[value])
         return self
+
+
+_LOSS_TYPE_OF = {"token": "dapo", "sequence": "grpo"}
+_SCALE_OF = {True: "group", False: "none"}
 
 
 @runtime_checkable
@@ -124,13 +165,14 @@ class GRPOLoss:
 
     metrics = GRPO_METRICS
 
-    def __init__(self, cfg: LossConfig | None = None) -> None:
+    def __init__(self, cfg: LossConfig | None = None, max_completion_length: int | None = None) -> None:
         self.cfg = cfg if cfg is not None else LossConfig()
+        self.max_completion_length = max_completion_length  # dr_grpo's constant (generation.max_new_tokens)
         self.needs_reference = self.cfg.kl != "none"
         self.entropy_grad = self.cfg.entropy_coef > 0
 
     def __call__(self, logprobs, batch, entropy=None):
-        return grpo_loss(logprobs, batch, self.cfg, entropy)
+        return grpo_loss(logprobs, batch, self.cfg, entropy, self.max_completion_length)
 
     def __repr__(self) -> str:
         return f"GRPOLoss({self.cfg!r})"
@@ -140,7 +182,8 @@ def group_advantages(
     rewards: torch.Tensor, estimator: str = "group_mean", scale_by_std: bool = False, eps: float = 1e-6
 ) -> torch.Tensor:
     """Advantages for a [groups, G] reward tensor: reward minus the group's mean (or the mean of the *other*
-    completions, ``leave_one_out``), optionally divided by the group's std."""
+    completions, ``leave_one_out``), optionally divided by the group's std (``scale_advantages`` scales as TRL's
+    ``scale_rewards`` does)."""
     rewards = rewards.to(torch.float32)
     G = rewards.shape[-1]
     mean = rewards.mean(dim=-1, keepdim=True)
@@ -157,6 +200,35 @@ def group_advantages(
         std = rewards.std(dim=-1, keepdim=True) if G > 1 else torch.zeros_like(mean)
         adv = adv / (std + eps)
     return adv
+
+
+def scale_advantages(adv: torch.Tensor, rewards: Sequence[Sequence[float]], scale: str) -> torch.Tensor:
+    """``adv`` (flat, groups in order) divided as TRL's ``scale_rewards`` divides it: by each group's reward std
+    (``group``) or the std of all of ``rewards`` (``batch``), unbiased, + 1e-4; ``none`` leaves it."""
+    if scale == "none":
+        return adv
+    if scale == "group":
+        std = torch.cat([torch.full((len(r),), float(np.std(r, ddof=1)) if len(r) > 1 else 0.0) for r in rewards])
+    elif scale == "batch":
+        flat = [x for r in rewards for x in r]
+        std = torch.full((len(flat),), float(np.std(flat, ddof=1)) if len(flat) > 1 else 0.0)
+    else:
+        raise ValueError(f"scale_rewards must be 'group', 'batch' or 'none', got {scale!r}")
+    return adv / (std.to(adv.dtype) + 1e-4)
+
+
+def mask_truncated(batch: TrainBatch, groups: Sequence[GroupRollouts], cfg: LossConfig) -> TrainBatch:
+    """``batch`` with the loss mask of every truncated completion (finish reason ``length``: it reached
+    max_new_tokens without eos) zeroed when ``cfg.mask_truncated_completions``; otherwise ``batch`` itself.
+    Applied after ``mark_versions``, whose token bookkeeping reads the unmasked layout; the rows stay (``grpo`` and
+    ``dr_grpo`` count them as sequences, as TRL does)."""
+    if not cfg.mask_truncated_completions:
+        return batch
+    cut = [reason == "length" for g in groups for reason in (g.finish_reasons or [""] * len(g.completion_ids))]
+    if not any(cut):
+        return batch
+    keep = torch.tensor([not c for c in cut], dtype=batch.loss_mask.dtype).unsqueeze(-1)
+    return replace(batch, loss_mask=batch.loss_mask * keep)
 
 
 def _tensor(values: list, dtype: type) -> torch.Tensor:
@@ -177,9 +249,10 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
     sizes = [len(g.completion_ids) for g in groups]
     if len(set(sizes)) == 1:
         rewards = _tensor([g.rewards for g in groups], np.float32)
-        adv = group_advantages(rewards, cfg.advantage, cfg.scale_by_std).flatten()
+        adv = group_advantages(rewards, cfg.advantage).flatten()
     else:
-        adv = torch.cat([group_advantages(torch.tensor([g.rewards]), cfg.advantage, cfg.scale_by_std)[0] for g in groups])
+        adv = torch.cat([group_advantages(torch.tensor([g.rewards]), cfg.advantage)[0] for g in groups])
+    adv = scale_advantages(adv, [g.rewards for g in groups], cfg.scale_rewards)
     rows = [(g.prompt_ids, c, lp) for g in groups for c, lp in zip(g.completion_ids, g.logprobs)]
     starts = [len(p) for p, _, _ in rows]
     stops = [len(p) + len(c) for p, c, _ in rows]
@@ -247,13 +320,15 @@ def mark_versions(batch: TrainBatch, groups: Sequence[GroupRollouts], trainer_ve
 
 
 def grpo_loss(
-    logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig, entropy: torch.Tensor | None = None
+    logprobs: torch.Tensor, batch: TrainBatch, cfg: LossConfig, entropy: torch.Tensor | None = None,
+    max_completion_length: int | None = None,
 ) -> tuple[torch.Tensor, float | torch.Tensor, dict[str, float | torch.Tensor]]:
     """The step's loss contribution of ``batch``: ``(loss_sum, normaliser, contributions)``.
 
     ``loss_sum / normaliser`` summed over a step's micro-batches is the step's loss. ``contributions`` are this
     micro-batch's share of each of ``GRPO_METRICS`` (sums over tokens for the means; max/min over its tokens, -inf/+inf
-    without any), as 0-dim tensors, for an ``Accumulator`` to reduce over the whole step.
+    without any), as 0-dim tensors, for an ``Accumulator`` to reduce over the whole step. ``max_completion_length``:
+    ``dr_grpo``'s constant (``generation.max_new_tokens``).
     """
     mask = batch.loss_mask
     on = mask > 0
@@ -264,9 +339,12 @@ def grpo_loss(
     prev = torch.where(on, prev, zero)
     adv = batch.advantages.unsqueeze(-1)
 
-    ratio = torch.exp(logprobs - prev)
+    log_ratio = logprobs - prev
+    if cfg.importance_sampling_level == "sequence":  # GSPO: one ratio a sequence, the geometric mean of its tokens'
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+    ratio = torch.exp(log_ratio)
     clipped = torch.clamp(ratio, 1 - cfg.clip_eps_low, 1 + cfg.clip_eps_high)
-    per_token = -torch.minimum(ratio * adv, clipped * adv)
+    per_token = -torch.minimum(ratio * adv, clipped * adv).expand_as(logprobs)
 
     weight, truncated = _importance_weight(prev, batch.gen_logprobs, mask, cfg)
     per_token = per_token * weight
@@ -286,10 +364,16 @@ def grpo_loss(
         entropy_sum = (entropy.detach() * mask).sum()
 
     tokens = mask.sum()
-    if cfg.normalisation == "token":
+    if cfg.loss_type in ("dapo", "bnpo"):  # the step's tokens (one normaliser for the whole step: "local" is it)
         loss_sum = (per_token * mask).sum()
         normaliser = tokens
-    else:
+    elif cfg.loss_type == "dr_grpo":
+        if max_completion_length is None:
+            raise ValueError("loss.loss_type 'dr_grpo' divides by sequences x max_completion_length: build the loss "
+                             "as GRPOLoss(cfg.loss, max_completion_length=cfg.generation.max_new_tokens)")
+        loss_sum = (per_token * mask).sum()
+        normaliser = float(mask.shape[0] * max_completion_length)
+    else:  # grpo
         lengths = mask.sum(-1).clamp(min=1)
         loss_sum = ((per_token * mask).sum(-1) / lengths).sum()
         normaliser = float(mask.shape[0])
@@ -302,7 +386,7 @@ def grpo_loss(
         "tokens": tokens,
         "is_weight_mean": (w * mask).sum(),
         "is_truncated_frac": (truncated & on).sum(),
-        "clip_frac": (((ratio - clipped).abs() > 0) & on).sum(),
+        "clip_frac": (((ratio - clipped).abs() > 0).expand_as(on) & on).sum(),
         "kl": kl_sum,
         "entropy": entropy_sum,
         "is_weight_max": torch.where(on, w, -inf).max(),

@@ -53,9 +53,9 @@ def run(args: argparse.Namespace) -> int:
     """Check everything, then run, appending each finished step to metrics.csv and its events to trace.csv (and
     trace_index.csv, which lets ``asyncrl.Recording`` scrub it), listening on DIR/control.sock for
     ``asyncrl.attach`` meanwhile. Exit 0 when the run completed (or the data ran out) or was stopped by an attached
-    controller; 130 on Ctrl-C (SIGINT), 143 on SIGTERM, 129 on SIGHUP (128 + the signal: the run stops at a safe
-    point, the files hold every finished step, summary.json says ``interrupted`` or ``terminated``); 1 when it
-    failed (one line on stderr, the traceback in DIR/error.log); summary.json says which (``status``) and why."""
+    controller or reached --max-time (status ``time_limit``); 130 on Ctrl-C (SIGINT), 143 on SIGTERM, 129 on
+    SIGHUP (128 + the signal: the run stops at a safe point, the files hold every finished step, summary.json says
+    ``interrupted`` or ``terminated``); 1 when it failed (one line on stderr, the traceback in DIR/error.log); summary.json says which (``status``) and why."""
     with RunSignals() as signals:
         return _run_checked(args, signals)
 
@@ -87,6 +87,8 @@ def _run_checked(args: argparse.Namespace, signals: RunSignals) -> int:
             every = saved.get("checkpoint_every")
         if every is not None:
             overrides.update(checkpoint_every=every, checkpoint_dir=str(out / "checkpoints"))
+        if args.max_time is not None:  # the wall-time limit (run_loop: ends after a step, status time_limit)
+            overrides.update(max_time_s=args.max_time)
         cfg = load_config(args.config, **overrides)
         if resume is not None:  # and keeps its TensorBoard / W&B sinks unless told otherwise
             cfg = _keep_tracking(cfg, saved.get("tracking") or {}, args.config, overrides)
@@ -166,13 +168,15 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, signals: RunSignals) -> int:
         error = exc
     error = _unwritable(files.close, error)  # a full disk or a read-only directory: the run's error
     handle = stop["handle"]
+    timed_out = handle is not None and handle.status == "time_limit"  # --max-time: ends after a step, exit 0
     final = None
-    if error is None and signals.asked is None and not stop.get("remote") and ctrl.task.eval_prompts:
+    if error is None and signals.asked is None and not stop.get("remote") and not timed_out and ctrl.task.eval_prompts:
         try:  # a dataset may have no evaluation split
             final = ctrl.evaluate()
         except Exception as exc:
             error = exc
-    status = ("failed" if error is not None else signals.status or ("stopped" if stop.get("remote") else "completed"))
+    status = ("failed" if error is not None else signals.status or ("stopped" if stop.get("remote") else
+                                                                     "time_limit" if timed_out else "completed"))
     summary = {"status": status, "steps": ctrl.trainer_version, "ended": handle.status if handle else "not started"}
     if signals.asked is not None:
         summary["signal"] = signals.name
@@ -192,7 +196,7 @@ def _run(args, ctrl, cfg, out: Path, stop: dict, signals: RunSignals) -> int:
         print(_learning(ctrl, final))
     if error is not None:
         return 1
-    return 0 if status in ("completed", "stopped") else 128 + signals.asked  # killed by a signal, after the clean-up
+    return 0 if status in ("completed", "stopped", "time_limit") else 128 + signals.asked  # killed by a signal, after the clean-up
 
 
 def _failure(out: Path, exc: BaseException) -> str:
@@ -316,6 +320,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
+
+
 def simulate(args: argparse.Namespace) -> int:
     """``asyncrl simulate PRESET --steps N --out DIR``: the controller on the simulated backends' virtual clock."""
     from asyncrl import simulate as sim_module
@@ -402,6 +416,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(created if missing; files in it are overwritten; with --resume: the resumed directory)")
     p.add_argument("--checkpoint-every", type=_positive, metavar="K",
                    help="checkpoint every K steps under OUT/checkpoints, keeping the newest keep_checkpoints")
+    p.add_argument("--max-time", type=_positive_seconds, metavar="SECONDS",
+                   help="wall-time limit: stop after the step during which it passed, with a checkpoint when "
+                        "--checkpoint-every is set; summary.json status 'time_limit', exit 0 (config: max_time_s)")
     p.add_argument("--resume", metavar="DIR",
                    help="continue the run in DIR (an --out directory or a checkpoint) from its newest complete "
                         "checkpoint to --steps in all; CONFIG must have the same model")

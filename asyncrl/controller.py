@@ -43,7 +43,7 @@ import torch
 from asyncrl import metrics as M
 from asyncrl.algorithms import Loss
 from asyncrl.buffer import ReplayBuffer
-from asyncrl.config import Config, check_sampler_fits
+from asyncrl.config import Config, check_sampler_fits, warn_toy_knobs
 from asyncrl.faults import FaultContainment
 from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
@@ -157,6 +157,7 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
             torch.set_num_threads(cfg.torch_threads)
         torch.manual_seed(cfg.seed)
         task = task_with_data(cfg.task, train_dataset, eval_dataset)
+        warn_toy_knobs(cfg, objects=train_dataset is not None)  # (a config's own data warned when it loaded)
         policy, generator, tokenizer = build_backends(cfg, loss)
         ctrl = cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
         ctrl.given = [k for k, v in zip(GIVEN, (train_dataset, eval_dataset, reward_funcs)) if v is not None]
@@ -188,30 +189,31 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
         return report
 
     # ------------------------------------------------------------------------------------------------ running
-    def start(self, steps: int, until=None, progress: bool = True, on_step=None) -> RunHandle:
+    def start(self, steps: int, until=None, progress: bool = True, on_step=None, max_time_s=None) -> RunHandle:
         """Run both pumps in the background until ``T`` has grown by ``steps`` (or the data ran out, or ``until``
         matched); returns a ``RunHandle`` at once (``pause``, ``resume``, ``stop``, ``wait``, ``running``,
         ``error``). ``until``: a trace event name (``TRACE_EVENTS``) or a callable on a trace row: the run stops
         right after the tick that emitted the first match among this run's events. ``on_step(row, events)`` is
         called in the train pump after each step with its metrics row and the trace rows (``TraceRow``) since the
-        last call. With a sampler that cannot admit ahead (``lockstep``) one thread runs both ticks in turn."""
+        last call. With a sampler that cannot admit ahead (``lockstep``) one thread runs both ticks in turn.
+        ``max_time_s``: a wall-time limit (default ``cfg.max_time_s``; status ``time_limit``: asyncrl/run_loop.py)."""
         if self._run is not None and self._run.alive:
             raise RuntimeError(f"a run is already going ({self._run!r}): wait for it, or stop it, before starting "
                                "another")
-        handle = RunHandle(self, steps, until, progress, on_step)  # validates steps and until: nothing changes
+        handle = RunHandle(self, steps, until, progress, on_step, max_time_s, self._save_periodic)  # validates first
         self._run = handle
         self._train.measure_beside(lambda: handle.running)  # the gap pass's thread, for the run's length
         handle._launch()
         return handle
 
-    def run(self, steps: int, until=None, progress: bool = True) -> pd.DataFrame:
+    def run(self, steps: int, until=None, progress: bool = True, max_time_s: float | None = None) -> pd.DataFrame:
         """``start(steps, until).wait()``: blocks; an interrupt (Ctrl-C, a notebook's Interrupt) stops both pumps
         at a safe point and is re-raised, and an error in either pump is re-raised as the original exception; the
         controller stays steppable. Returns the metrics of the steps it ran; ``.attrs["status"]`` says how it ended
         (completed, exhausted, breakpoint, ...), ``.attrs["breakpoint"]`` the trace row ``until`` matched and
         ``.attrs["until_fired"]`` whether it matched (None without ``until``); a run that ended without its
-        breakpoint also warns (``UserWarning``)."""
-        return self.start(steps, until, progress).wait()
+        breakpoint also warns (``UserWarning``). ``max_time_s``: a wall-time limit (``start``)."""
+        return self.start(steps, until, progress, max_time_s=max_time_s).wait()
 
     async def arun(self, steps: int, until=None, progress: bool = True) -> pd.DataFrame:
         """``run`` without blocking the event loop (a notebook stays responsive); cancelling it stops the run."""

@@ -18,6 +18,9 @@ Invariants:
   exception object (its traceback shows where in the pump it happened).
 - One run at a time per controller, and no tick by hand while its pumps go; parked (paused) pumps allow it.
 - Stop and pause take effect within one tick plus ``POLL_S``: an idle pump never waits longer than that.
+- Wall-time limit (``max_time_s``, default ``cfg.max_time_s``): judged after each finished step, so the run ends
+  on a step boundary ("time_limit"), never inside one; then, as a completed run, it collects what finished and, with
+  ``checkpoint_every``, saves a checkpoint of that step unless the step's own periodic save just wrote it.
 - Public API only: the handle drives the controller through its ticks, ``subscribe`` (the ``until`` breakpoint,
   ``on_step``, the progress bar), ``changed`` / ``num_events`` (wake-ups), ``clock``, ``drain`` and ``explain``.
 - No lost wake-ups. A pump waits on the controller's condition only if the trace has not grown since its tick
@@ -29,8 +32,6 @@ Invariants:
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import threading
 import time
 import warnings
@@ -40,12 +41,13 @@ from typing import Any
 import pandas as pd
 import torch
 
+from asyncrl.pump_threads import _libgomp_pause, release_idle_openmp_workers, torch_threads_per_pump  # noqa: F401
 from asyncrl.reports import TickReport
 from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
 
 POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
 STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call
-ENDS = ("completed", "exhausted", "breakpoint", "stopped", "interrupted", "failed")
+ENDS = ("completed", "exhausted", "breakpoint", "time_limit", "stopped", "interrupted", "failed")
 
 
 class StallError(RuntimeError):
@@ -108,10 +110,16 @@ class RunHandle:
     """
 
     def __init__(self, ctrl: Any, steps: int, until=None, progress: bool = True,
-                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None):
-        # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module)
+                 on_step: Callable[[dict, list[TraceRow]], Any] | None = None, max_time_s: float | None = None,
+                 checkpoint: Callable[[], Any] | None = None):
+        # ``ctrl``: an ``asyncrl.Controller`` (not imported: the controller imports this module); ``checkpoint``:
+        # its periodic save (``checkpoint_every``), for a run that ends at its wall-time limit
         if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise ValueError(f"steps must be an int >= 1, got {steps!r}")
+        self.max_time_s = ctrl.cfg.max_time_s if max_time_s is None else max_time_s
+        if self.max_time_s is not None and not (type(self.max_time_s) in (int, float) and self.max_time_s > 0):
+            raise ValueError(f"max_time_s must be a number of seconds > 0 (or None: no limit), got {max_time_s!r}")
+        self._started_at, self._checkpoint = time.monotonic(), checkpoint  # the limit's clock (reset at launch)
         self._match = breakpoint_matcher(until, TRACE_EVENTS)
         self.ctrl, self.steps, self.until, self.on_step = ctrl, steps, until, on_step
         self.target = ctrl.trainer_version + steps  # the run ends when T reaches it (hand ticks while paused count)
@@ -144,6 +152,7 @@ class RunHandle:
         self._supervisor = threading.Thread(target=self._supervise, daemon=True, name="asyncrl-run")
 
     def _launch(self) -> None:
+        self._started_at = time.monotonic()
         release_idle_openmp_workers()
         self._subscription = self.ctrl.subscribe(self._on_event)
         with self._cv:
@@ -261,6 +270,9 @@ class RunHandle:
                 or report.filtered):  # a uniform group came back: filter_uniform_groups judges that streak itself
             self._progress_at = time.monotonic()
         if report.step_finished:
+            if (self.max_time_s is not None and time.monotonic() - self._started_at >= self.max_time_s
+                    and self.ctrl.trainer_version < self.target):  # (the last step: the run completed)
+                self._request_end("time_limit")  # a step just ended: the safe point the limit waits for
             with self._cv:
                 steps, self._steps = self._steps, []
             for row in steps:
@@ -318,9 +330,12 @@ class RunHandle:
 
     def _close(self) -> None:
         self.stuck = [f"{name} pump: {self._doing[name][0]}" for name, t in self._threads.items() if t.is_alive()]
-        if self.error is None and self._end in ("completed", "exhausted"):
+        if self.error is None and self._end in ("completed", "exhausted", "time_limit"):
             try:  # collect what finished after the pumps stopped, as the old run did
                 self.ctrl.drain()
+                cfg, T = self.ctrl.cfg, self.ctrl.trainer_version  # a time limit keeps its step (unless just saved)
+                if self._end == "time_limit" and self._checkpoint and cfg.checkpoint_every and T % cfg.checkpoint_every:
+                    self._checkpoint()
             except BaseException as exc:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
@@ -461,46 +476,6 @@ def _cuda_index(device: str) -> int | None:
     if not device.startswith("cuda"):
         return None
     return int(device.partition(":")[2] or 0)
-
-
-def torch_threads_per_pump(cfg: Any, pumps: int) -> int | None:
-    """Torch intra-op threads for each pump thread of a run, or None to leave them as they are.
-
-    Two pumps that both compute on this process's CPU (the torch generator in the rollout pump, the torch policy in
-    the train pump) each with torch's default of a thread per core ask for twice the cores: their pools then wait
-    on each other, and an asynchronous run on 2 cores was slower than stepping (benchmarks/README.md, "Two torch
-    threads"). So when ``torch_threads`` is left unset, each of two such pumps gets half the caller's threads; a
-    lockstep run (one pump) keeps them all. A set ``torch_threads`` is the person's choice and is kept."""
-    if cfg.torch_threads is not None or pumps < 2:
-        return None
-    on_cpu = all(section.placement == "local" and str(section.device) == "cpu"
-                 for section in (cfg.generation, cfg.trainer))
-    return max(1, torch.get_num_threads() // 2) if on_cpu else None
-
-
-def release_idle_openmp_workers() -> bool:
-    """Let the calling thread's idle OpenMP workers go; True if a pool was let go.
-
-    Why: GNU libgomp (torch's intra-op threads on Linux) spins a worker between two parallel regions only while it
-    manages no more threads than there are CPUs; above that it puts them to sleep after each region, and every op
-    then pays a wake-up. The person's thread keeps a pool from its own torch work (building the model, hand ticks);
-    beside a pump thread's pool that is one pool too many: on 2 cores with 2 torch threads a lockstep run took
-    1.2-1.45x the time of the same ticks by hand (benchmarks/README.md, "Two torch threads").
-    ``omp_pause_resource_all`` in libgomp frees only the calling thread's pool (and refuses inside a parallel
-    region); the next torch op on this thread builds a new one. A no-op where libgomp is not loaded (other OpenMP
-    runtimes pause every thread's pool: not safe here)."""
-    pause = _libgomp_pause()
-    return pause is not None and pause(1) == 0  # 1: omp_pause_soft
-
-
-@functools.cache
-def _libgomp_pause():
-    try:
-        with open("/proc/self/maps") as maps:  # Linux: the libgomp torch loaded, wherever its wheel put it
-            path = next((line.split()[-1] for line in maps if "/libgomp" in line), None)
-        return ctypes.CDLL(path).omp_pause_resource_all if path else None
-    except (OSError, AttributeError):
-        return None
 
 
 def _progress_bar(start: int, target: int):

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from asyncrl import metrics as M
-from asyncrl.algorithms import make_train_batch, mark_versions
+from asyncrl.algorithms import make_train_batch, mark_versions, mask_truncated
 from asyncrl.backends.base import capabilities, is_dead_actor
 from asyncrl.buffer import ReplayBuffer, Slot
 from asyncrl.faults import FaultContainment, GenerationFailed, NonFiniteSteps, StepShortfall, describe
@@ -148,6 +148,7 @@ class TrainPump:
         known = [x for g in groups for x in self.known.pop(g.group_id, [None] * g.num_tokens)] \
             if any(g.group_id in self.known for g in groups) else None
         batch = mark_versions(batch, groups, T, self._logprobs_at, known, self.cfg.loss.gap_completions)  # the importance weight's parts, apart
+        batch = mask_truncated(batch, groups, self.cfg.loss)  # loss.mask_truncated_completions
         if not self.policy_can.prev_logprobs_from_forward:  # such a policy takes them from its forward
             batch = replace(batch, prev_logprobs=self.policy.logprobs(batch))
         if not self.step.started:

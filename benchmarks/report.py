@@ -1482,6 +1482,47 @@ def steps_needed_short() -> str:
 REPORTS.update({"one_gpu_steps_needed": steps_needed_table, "one_gpu_steps_needed_short": steps_needed_short})
 
 
+# --- trainer.gradient_checkpointing and the grpo preset (issue 47) ----------------------------------------------------
+GRAD_CKPT = "cpu-6x256-256-tokens"
+GRPO_PRESET = "cpu-qwen3-warm-50-steps"
+
+
+def gradient_checkpointing_table() -> str:
+    """Off / on: saved-for-backward MiB, peak RSS growth, step time (medians), loss and grad norm; the machine."""
+    meta, rows = run("bench_gradient_checkpointing", GRAD_CKPT)
+    r = meta["results"]
+    out = []
+    for on, part in rows.groupby("gradient_checkpointing"):
+        out.append(["on" if on else "off", f"{part.saved_for_backward_mib.median():.0f}",
+                    f"{part.peak_rss_growth_mib.median():.0f}", f"{part.step_s.median():.1f}",
+                    f"{part.loss.iloc[0]:.6g}", f"{part.grad_norm.iloc[0]:.6g}"])
+    shape = r["shape"]
+    note = (f"\n{r['parameters'] / 1e6:.1f}M-parameter Llama ({shape['layers']} layers x {shape['hidden']}), "
+            f"{shape['groups'] * 8} sequences x {shape['tokens']} completion tokens, one train step per process, "
+            f"{len(rows) // 2} repeats alternating; {machine(meta)}; data `benchmarks/data/bench_gradient_checkpointing/"
+            f"{GRAD_CKPT}/`.\n")
+    return table(out, ["gradient_checkpointing", "saved for backward (MiB)", "peak RSS growth (MiB)", "step (s)",
+                       "loss", "grad norm"]) + note
+
+
+def grpo_preset_table() -> str:
+    """Per configuration: entropy first / max / last over the steps, reward, held-out greedy accuracy before / after."""
+    meta, _ = run("bench_grpo_preset", GRPO_PRESET)
+    r = meta["results"]
+    out = [[f"`{s['config']}`", f"{s['lr']:g}", f"{s['entropy_coef']:g}",
+            f"{s['entropy_first']:.2f} / {s['entropy_max']:.2f} / {s['entropy_last']:.2f}",
+            f"{s['reward_first']:.2f} -> {s['reward_last5']:.2f}",
+            f"{s['heldout_accuracy_before']:.2f} -> {s['heldout_accuracy_after']:.2f}"] for s in r["summary"]]
+    note = (f"\n{r['steps']} steps each from the same warm-started tiny Qwen3 ({r['sft_steps']} supervised steps), "
+            f"seed {r['seed']}; the largest possible entropy is {r['max_entropy_possible']:.2f} nats (259 tokens); "
+            f"{machine(meta)}; data `benchmarks/data/bench_grpo_preset/{GRPO_PRESET}/`.\n")
+    return table(out, ["configuration", "lr", "entropy_coef", "entropy first / max / last", "reward (first -> last 5)",
+                       "held-out greedy accuracy"]) + note
+
+
+REPORTS.update({"gradient_checkpointing": gradient_checkpointing_table, "grpo_preset": grpo_preset_table})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",

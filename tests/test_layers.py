@@ -59,6 +59,7 @@ TIERS = [
     ["asyncrl.read_view"],  # the read API as a Protocol, and the one computation of explain() and state()
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
     # rollout pump only as the part it is handed: a type, imported ``if TYPE_CHECKING:``)
+    ["asyncrl.pump_threads"],  # torch threads per pump thread and the OpenMP pool release (CPU runs)
     ["asyncrl.rollout", "asyncrl.train", "asyncrl.run_loop", "asyncrl.checkpoint"],
     # a checkpoint read back for less than a run: export (the policy alone), what a restore must be given
     ["asyncrl.restoring"],

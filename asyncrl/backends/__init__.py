@@ -56,7 +56,9 @@ def build_backends(cfg, loss: Loss | None = None):
 
         check_schedule(cfg.trainer)
     policy_cls, generator_cls = engine(cfg.trainer), engine(cfg.generation)
-    policy_args = (cfg.model, cfg.trainer, GRPOLoss(cfg.loss) if loss is None else loss, cfg.seed, tokenizer)
+    if loss is None:  # dr_grpo's normaliser is the completion length limit
+        loss = GRPOLoss(cfg.loss, max_completion_length=cfg.generation.max_new_tokens)
+    policy_args = (cfg.model, cfg.trainer, loss, cfg.seed, tokenizer)
     generator_args = (cfg.model, cfg.generation, cfg.seed, tokenizer)
     if "ray" in (cfg.trainer.placement, cfg.generation.placement):
         from asyncrl.backends.ray import ensure_ray

@@ -181,10 +181,10 @@ class MegatronPolicy(KeptVersions):
             calculate_per_token_loss=True,  # DDP sums gradients over DP ranks; we normalise once per step
             attention_softmax_in_fp32=True,
             bias_activation_fusion=self.device.type == "cuda",  # one compiled SwiGLU kernel each way
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            apply_rope_fusion=False,
+            bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
             persist_layer_norm=False, gradient_accumulation_fusion=False,
+            **(dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+               if self.trainer_cfg.gradient_checkpointing else {}),  # trainer.gradient_checkpointing
         )
 
     def _build_model(self) -> torch.nn.Module:

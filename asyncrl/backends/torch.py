@@ -156,6 +156,11 @@ class TorchPolicy(KeptVersions):
 
             self.peft = apply_lora(self.model, model_cfg.lora, seed)
         self.model.train()
+        if trainer_cfg.gradient_checkpointing:  # each decoder layer recomputed in backward (torch.utils.checkpoint)
+            if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x's name for it
+                self.model.activation_checkpointing_enable({"use_reentrant": False})
+            else:
+                self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.num_parameters = sum(p.numel() for p in self.model.parameters())  # a pass runs through all of them
         peak = peak_flops(torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else None)

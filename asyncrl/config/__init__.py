@@ -21,6 +21,8 @@ Cross-field rules are checked here, where a bad combination is rejected before a
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Literal
 
@@ -113,6 +115,13 @@ class Config(BaseModel):
     checkpoint_every: int | None = Field(None, ge=1, description="save a checkpoint every K optimizer steps")
     checkpoint_dir: str | None = Field(None, description="where checkpoint_every writes (the CLI: OUT/checkpoints)")
     keep_checkpoints: int = Field(3, ge=1, description="complete checkpoints kept; older ones are deleted")
+    max_time_s: float | None = Field(
+        None, gt=0, description="wall-time limit of a run (`asyncrl run --max-time`, ctrl.run(max_time_s=)): it "
+        "stops after the step during which the limit passed, with a checkpoint when checkpoint_every is set, "
+        "status 'time_limit'; None: no limit")
+    device: str | None = Field(
+        None, description="where both engines run unless their own section names a device ('cuda', 'cpu'): one "
+        "--set device=cuda moves a CPU preset's torch engines to the GPU; None: each section's device")
     faults: FaultsConfig = Field(default_factory=FaultsConfig)  # retry budgets and backoff (asyncrl/faults.py)
     sampler: SamplerConfig = Field(default_factory=InOrderConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
@@ -143,6 +152,19 @@ class Config(BaseModel):
     def _every(cls, value: str | int) -> str | int:
         return check_every(value)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _device_for_both_engines(cls, data: Any) -> Any:
+        # The top-level device fills in each engine section that does not name one (a section's own device wins).
+        if isinstance(data, dict) and data.get("device") is not None:
+            data = dict(data)
+            for section in ("generation", "trainer"):
+                part = data.get(section)
+                part = dict(part) if isinstance(part, dict) else {}
+                part.setdefault("device", data["device"])
+                data[section] = part
+        return data
+
     @field_validator("loss", mode="before")
     @classmethod
     def _stale_sampler_needs_correction(cls, loss: Any, info: ValidationInfo) -> Any:
@@ -168,6 +190,10 @@ class Config(BaseModel):
             raise ValueError(
                 f"max_groups_per_chunk {self.max_groups_per_chunk} < min_groups_per_chunk {self.chunk_bounds[0]}"
             )
+        if self.loss.scale_rewards == "batch" and self.chunk_bounds[0] < N:
+            raise ValueError(f"loss.scale_rewards 'batch' divides by the std of the step's rewards, which a chunk of "
+                             f"min_groups_per_chunk {self.chunk_bounds[0]} < groups_per_step {N} does not know yet: "
+                             "use 'group', or unset min_groups_per_chunk")
         check_placement(self.generation, self.trainer)
         check_sampler_config(self)
         return self
@@ -181,6 +207,30 @@ class Config(BaseModel):
         if self.max_buffered_groups is not None:
             return self.max_buffered_groups
         return required if required is not None else 4 * self.groups_per_step
+
+
+# id -> whether loss.entropy_coef of a config load_config made came from the preset or file rather than an override
+# (kept beside the config, dropped when it is collected, so its equality and dump stay its fields alone).
+_ENTROPY_FROM_FILE: dict[int, bool] = {}
+
+
+def warn_toy_knobs(cfg: Config, objects: bool | None = None) -> None:
+    """One ``UserWarning`` line when a toy preset's knob meets a real model or real data: ``loss.entropy_coef``
+    (tuned for one-token toy completions) with ``model.hf_path`` or a ``dataset`` task. On a warm-started model with
+    long completions such a bonus drove the entropy to its maximum within about 10 steps (issue 47); the ``grpo``
+    preset has none. Only a coefficient that came from the preset or file ``load_config`` read is judged (an
+    override that sets it is a choice). ``load_config`` asks with ``objects`` None; ``Controller.from_config`` with
+    whether data objects were given (then it warns only where ``load_config`` could not know: no hf_path, no
+    dataset task)."""
+    if not _ENTROPY_FROM_FILE.get(id(cfg), False) or (objects is not None and (not objects or cfg.task.name == "dataset"
+                                                                or cfg.model.hf_path is not None)):
+        return
+    real = [what for what, yes in (("model.hf_path", cfg.model.hf_path is not None),
+                                   ("a dataset task", bool(objects) or cfg.task.name == "dataset")) if yes]
+    if cfg.loss.entropy_coef > 0 and real:
+        warnings.warn(f"loss.entropy_coef {cfg.loss.entropy_coef} (a toy preset's entropy bonus) with "
+                      f"{' and '.join(real)}: it can drive a real model's entropy to its maximum within a few steps; "
+                      "set loss.entropy_coef=0 or start from the 'grpo' preset", UserWarning, stacklevel=3)
 
 
 _VARIANTS = {"generation": GENERATION_CONFIGS, "trainer": TRAINER_CONFIGS}
@@ -225,7 +275,11 @@ def load_config(preset_or_path: str | Path | None = "quickstart", **overrides: A
         if not isinstance(data, dict):
             raise ValueError(f"config file {str(path)!r} holds a YAML {type(data).__name__}, not a mapping of "
                              "configuration keys (key: value lines, such as 'groups_per_step: 8')")
-    return Config.model_validate(merge_overrides(data, overrides))
+    cfg = Config.model_validate(merge_overrides(data, overrides))
+    _ENTROPY_FROM_FILE[id(cfg)] = "entropy_coef" not in (overrides.get("loss") or {})
+    weakref.finalize(cfg, _ENTROPY_FROM_FILE.pop, id(cfg), None)
+    warn_toy_knobs(cfg)
+    return cfg
 
 
 def read_yaml(text: str, what: str) -> Any:

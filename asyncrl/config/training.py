@@ -54,6 +54,11 @@ class _MicroBatched(_Trainer):
     micro_batch_tokens: int | None = Field(
         None, ge=1, description="micro_batching 'sorted' / 'packed': positions (rows x padded width) per "
         "forward/backward; None: 16384 (Megatron on CUDA: as many as fit the memory free at the first step)")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each transformer layer's activations in the backward pass instead of keeping "
+        "them (TRL's gradient_checkpointing): the same loss and gradients, less activation memory, about one more "
+        "forward of time; torch engine: transformers' gradient_checkpointing_enable, Megatron: full recompute of "
+        "every layer (recompute_granularity 'full', method 'uniform', 1 layer a group)")
     logprob_chunk_tokens: int = Field(
         2048, ge=1, description="positions per chunk of the output layer: token logprobs and entropy are computed "
         "from the last hidden states this many positions at a time, forward and backward, never as a whole "
@@ -128,6 +133,10 @@ class MegatronTrainerConfig(_MicroBatched):
         if self.optimizer == "megatron" and not str(self.device).startswith("cuda"):
             raise ValueError(f"trainer.optimizer 'megatron' needs a CUDA device (megatron-core's optimizer makes its "
                              f"tensors on cuda); got trainer.device {self.device!r}: use optimizer 'torch'")
+        if self.gradient_checkpointing and not str(self.device).startswith("cuda"):  # its recompute replays CUDA RNG
+            raise ValueError(f"trainer.gradient_checkpointing with the Megatron trainer needs a CUDA device "
+                             f"(megatron-core's recompute restores the CUDA RNG state); got trainer.device "
+                             f"{self.device!r}: use the torch trainer on CPU")
         return self
 
     @property
