@@ -73,14 +73,15 @@ def _tick(method):
 
 class Controller:
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
-                 reward_funcs=None):
+                 reward_funcs=None, environment_factory=None):
         from asyncrl.chat import prepare_task
+        from asyncrl.multiturn import attach, with_environment
         from asyncrl.tasks import PromptStream, check_rewards
-
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
+        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g].prompt, task)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
-                                              cfg.generation.backend == "simulated")
+                                              cfg.generation.backend == "simulated" or bool(cfg.environment.factory))
         if cfg.eval_every and not task.eval_prompts:
             raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
                              "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")
@@ -118,6 +119,7 @@ class Controller:
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
+        attach(self._rollout, generator)
         self.sync_weights(0)
 
     def encode(self, prompt) -> list[int]:
@@ -133,11 +135,12 @@ class Controller:
 
     @classmethod
     def from_config(cls, cfg: Config, loss: Loss | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-                    reward_funcs: list | None = None) -> Controller:
+                    reward_funcs: list | None = None, environment_factory: type | None = None) -> Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
         a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``train_dataset`` /
         ``eval_dataset`` (a ``datasets.Dataset``, a DataFrame, a list of dicts, or a path) make the task a ``dataset``
-        task over them; ``reward_funcs`` are reward functions as objects (docs/tasks.md)."""
+        task over them; ``reward_funcs`` are reward functions as objects (docs/tasks.md); ``environment_factory``: a
+        class (multi-turn, docs/environments.md)."""
         from asyncrl.backends import build_backends
         from asyncrl.tasks import task_with_data
 
@@ -146,7 +149,7 @@ class Controller:
         torch.manual_seed(cfg.seed)
         task = task_with_data(cfg.task, train_dataset, eval_dataset)
         policy, generator, tokenizer = build_backends(cfg, loss)
-        return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
+        return cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs, environment_factory=environment_factory)
 
     # ------------------------------------------------------------------------------------------ rollout pump
     @_tick
