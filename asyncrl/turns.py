@@ -345,7 +345,9 @@ class TurnGenerator:
     def _observe(self, g: Group, t: Trajectory, answers: list) -> None:
         """Append the environment's reply (a text environment's observation, or the tool results) as context."""
         action = self._turn_text(t)
-        t.text += self.tokenizer.decode(t.ids[len(t.ids) - self._last_turn_length(t):], skip_special_tokens=False)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ended = bool(t.ids) and t.ids[-1] == eos  # the turn's end-of-turn token: held, whatever the template writes
+        t.text += action
         if g.chat:
             t.messages.append({"role": "assistant", "content": action})
         if self.kind.kind == "text":
@@ -363,6 +365,9 @@ class TurnGenerator:
                 t.messages.append({"role": "tool", "name": name if o is not None else "error", "content": content})
         if g.chat:
             rendered = self._render(t.messages)
+            end = self.tokenizer.decode([eos], skip_special_tokens=False) if ended else ""
+            if end and rendered.startswith(t.text + end):  # the template ends a turn with that token (Qwen's)
+                t.text += end
             if not rendered.startswith(t.text):
                 self._fail(g, "the chat template re-renders earlier turns differently (the conversation's rendering "
                            "does not start with the tokens already held), so the trajectory's tokens would drift")

@@ -1,0 +1,182 @@
+"""Multi-turn environments (issue 46): text and TRL-style tool environments, token custody (only sampled tokens
+train), faults in environments, turn events and versions, the guess_letter task, determinism."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl import Controller
+from asyncrl.algorithms import make_train_batch
+from asyncrl.config import load_config
+from asyncrl.data import GroupRollouts
+from asyncrl.environments import check_template, describe_class, parse_tool_calls
+from asyncrl.environments.guess_letter import GuessLetter
+from asyncrl.prompts import Prompt
+from asyncrl.tokenizer import build_tokenizer
+from asyncrl.turns import TurnGenerator
+from tests.environment_classes import Calculator, Faulty
+
+# A Hermes-style template for the byte tokenizer: it renders tools and <tool_call>, and past turns as they were.
+TOOL_TEMPLATE = ("{%- if tools %}tools:{% for t in tools %} {{ t.function.name }}{% endfor %} <tool_call>\n{% endif %}"
+                 "{%- for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{%- if add_generation_prompt %}assistant: {% endif %}")
+THINK_STRIPPING = ("{%- for m in messages %}{% if m.role == 'assistant' and not loop.last %}{{ m.role }}: "
+                   "{{ m.content.split('</think>')[-1] }}\n{% else %}{{ m.role }}: {{ m.content }}\n{% endif %}"
+                   "{% endfor %}{%- if add_generation_prompt %}assistant: {% endif %}")
+
+
+class Scripted:
+    """A generation backend whose turns are scripted texts (the Protocol's submit/poll/abort)."""
+
+    def __init__(self, tokenizer, script):
+        self.tokenizer, self.script, self.queue, self.version, self.sent = tokenizer, list(script), [], 0, []
+
+    def submit(self, requests):
+        self.queue += list(requests)
+        self.sent += [list(r.prompt_ids) for r in requests]
+
+    def num_inflight(self):
+        return len(self.queue)
+
+    def abort(self, ids):
+        self.queue = [r for r in self.queue if r.group_id not in set(ids)]
+        return list(ids)
+
+    def poll(self, timeout=0.0):
+        out = []
+        for r in self.queue:
+            texts = [self.script.pop(0) for _ in range(r.n)]
+            ids = [self.tokenizer.encode(t, add_special_tokens=False) + [self.tokenizer.eos_token_id] for t in texts]
+            out.append(GroupRollouts(r.group_id, list(r.prompt_ids), ids, [[-0.5] * len(c) for c in ids],
+                                     self.version, self.version, ["stop"] * r.n))
+        self.queue = []
+        return out
+
+    def close(self):
+        pass
+
+
+def test_a_tool_environment_s_turns_keep_the_sampled_tokens_and_mask_the_tool_results():
+    tok = build_tokenizer()
+    kind = describe_class(Calculator)
+    assert kind.kind == "tool" and [s["function"]["name"] for s in kind.tools] == ["add"]
+    assert check_template(tok, TOOL_TEMPLATE, kind, "byte") == "hermes"
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    inner = Scripted(tok, [call, "done", call, call])  # trajectory 0: call, call, call (max_turns 3); 1: stop
+    prompt = Prompt("add 2 and 3", id="train/0")
+    turns = TurnGenerator(inner, kind, 3, 0, 5.0, 64, tok, lambda gid: prompt, TOOL_TEMPLATE)
+    events = []
+    turns.bind(lambda *e: events.append(e), lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    from asyncrl.data import GenerationRequest
+
+    turns.submit([GenerationRequest(7, [1, 2, 3], 2)])
+    out = []
+    for _ in range(4):
+        out += turns.poll()
+    (group,) = out
+    assert group.rewards == [2.0, 0.0]  # get_reward: the tool calls run (the last turn's is past max_turns)
+    assert [t["turns"] for t in group.turns] == [3, 1] and [t["tool_calls"] for t in group.turns] == [2, 0]
+    assert [t["turn_versions"] for t in group.turns] == [[0, 0, 0], [0]]
+    ids, mask, lps = group.completion_ids[0], group.trained_mask[0], group.logprobs[0]
+    sampled = [i for i, m in zip(ids, mask) if m]
+    context = tok.decode([i for i, m in zip(ids, mask) if not m])
+    assert context.count("tool: 5") == 2 and group.turns[0]["env_tokens"] == len(ids) - len(sampled)
+    assert all(lp == 0.0 for lp, m in zip(lps, mask) if not m) and all(lp == -0.5 for lp, m in zip(lps, mask) if m)
+    one = tok.encode(call, add_special_tokens=False) + [tok.eos_token_id]
+    assert sampled == one * 3  # the model's tokens exactly as generated, never re-tokenised
+    assert inner.sent[-1] == group.prompt_ids + ids[:len(inner.sent[-1]) - len(group.prompt_ids)]  # prefix continued
+    assert sorted(e[2] for e in events if e[1] == 0) == [1, 2, 3]
+    batch = make_train_batch([group], load_config("quickstart").loss, 0)
+    row = batch.loss_mask[0, len(group.prompt_ids):len(group.prompt_ids) + len(ids)]
+    assert row.tolist() == [float(m) for m in mask]
+    assert batch.num_tokens == group.num_tokens == sum(map(sum, group.trained_mask))
+
+
+def test_tool_calls_are_parsed_from_the_hermes_format():
+    text = 'x <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool_call>nope</tool_call>'
+    calls = parse_tool_calls(text)
+    assert calls[0] == ("add", {"a": 1}) and isinstance(calls[1], str) and calls[1].startswith("error")
+    assert parse_tool_calls("no call") == []
+
+
+def test_a_template_without_tool_calls_or_one_that_re_renders_past_turns_is_refused_in_one_line():
+    tok = build_tokenizer()
+    with pytest.raises(ValueError, match="no tool-call format") as err:
+        check_template(tok, THINK_STRIPPING, describe_class(Calculator), "byte")
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="re-renders earlier turns") as err:
+        check_template(tok, THINK_STRIPPING, describe_class(GuessLetter), "byte")
+    assert "\n" not in str(err.value)
+    cfg = load_config("guess_letter", model={"chat_template": THINK_STRIPPING}, task={
+        "name": "guess_letter"}, groups_per_step=1, group_size=2, eval_every=None)
+    with pytest.raises(ValueError, match="re-renders"):
+        Controller.from_config(cfg)
+
+
+def _small(**kw):
+    base = dict(groups_per_step=2, group_size=4, eval_every=None)
+    base.update(kw)
+    return load_config("guess_letter", **base)
+
+
+def test_guess_letter_trains_multi_turn_with_observations_masked_and_turn_versions():
+    ctrl = Controller.from_config(_small(sampler={"name": "windowed", "max_staleness_versions": 1}, loss={"importance_correction": "token"}))
+    seen = []
+    train = ctrl.policy.train_microbatches
+    ctrl.policy.train_microbatches = lambda batch: (seen.append(batch), train(batch))[1]
+    for _ in range(12):
+        ctrl.tick()
+    assert ctrl.trainer_version >= 2 and seen
+    rows = ctrl.completions
+    assert {"turns", "tool_calls", "env_tokens", "turn_versions"} <= set(rows.columns)
+    assert (rows["env_tokens"] > 0).any() and rows["turns"].between(1, 3).all()
+    assert all(len(v) == t for v, t in zip(rows["turn_versions"], rows["turns"]))
+    turns = ctrl.trace[ctrl.trace.event == "turn"]
+    assert len(turns) == rows["turns"].sum() or len(turns) >= rows["turns"].sum()
+    assert turns.detail.str.match(r"trajectory \d+ turn \d+").all()
+    for batch in seen:  # observation tokens (mask 0 inside a completion) carry no logprob and no loss
+        inside = (batch.attention_mask > 0) & (batch.loss_mask == 0)
+        assert (batch.gen_logprobs[inside] == 0).all()
+    assert any(((b.attention_mask > 0) & (b.loss_mask == 0)).sum() > 0 for b in seen)
+    assert ctrl.task.constant_answer_accuracy == 3 / 8
+    ctrl.close()
+
+
+def test_a_stepped_multi_turn_run_is_deterministic_for_a_seed():
+    def run():
+        ctrl = Controller.from_config(_small())
+        for _ in range(8):
+            ctrl.tick()
+        out = ctrl.completions[["completion", "turn_versions", "reward"]].to_json(), ctrl.metrics["loss"].tolist()
+        ctrl.close()
+        return out
+
+    assert run() == run()
+
+
+@pytest.mark.parametrize("mode", ["raise", "hang", "die"])
+def test_environment_faults_are_fault_rows_and_the_failing_groups_are_never_trained(mode, monkeypatch):
+    from asyncrl.tasks import PromptStream, build_task
+
+    cfg = _small(environment={"workers": 1, "timeout_s": 1.0}, task={"name": "guess_letter", "options": {
+        "alphabet": "abcdefghijklmnop"}})  # a secret of 16: one group in 16 fails
+    first = PromptStream(build_task(cfg.task).train_prompts, seed=cfg.seed).get(0)  # the first group's secret
+    monkeypatch.setenv("GUESS_FAULT", mode)
+    monkeypatch.setenv("GUESS_SECRET", first.columns["secret"])
+    ctrl = Controller.from_config(cfg, environment_factory=Faulty)
+    assert ctrl.cfg.environment.factory.endswith(":Faulty")
+    for _ in range(10):
+        ctrl.tick()
+    trace = ctrl.trace
+    faults = trace[(trace.event == "fault") & (trace.group_id == 0)]
+    words = {"raise": "raised RuntimeError: broken environment", "hang": "ran past environment.timeout_s=1",
+             "die": "worker died"}[mode]
+    assert len(faults) >= 2 and faults.detail.str.contains(words).all()
+    assert faults.reason.str.startswith("retried").any()
+    skip = trace[(trace.event == "skip") & (trace.group_id == 0)]
+    assert len(skip) == 1 and "max_dispatch_attempts" in skip.reason.iloc[0]  # given up once, replaced
+    assert "replaced by group" in skip.detail.iloc[0]
+    bad = {p.id for p in ctrl.task.train_prompts if p.columns["secret"] == first.columns["secret"]}
+    assert not ctrl.completions.prompt_id.isin(bad).any()  # never committed, so never trained at reward 0
+    assert ctrl.trainer_version >= 1  # the run goes on
+    ctrl.close()
