@@ -180,3 +180,19 @@ def test_environment_faults_are_fault_rows_and_the_failing_groups_are_never_trai
     assert not ctrl.completions.prompt_id.isin(bad).any()  # never committed, so never trained at reward 0
     assert ctrl.trainer_version >= 1  # the run goes on
     ctrl.close()
+
+
+def test_in_order_without_lookahead_is_the_plain_turn_by_turn_loop_bit_for_bit():
+    from examples.plain_multiturn import plain_multiturn
+    from tests.test_controller import assert_same_weights
+
+    cfg = _small(sampler={"name": "in_order", "max_lookahead_versions": 0})
+    steps = 3
+    ctrl = Controller.from_config(cfg)
+    while ctrl.trainer_version < steps:
+        ctrl.tick()
+    policy, _, history = plain_multiturn(cfg, steps)
+    assert_same_weights(ctrl.policy.export_weights(), policy.export_weights())
+    assert ctrl.metrics.reward_mean.tolist() == [h["reward_mean"] for h in history]
+    assert (ctrl.completions.turns > 1).any()  # multi-turn indeed
+    ctrl.close()
