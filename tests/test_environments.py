@@ -196,3 +196,37 @@ def test_in_order_without_lookahead_is_the_plain_turn_by_turn_loop_bit_for_bit()
     assert ctrl.metrics.reward_mean.tolist() == [h["reward_mean"] for h in history]
     assert (ctrl.completions.turns > 1).any()  # multi-turn indeed
     ctrl.close()
+
+
+def _cli(out, *argv) -> int:
+    from asyncrl import cli
+
+    return cli.main(["run", *argv, "--out", str(out), "--quiet", "--no-plot"])
+
+
+def test_a_trl_style_tool_environment_and_a_text_environment_train_through_the_cli(tmp_path, capsys):
+    import json
+
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_TEMPLATE)
+    code = _cli(tmp_path / "tool", "quickstart", "--steps", "2", "--set", "groups_per_step=2", "--set", "group_size=2",
+                "--set", "environment.factory=tests.environment_classes:Calculator", "--set", "environment.workers=1",
+                "--set", f"model.chat_template={template}", "--set", "model.max_position_embeddings=256",
+                "--set", "generation.max_new_tokens=8", "--set", "eval_every=null")
+    assert code == 0, capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "tool" / "completions.jsonl").read_text().splitlines()]
+    assert rows and all({"turns", "tool_calls", "env_tokens", "turn_versions"} <= set(r) for r in rows)
+    assert json.loads((tmp_path / "tool" / "summary.json").read_text())["status"] == "completed"
+    code = _cli(tmp_path / "text", "guess_letter", "--steps", "2", "--set", "groups_per_step=2", "--set",
+                "group_size=2", "--set", "eval_every=null")
+    assert code == 0, capsys.readouterr().err
+    summary = json.loads((tmp_path / "text" / "summary.json").read_text())
+    assert summary["constant_answer_accuracy"] == 3 / 8 and 0 <= summary["final_eval_accuracy"] <= 1
+
+
+def test_a_tool_environment_on_a_model_without_a_tool_call_format_exits_2_in_one_line(tmp_path, capsys):
+    code = _cli(tmp_path / "run", "quickstart", "--steps", "1", "--set",
+                "environment.factory=tests.environment_classes:Calculator")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "no tool-call format" in err and len(err.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
