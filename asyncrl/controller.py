@@ -44,6 +44,7 @@ from asyncrl.config import Config, check_sampler_fits
 from asyncrl.faults import FaultContainment
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.rollout import RolloutPump
+from asyncrl.multiturn import TurnsView, attach, with_environment
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
 from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
@@ -71,15 +72,14 @@ def _tick(method):
     return tick
 
 
-class Controller:
+class Controller(TurnsView):
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
                  reward_funcs=None, environment_factory=None):
         from asyncrl.chat import prepare_task
-        from asyncrl.multiturn import attach, with_environment
         from asyncrl.tasks import PromptStream, check_rewards
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
-        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g].prompt, task)
+        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g], task)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated" or bool(cfg.environment.factory))
         if cfg.eval_every and not task.eval_prompts:
@@ -139,8 +139,7 @@ class Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
         a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``train_dataset`` /
         ``eval_dataset`` (a ``datasets.Dataset``, a DataFrame, a list of dicts, or a path) make the task a ``dataset``
-        task over them; ``reward_funcs`` are reward functions as objects (docs/tasks.md); ``environment_factory``: a
-        class (multi-turn, docs/environments.md)."""
+        task over them; ``reward_funcs``: reward functions as objects; ``environment_factory``: a class (multi-turn)."""
         from asyncrl.backends import build_backends
         from asyncrl.tasks import task_with_data
 

@@ -26,10 +26,13 @@ class TurnHooks:
         self.pump = pump
         turns.bind(self.on_turn, self.at_boundary, self.on_failed)
 
-    def on_turn(self, gid: int, trajectory: int, turn: int, version: int) -> None:
+    def on_turn(self, gid: int, trajectory: int, turn: int, version: int, done: bool) -> None:
         s = self.pump.state
         with s.lock:
             slot = self.pump.buffer[gid] if gid in self.pump.buffer else None
+            if slot is not None and not slot.ready:  # what explain() and trajectories() say of it in flight
+                slot.turns = dict(slot.turns or {})
+                slot.turns[trajectory] = ([*slot.turns.get(trajectory, ([], False))[0], version], done)
             s.record(TURN, gid, version, slot.target_step if slot is not None else None, None,
                      f"trajectory {trajectory} turn {turn}", f"generated with weights {version}",
                      gen_start_version=version, gen_end_version=version)

@@ -83,16 +83,17 @@ class TurnGenerator:
         self.host = EnvironmentHost(kind.cls, workers, timeout_s)
         self.groups: dict[int, Group] = {}
         self.failed: list[tuple[int, str]] = []
+        self.reached: dict[int, Group] = {}  # aborted groups, until ``abort_note`` words their abort
         self._ids = itertools.count(1 << 40)  # inner request ids: apart from group ids
         self._lock = threading.RLock()
-        self.on_turn: Callable[[int, int, int, int], None] = lambda gid, i, turn, version: None
+        self.on_turn: Callable[..., None] = lambda gid, i, turn, version, done: None
         self.at_boundary: Callable[[int, int], bool] = lambda gid, turn: False
         self.on_failed: Callable[[int, str], None] = lambda gid, why: None
 
-    def bind(self, on_turn: Callable[[int, int, int, int], None], at_boundary: Callable[[int, int], bool],
+    def bind(self, on_turn: Callable[..., None], at_boundary: Callable[[int, int], bool],
              on_failed: Callable[[int, str], None]) -> None:
         """The pump's callbacks, called on the polling thread outside this object's lock: a turn finished
-        ``(gid, trajectory, turn, version)``; may the group go on after ``turn`` (True: the pump stopped it); a
+        ``(gid, trajectory, turn, version, done)`` (done: the trajectory ended with it); may the group go on after ``turn`` (True: the pump stopped it); a
         group failed for good ``(gid, why)`` (its environments are dropped already)."""
         self.on_turn, self.at_boundary, self.on_failed = on_turn, at_boundary, on_failed
 
@@ -113,6 +114,7 @@ class TurnGenerator:
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         with self._lock:
             gone = [self.groups.pop(g) for g in group_ids if g in self.groups]
+            self.reached.update({g.gid: g for g in gone})
         inner_ids = [r for g in gone for r in g.waiting]
         if inner_ids:
             self.inner.abort(inner_ids)
@@ -126,9 +128,10 @@ class TurnGenerator:
         self._start(new)
         done = self.inner.poll(timeout) if self.inner.num_inflight() else []
         turned, events = self._take_turns(done)
-        for event in events:
-            self.on_turn(*event)
         self._environment(turned)
+        for gid, i, turn, version in events:  # after the environment: whether the trajectory ended is known
+            g = next((g for g in turned if g.gid == gid), None)
+            self.on_turn(gid, i, turn, version, g is None or g.trajectories[i].done or gid not in self.groups)
         finished, requests = [], []
         with self._lock:
             for g in turned:
@@ -153,6 +156,16 @@ class TurnGenerator:
         for gid, why in self.take_failed():
             self.on_failed(gid, why)
         return out
+
+    def abort_note(self, gid: int) -> str:
+        """What an ``abort`` trace row adds for a group this aborted: the turn its trajectories reached, and the
+        versions their turns were generated at (once; "" for any other group)."""
+        g = self.reached.pop(gid, None)
+        if g is None:
+            return ""
+        versions = sorted({v for t in g.trajectories for v in t.turn_versions})
+        return (f"; stopped at turn {g.turn} of at most {self.max_turns} (turns generated with weights "
+                f"{versions or 'none yet'})")
 
     def take_failed(self) -> list[tuple[int, str]]:
         """The groups given up since the last call, with why (their instances are dropped)."""

@@ -66,7 +66,7 @@ def test_a_tool_environment_s_turns_keep_the_sampled_tokens_and_mask_the_tool_re
     prompt = Prompt("add 2 and 3", id="train/0")
     turns = TurnGenerator(inner, kind, 3, 0, 5.0, 64, tok, lambda gid: prompt, TOOL_TEMPLATE)
     events = []
-    turns.bind(lambda *e: events.append(e), lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    turns.bind(lambda *e: events.append(e[:4]), lambda gid, turn: False, lambda gid, why: pytest.fail(why))
     from asyncrl.data import GenerationRequest
 
     turns.submit([GenerationRequest(7, [1, 2, 3], 2)])
@@ -230,3 +230,41 @@ def test_a_tool_environment_on_a_model_without_a_tool_call_format_exits_2_in_one
     err = capsys.readouterr().err.strip()
     assert code == 2 and "no tool-call format" in err and len(err.splitlines()) == 1
     assert not (tmp_path / "run").exists()
+
+
+def test_trajectories_span_versions_and_a_stale_one_is_stopped_mid_trajectory_saying_its_turn():
+    cfg = _small(groups_per_step=1, group_size=2, sampler={"name": "windowed", "max_staleness_versions": 0},
+                 loss={"importance_correction": "token"})
+    ctrl = Controller.from_config(cfg)
+    seen_in_flight = False
+    for _ in range(8):
+        ctrl.rollout_tick()
+        frame = ctrl.trajectories()
+        assert list(frame.columns[:5]) == ["group_id", "trajectory", "state", "turn", "turn_versions"]
+        live = frame[frame.state == "in flight"]
+        if len(live):
+            seen_in_flight = True
+            verdicts = ctrl.explain()
+            pending = verdicts[verdicts.state == "pending"].set_index("group_id")
+            for gid, turn in live.groupby("group_id").turn.max().items():
+                assert pending.loc[gid, "turn"] == turn  # explain() says which turn each in-flight group is on
+        ctrl.train_tick()
+    assert seen_in_flight
+    trace = ctrl.trace
+    aborts = trace[trace.event == "abort"]
+    assert len(aborts) and aborts.reason.str.contains(r"stopped at turn \d+ of at most 3").all()
+    # a trajectory whose turns were generated at different versions says so, token by token
+    cfg = _small(groups_per_step=1, group_size=2, sampler={"name": "windowed", "max_staleness_versions": 2},
+                 loss={"importance_correction": "token"})
+    ctrl = Controller.from_config(cfg)
+    for _ in range(12):
+        ctrl.tick()
+    spanning = [s.rollouts for s in ctrl.buffer.ready_slots() if s.rollouts.gen_start_version != s.rollouts.gen_end_version]
+    rows = ctrl.completions
+    assert rows.turn_versions.map(lambda v: len(set(v)) > 1).any()
+    for group in spanning:
+        for versions, meta, mask in zip(group.token_versions, group.turns, group.trained_mask):
+            assert len(versions) == sum(mask)
+            assert sorted(set(versions)) == sorted(set(meta["turn_versions"]))
+    assert ctrl.metrics.get("spanning_fraction", 0).max() > 0
+    ctrl.close()
