@@ -79,7 +79,8 @@ class Controller(TurnsView):
         from asyncrl.tasks import PromptStream, check_rewards
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
-        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g], task)
+        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g],
+                                          task, self.reward_funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated" or bool(cfg.environment.factory))
         if cfg.eval_every and not task.eval_prompts:

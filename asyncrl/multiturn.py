@@ -24,10 +24,12 @@ def environment_class(cfg: Any, environment_factory: type | None) -> type | None
 
 
 def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_factory: type | None,
-                     slot_of: Callable[[int], Any], task: Any = None) -> tuple[Any, Any]:
+                     slot_of: Callable[[int], Any], task: Any = None, reward_funcs: list | None = None) -> tuple[Any, Any]:
     """``(generator, cfg)``: the run's generator wrapped in a ``TurnGenerator`` when it has an environment (and the
     config naming the class given as an object), else both unchanged. ``slot_of(gid)``: a group's buffer slot (its
-    prompt); ``task``: its prompts are what an evaluation may ask the environment to play."""
+    prompt); ``task``: its prompts are what an evaluation may ask the environment to play; ``reward_funcs`` (objects)
+    or ``reward.funcs``: reward functions added to the environment's reward (a task's own reward is not: the
+    environment's replaces it)."""
     cls = environment_class(cfg, environment_factory)
     if cls is None:
         return generator, cfg
@@ -39,9 +41,14 @@ def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_facto
     env = cfg.environment
     if environment_factory is not None:
         cfg = cfg.model_copy(update={"environment": env.model_copy(update={"factory": factory_spec(cls)})})
+    functions = None
+    if reward_funcs or cfg.reward.funcs:
+        from asyncrl.rewards import RewardFunctions
+
+        functions = RewardFunctions(reward_funcs, cfg.reward.weights) if reward_funcs else cfg.reward.functions()
     turns = TurnGenerator(generator, kind, env.max_turns, env.workers, env.timeout_s, env.max_env_tokens, tokenizer,
                           lambda gid: slot_of(gid).prompt, template,
-                          lambda: [*getattr(task, "eval_prompts", []), *getattr(task, "train_prompts", [])])
+                          lambda: [*getattr(task, "eval_prompts", []), *getattr(task, "train_prompts", [])], functions)
     return turns, cfg
 
 

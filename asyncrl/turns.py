@@ -75,12 +75,13 @@ class TurnGenerator:
 
     def __init__(self, inner: Any, kind: EnvironmentKind, max_turns: int, workers: int, timeout_s: float,
                  max_env_tokens: int, tokenizer: Any, prompt_of: Callable[[int], Any],
-                 chat_template: str | None = None, eval_prompts: Callable[[], list] = list):
+                 chat_template: str | None = None, eval_prompts: Callable[[], list] = list, functions: Any = None):
         self.inner, self.kind, self.max_turns, self.max_env_tokens = inner, kind, max_turns, max_env_tokens
         self.tokenizer, self.prompt_of, self.chat_template = tokenizer, prompt_of, chat_template
         self.eval_prompts = eval_prompts  # the prompts an evaluation may ask for (generate_greedy)
         self.chat = chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
-        self.host = EnvironmentHost(kind.cls, workers, timeout_s)
+        self.functions = functions  # the run's reward functions, added to the environment's reward (or None)
+        self.host = EnvironmentHost(kind.cls, workers, timeout_s, functions=functions)
         self.groups: dict[int, Group] = {}
         self.failed: list[tuple[int, str]] = []
         self.reached: dict[int, Group] = {}  # aborted groups, until ``abort_note`` words their abort
@@ -139,6 +140,8 @@ class TurnGenerator:
                     continue  # aborted meanwhile
                 if all(t.done for t in g.trajectories) and not g.waiting:
                     finished.append(g)
+        scored = self._score(finished)
+        finished = [g for g in finished if g.gid in scored]
         stopped = [g for g in turned if g not in finished and g.gid in self.groups and self.at_boundary(g.gid, g.turn)]
         with self._lock:
             for g in stopped:
@@ -149,7 +152,7 @@ class TurnGenerator:
                 if g.gid in self.groups:
                     requests += self._next_turn(g)
         self._drop(stopped)
-        out = [self._rollouts(g) for g in finished]
+        out = [self._rollouts(g, scored[g.gid]) for g in finished]
         self._drop(finished)
         if requests:
             self.inner.submit(requests)
@@ -323,6 +326,8 @@ class TurnGenerator:
                 parsed = parse_tool_calls(action)
                 if not parsed or len(t.turn_versions) >= self.max_turns:
                     t.done = True
+                    if g.chat:  # the conversation ends with the model's last turn
+                        t.messages.append({"role": "assistant", "content": action})
                     continue
                 for call in parsed:
                     if isinstance(call, str):
@@ -427,18 +432,55 @@ class TurnGenerator:
         if keys:
             self.host.drop(keys)
 
-    def _rollouts(self, g: Group) -> GroupRollouts:
-        """The finished group as the pump commits it (rewards: the environments')."""
-        if self.kind.kind == "tool":
-            rewards = self.host.run([((g.gid, i), "reward", ()) for i in range(g.n)])
-            for t, o in zip(g.trajectories, rewards):
-                t.reward = o.value if o.ok else float("nan")  # a NaN reward is a fault the scorer names
+    def _score(self, groups: list[Group]) -> dict[int, list[float]]:
+        """Each finished group's rewards: the environment's (``get_reward``, or the sum of ``step``'s), plus the
+        run's reward functions (weighted), which get ``environments=`` and the conversation. A failure gives the
+        group up (``_fail``); the groups scored are returned."""
+        out: dict[int, list[float]] = {}
+        for g in groups:
+            extra = [0.0] * g.n
+            if self.kind.kind == "tool":
+                got = self.host.run([((g.gid, i), "reward", ()) for i in range(g.n)])
+                bad = next((o.problem for o in got if not o.ok), None)
+                if bad is None:
+                    for t, o in zip(g.trajectories, got):
+                        t.reward = o.value
+            else:
+                bad = None
+            if bad is None and self.functions is not None:
+                (o,) = self.host.run([((g.gid, 0), "score", ([(g.gid, i) for i in range(g.n)], self._batch(g)))])
+                results = o.value if o.ok else []
+                bad = o.problem if not o.ok else next((why for kind, why, _ in results if kind != "ok"), None)
+                if bad is None:
+                    extra = self.functions.combine([values for _, values, _ in results])
+            if bad is not None:
+                with self._lock:
+                    self._fail(g, bad)
+                continue
+            out[g.gid] = [t.reward + x for t, x in zip(g.trajectories, extra)]
+        return out
+
+    def _batch(self, g: Group) -> Any:
+        """The group as the run's reward functions get it (TRL's keywords): the prompts, each trajectory's
+        conversation after the prompt (messages, or text for raw ones), its tokens and the row's columns."""
+        from asyncrl.rewards.functions import RewardBatch
+
+        prompt = self.prompt_of(g.gid)
+        first = len(prompt.messages) if prompt.messages is not None else 1  # the prompt's messages come first
+        conversations = [t.messages[first:] if g.chat else self.tokenizer.decode(t.ids, skip_special_tokens=True)
+                         for t in g.trajectories]
+        columns = {k: [v] * g.n for k, v in (prompt.columns or {}).items()}
+        prompts = [prompt.messages if prompt.messages is not None else prompt.text] * g.n
+        return RewardBatch(prompts, conversations, [list(t.ids) for t in g.trajectories], columns, source=prompt)
+
+    def _rollouts(self, g: Group, rewards: list[float]) -> GroupRollouts:
+        """The finished group as the pump commits it (rewards: ``_score``'s)."""
         ts = g.trajectories
         versions = [v for t in ts for v in t.turn_versions]
         return GroupRollouts(
             group_id=g.gid, prompt_ids=g.prompt_ids, completion_ids=[t.ids for t in ts],
             logprobs=[t.logprobs for t in ts], gen_start_version=min(versions), gen_end_version=max(versions),
-            finish_reasons=[t.finish for t in ts], rewards=[t.reward for t in ts],
+            finish_reasons=[t.finish for t in ts], rewards=list(rewards),
             texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in ts],
             token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts],
             turns=[{"turns": len(t.turn_versions), "tool_calls": t.tool_calls, "env_tokens": t.env_tokens,

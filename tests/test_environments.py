@@ -268,3 +268,27 @@ def test_trajectories_span_versions_and_a_stale_one_is_stopped_mid_trajectory_sa
             assert sorted(set(versions)) == sorted(set(meta["turn_versions"]))
     assert ctrl.metrics.get("spanning_fraction", 0).max() > 0
     ctrl.close()
+
+
+def used_add(completions, environments, **columns):
+    """A TRL-style reward function that reads the environments (TRL's ``environments=``) and the conversation."""
+    assert all(isinstance(c, list) and c[0]["role"] == "assistant" for c in completions)
+    return [10.0 * env.used for env in environments]
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_reward_functions_get_the_environments_and_the_conversation_and_add_to_the_environment_s_reward(workers):
+    from asyncrl.data import GenerationRequest
+    from asyncrl.rewards import RewardFunctions
+
+    tok = build_tokenizer()
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+    inner = Scripted(tok, [call, "done", "done"])
+    prompt = Prompt("add 2 and 3", id="train/0")
+    turns = TurnGenerator(inner, describe_class(Calculator), 3, workers, 5.0, 64, tok, lambda gid: prompt,
+                          TOOL_TEMPLATE, functions=RewardFunctions([used_add]))
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    turns.submit([GenerationRequest(3, [1], 2)])
+    out = turns.poll() + turns.poll()
+    assert out[0].rewards == [1.0 + 10.0, 0.0]  # get_reward + 10 x the tool calls its environment saw
+    turns.close()

@@ -5,7 +5,7 @@ A worker is started as the reward workers are (``python -c BOOT FD``, never ``mu
 loads the environment class from a cloudpickle payload, so a class defined in a notebook cell runs too.
 
 Invariants:
-- A trajectory's instance lives in one worker (``key -> worker``, round robin as instances are made), and a
+- A trajectory's instance lives in one worker (``key -> worker``, by its group: a group's instances together), and a
   worker answers its calls one at a time, in order: a timeout or a death is the fault of the call it was running.
 - ``run(calls)`` answers every call with an ``Outcome``: ``ok`` with the value, or a ``problem`` naming the
   environment, the call and why (an exception, a value of the wrong type, past ``timeout_s``, the worker died).
@@ -52,10 +52,20 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
-def apply(cls: type, instances: dict, key: Any, op: str, args: tuple) -> Outcome:
+def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions: Any = None) -> Outcome:
     """One call on the instance of ``key``: ``make`` (a new instance, reset with the row), ``step``, ``tool``
-    (a method by name, keyword arguments), ``reward`` (``get_reward``) or ``drop``. A wrong type is a problem."""
+    (a method by name, keyword arguments), ``reward`` (``get_reward``), ``score`` (the run's reward functions on a
+    group, ``environments=`` its instances: ``[(kind, values, seconds)]`` per function, as
+    ``asyncrl.rewards.functions.outcome``) or ``drop``. A wrong type is a problem."""
     name = cls.__qualname__
+    if op == "score":
+        from asyncrl.rewards.functions import outcome
+
+        keys, batch = args
+        if any(k not in instances for k in keys):
+            return Outcome(False, problem=f"{name} instances lost before scoring (their worker was replaced)")
+        batch.columns["environments"] = [instances[k] for k in keys]  # TRL's keyword
+        return Outcome(True, [outcome(f, n, batch) for f, n in zip(functions.funcs, functions.names)])
     try:
         if op == "make":
             instances[key] = env = cls()
@@ -101,7 +111,7 @@ def serve(conn, payload: bytes) -> None:
     """The worker: load the class, then answer ``(key, op, args)`` calls until the caller goes away."""
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     try:
-        cls = pickle.loads(payload)
+        cls, functions = pickle.loads(payload)
     except BaseException as exc:  # noqa: BLE001 - the caller must hear it in one line
         conn.send(("init_error", _describe(exc)))
         return
@@ -112,7 +122,7 @@ def serve(conn, payload: bytes) -> None:
             key, op, args = conn.recv()
         except (EOFError, OSError):
             return
-        conn.send(apply(cls, instances, key, op, args))
+        conn.send(apply(cls, instances, key, op, args, functions))
 
 
 class _Worker:
@@ -135,30 +145,31 @@ class _Worker:
 
 class EnvironmentHost:
     """The instances of ``cls`` in ``workers`` processes (0: here). ``timeout_s`` bounds each call; ``start_s``
-    how long a new worker may take to load the class."""
+    how long a new worker may take to load the class; ``functions``: the run's reward functions (``score``), sent
+    with the class. A group's trajectories live in one worker (``key = (group id, trajectory)``), so its reward
+    functions see all its instances."""
 
-    def __init__(self, cls: type, workers: int, timeout_s: float, start_s: float = 60.0):
-        self.cls, self.n, self.timeout_s, self.start_s = cls, workers, timeout_s, start_s
+    def __init__(self, cls: type, workers: int, timeout_s: float, start_s: float = 60.0, functions: Any = None):
+        self.cls, self.n, self.timeout_s, self.start_s, self.functions = cls, workers, timeout_s, start_s, functions
         self.instances: dict = {}  # workers == 0
         self.owner: dict = {}  # key -> worker index
-        self._next = 0
         self.notices: list[str] = []  # workers replaced while idle, for the caller to record
         self.workers: list[_Worker] = []
         if workers:
             import cloudpickle
 
-            self.payload = cloudpickle.dumps(cls)
+            self.payload = cloudpickle.dumps((cls, functions))
             self.workers = [_Worker(self.payload) for _ in range(workers)]
 
     def run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
         """Each ``(key, op, args)`` answered, in order per worker, calls on different workers at once."""
         if not self.n:
-            return [apply(self.cls, self.instances, key, op, args) for key, op, args in calls]
+            return [apply(self.cls, self.instances, key, op, args, self.functions) for key, op, args in calls]
         out: list[Outcome | None] = [None] * len(calls)
         queues: dict[int, list[int]] = {}
         for i, (key, op, _) in enumerate(calls):
             if op == "make" or key not in self.owner:
-                self.owner[key], self._next = self._next % self.n, self._next + 1
+                self.owner[key] = key[0] % self.n  # a group's trajectories together (its reward functions' view)
             queues.setdefault(self.owner[key], []).append(i)
         running: dict[int, tuple[int, float]] = {}  # worker -> (call, deadline)
         while queues or running:
