@@ -48,7 +48,8 @@ def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_facto
         functions = RewardFunctions(reward_funcs, cfg.reward.weights) if reward_funcs else cfg.reward.functions()
     turns = TurnGenerator(generator, kind, env.max_turns, env.workers, env.timeout_s, env.max_env_tokens, tokenizer,
                           lambda gid: slot_of(gid).prompt, template,
-                          lambda: [*getattr(task, "eval_prompts", []), *getattr(task, "train_prompts", [])], functions)
+                          lambda: [*getattr(task, "eval_prompts", []), *getattr(task, "train_prompts", [])], functions,
+                          cfg.model.max_position_embeddings - cfg.generation.max_new_tokens)
     return turns, cfg
 
 

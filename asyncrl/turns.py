@@ -75,11 +75,13 @@ class TurnGenerator:
 
     def __init__(self, inner: Any, kind: EnvironmentKind, max_turns: int, workers: int, timeout_s: float,
                  max_env_tokens: int, tokenizer: Any, prompt_of: Callable[[int], Any],
-                 chat_template: str | None = None, eval_prompts: Callable[[], list] = list, functions: Any = None):
+                 chat_template: str | None = None, eval_prompts: Callable[[], list] = list, functions: Any = None,
+                 max_prefix: int | None = None):
         self.inner, self.kind, self.max_turns, self.max_env_tokens = inner, kind, max_turns, max_env_tokens
         self.tokenizer, self.prompt_of, self.chat_template = tokenizer, prompt_of, chat_template
         self.eval_prompts = eval_prompts  # the prompts an evaluation may ask for (generate_greedy)
         self.chat = chat_template is not None or bool(getattr(tokenizer, "chat_template", None))
+        self.max_prefix = max_prefix  # the longest prefix a next turn still fits the model's context after
         self.functions = functions  # the run's reward functions, added to the environment's reward (or None)
         self.host = EnvironmentHost(kind.cls, workers, timeout_s, functions=functions)
         self.groups: dict[int, Group] = {}
@@ -397,6 +399,8 @@ class TurnGenerator:
         t.mask += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
         t.env_tokens += len(ids)
+        if self.max_prefix is not None and len(g.prompt_ids) + len(t.ids) > self.max_prefix:
+            t.done, t.finish = True, "length"  # no room for another turn in the model's context: it ends here
 
     @staticmethod
     def _last_turn_length(t: Trajectory) -> int:
