@@ -86,6 +86,7 @@ class TurnGenerator:
         self.host = EnvironmentHost(kind.cls, workers, timeout_s, functions=functions)
         self.groups: dict[int, Group] = {}
         self.failed: list[tuple[int, str]] = []
+        self._dropped: list[tuple[int, int]] = []  # instances to forget (``_drop``)
         self.reached: dict[int, Group] = {}  # aborted groups, until ``abort_note`` words their abort
         self._ids = itertools.count(1 << 40)  # inner request ids: apart from group ids
         self._lock = threading.RLock()
@@ -126,6 +127,7 @@ class TurnGenerator:
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
         """One turn of every trajectory in flight (module invariants); the groups all of whose trajectories ended."""
+        self._flush_drops()
         with self._lock:
             new = [g for g in self.groups.values() if not g.started]
         self._start(new)
@@ -198,7 +200,7 @@ class TurnGenerator:
             found.append(same[k % len(same)])
         if any(p is None for p in found):
             raise ValueError("an evaluation prompt of an environment run is not one of the task's prompts")
-        episodes = [Group(-1 - i, 1) for i in range(len(found))]
+        episodes = [Group(-1 - i, 1, started=True) for i in range(len(found))]  # never the pump's to start
         calls = [((g.gid, 0), "make", (dict(p.columns or {}),)) for g, p in zip(episodes, found)]
         extras = [o.value if o.ok else None for o in self.host.run(calls)]
         for g, p, extra in zip(episodes, found, extras):
@@ -216,15 +218,13 @@ class TurnGenerator:
             with self._lock:
                 self.groups.update({g.gid: g for g in live})  # _environment answers groups in flight only
             try:
-                self._environment(live)
+                self._environment(live)  # an episode whose environment fails ends there (``_fail``)
             finally:
                 with self._lock:
                     for g in live:
                         self.groups.pop(g.gid, None)
-                    dead = {gid for gid, _ in self.failed if gid < 0}  # an episode whose environment failed: over
-                    self.failed = [f for f in self.failed if f[0] >= 0]
-            live = [g for g in live if not g.trajectories[0].done and g.gid not in dead]
-        self._drop(episodes)
+            live = [g for g in live if not g.trajectories[0].done]
+        self.host.drop([(g.gid, 0) for g in episodes])
         return [g.trajectories[0].ids for g in episodes]
 
     def __getattr__(self, name: str) -> Any:  # generate_greedy, stage_weights, state_dict, ...: the inner's
@@ -233,6 +233,7 @@ class TurnGenerator:
         return getattr(self.inner, name)
 
     def close(self) -> None:
+        self._flush_drops()
         self.host.close()
         self.inner.close()
 
@@ -422,7 +423,12 @@ class TurnGenerator:
         return out
 
     def _fail(self, g: Group, why: str) -> None:
-        """Give the group up (under ``_lock``): the pump regenerates or skips it."""
+        """Give the group up (under ``_lock``): the pump regenerates or skips it. An evaluation episode (a negative
+        id) just ends, unrewarded."""
+        if g.gid < 0:
+            for t in g.trajectories:
+                t.done, t.finish = True, "error"
+            return
         if self.groups.pop(g.gid, None) is not None:
             self.failed.append((g.gid, why))
             stale = list(g.waiting)
@@ -432,7 +438,14 @@ class TurnGenerator:
             self._drop([g])
 
     def _drop(self, groups: list[Group]) -> None:
-        keys = [(g.gid, i) for g in groups for i in range(g.n)]
+        """Forget the groups' instances at the next poll, on the polling thread (an abort comes from the train
+        pump's thread, under the run's lock: it never waits for an environment call)."""
+        with self._lock:
+            self._dropped += [(g.gid, i) for g in groups for i in range(g.n)]
+
+    def _flush_drops(self) -> None:
+        with self._lock:
+            keys, self._dropped = self._dropped, []
         if keys:
             self.host.drop(keys)
 

@@ -292,3 +292,21 @@ def test_reward_functions_get_the_environments_and_the_conversation_and_add_to_t
     out = turns.poll() + turns.poll()
     assert out[0].rewards == [1.0 + 10.0, 0.0]  # get_reward + 10 x the tool calls its environment saw
     turns.close()
+
+
+def test_a_running_controller_overlaps_a_slow_environment_and_accounts_for_every_group(monkeypatch):
+    from collections import Counter
+
+    monkeypatch.setenv("GUESS_SLEEP", "0.01")
+    cfg = _small(sampler={"name": "windowed", "max_staleness_versions": 1}, loss={"importance_correction": "token"},
+                 environment={"workers": 2, "timeout_s": 5.0}, pump_threads=2)
+    ctrl = Controller.from_config(cfg, environment_factory=Faulty)
+    ctrl.run(4, progress=False)
+    assert ctrl.trainer_version == 4
+    trace = ctrl.trace
+    ends = Counter(trace[trace.event.isin(["select", "evict", "abort", "skip"])].group_id.astype(int))
+    for gid in trace[trace.event == "dispatch"].group_id.astype(int):
+        alive = int(gid in ctrl.buffer)
+        assert ends[gid] + alive == 1, f"group {gid}"  # every admitted group ends exactly once, or is still held
+    assert (ctrl.completions.turns >= 1).all()
+    ctrl.close()

@@ -153,7 +153,7 @@ class EnvironmentHost:
         self.cls, self.n, self.timeout_s, self.start_s, self.functions = cls, workers, timeout_s, start_s, functions
         self.instances: dict = {}  # workers == 0
         self.owner: dict = {}  # key -> worker index
-        self.notices: list[str] = []  # workers replaced while idle, for the caller to record
+        self._lock = threading.RLock()
         self.workers: list[_Worker] = []
         if workers:
             import cloudpickle
@@ -162,7 +162,12 @@ class EnvironmentHost:
             self.workers = [_Worker(self.payload) for _ in range(workers)]
 
     def run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
-        """Each ``(key, op, args)`` answered, in order per worker, calls on different workers at once."""
+        """Each ``(key, op, args)`` answered, in order per worker, calls on different workers at once. One caller
+        at a time (an evaluation on the train pump's thread waits for the rollout pump's calls)."""
+        with self._lock:
+            return self._run(calls)
+
+    def _run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
         if not self.n:
             return [apply(self.cls, self.instances, key, op, args, self.functions) for key, op, args in calls]
         out: list[Outcome | None] = [None] * len(calls)
@@ -227,13 +232,18 @@ class EnvironmentHost:
 
     def drop(self, keys: list) -> None:
         """Forget the instances of ``keys`` (finished, given up or aborted trajectories)."""
+        with self._lock:
+            self._drop(keys)
+
+    def _drop(self, keys: list) -> None:
         live = [k for k in keys if (k in self.instances if not self.n else k in self.owner)]
         if live:
-            self.run([(k, "drop", ()) for k in live])
+            self._run([(k, "drop", ()) for k in live])
         for k in live:
             self.owner.pop(k, None)
 
     def close(self) -> None:
-        for worker in self.workers:
-            worker.stop()
-        self.workers = []
+        with self._lock:
+            for worker in self.workers:
+                worker.stop()
+            self.workers = []
