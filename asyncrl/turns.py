@@ -376,6 +376,8 @@ class TurnGenerator:
             t.reward += reward
             if done or obs is None or len(t.turn_versions) >= self.max_turns:
                 t.done = True
+                if g.gid < 0 and obs is not None and not g.chat:  # an evaluation's transcript ends with the last
+                    t.ids += self._encode(obs)[:self.max_env_tokens]  # reply (``correct``): the task grades it
                 return
             if g.chat:
                 t.messages.append({"role": "user", "content": obs})

@@ -310,3 +310,17 @@ def test_a_running_controller_overlaps_a_slow_environment_and_accounts_for_every
         assert ends[gid] + alive == 1, f"group {gid}"  # every admitted group ends exactly once, or is still held
     assert (ctrl.completions.turns >= 1).all()
     ctrl.close()
+
+
+def test_guess_letter_says_higher_lower_correct_and_its_blind_bar_is_computed():
+    from asyncrl.environments.guess_letter import GuessLetterTask
+
+    env = GuessLetter()
+    env.reset(secret="c", alphabet="abcdefgh")
+    assert env.step("e") == (" lower ", 0.0, False) and env.step("a") == (" higher ", 0.0, False)
+    assert env.step(" ") == (" invalid ", 0.0, False) and env.step("c") == (" correct", 1.0, True)
+    assert GuessLetterTask("abcdefgh", 3).constant_answer_accuracy == 3 / 8
+    assert GuessLetterTask("abcd", 5).constant_answer_accuracy == 1.0
+    task = GuessLetterTask()
+    assert sorted(p.columns["secret"] for p in task.eval_prompts) == list("abcdefgh")  # each secret once
+    assert not {p.id for p in task.eval_prompts} & {p.id for p in task.train_prompts}

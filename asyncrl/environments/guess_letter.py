@@ -27,7 +27,7 @@ class GuessLetter:
         guess = action.strip()[:1]
         if guess == self.secret:
             return " correct", 1.0, True
-        if guess not in self.alphabet:
+        if not guess or guess not in self.alphabet:  # ("" is in every string)
             return " invalid ", 0.0, False
         word = "higher" if self.alphabet.index(self.secret) > self.alphabet.index(guess) else "lower"
         return f" {word} ", 0.0, False
