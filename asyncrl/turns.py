@@ -32,40 +32,12 @@ from __future__ import annotations
 import itertools
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.environments import EnvironmentKind, parse_tool_calls
 from asyncrl.environments.host import EnvironmentHost
-
-
-@dataclass
-class Trajectory:
-    ids: list[int] = field(default_factory=list)  # after the prompt: model turns and observations
-    mask: list[int] = field(default_factory=list)  # 1 at sampled tokens
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[int] = field(default_factory=list)  # of the sampled tokens
-    turn_versions: list[int] = field(default_factory=list)
-    messages: list[dict] = field(default_factory=list)  # the conversation (a chat template renders it)
-    text: str = ""  # the prompt's and every token's text held so far (the prefix check)
-    reward: float = 0.0
-    tool_calls: int = 0
-    env_tokens: int = 0
-    done: bool = False
-    finish: str = ""
-
-
-@dataclass
-class Group:
-    gid: int
-    n: int
-    prompt_ids: list[int] = field(default_factory=list)
-    trajectories: list[Trajectory] = field(default_factory=list)
-    started: bool = False
-    turn: int = 0  # model turns generated so far (of the longest trajectory)
-    waiting: dict[int, list[int]] = field(default_factory=dict)  # inner request id -> trajectory indices
-    chat: bool = False  # rendered by the chat template (else raw text)
+from asyncrl.environments.trajectory import Group, Trajectory, reward_batch
 
 
 class TurnGenerator:
@@ -467,7 +439,7 @@ class TurnGenerator:
             else:
                 bad = None
             if bad is None and self.functions is not None:
-                (o,) = self.host.run([((g.gid, 0), "score", ([(g.gid, i) for i in range(g.n)], self._batch(g)))])
+                (o,) = self.host.run([((g.gid, 0), "score", ([(g.gid, i) for i in range(g.n)], reward_batch(self.prompt_of(g.gid), g, self.tokenizer)))])
                 results = o.value if o.ok else []
                 bad = o.problem if not o.ok else next((why for kind, why, _ in results if kind != "ok"), None)
                 if bad is None:
@@ -478,19 +450,6 @@ class TurnGenerator:
                 continue
             out[g.gid] = [t.reward + x for t, x in zip(g.trajectories, extra)]
         return out
-
-    def _batch(self, g: Group) -> Any:
-        """The group as the run's reward functions get it (TRL's keywords): the prompts, each trajectory's
-        conversation after the prompt (messages, or text for raw ones), its tokens and the row's columns."""
-        from asyncrl.rewards.functions import RewardBatch
-
-        prompt = self.prompt_of(g.gid)
-        first = len(prompt.messages) if prompt.messages is not None else 1  # the prompt's messages come first
-        conversations = [t.messages[first:] if g.chat else self.tokenizer.decode(t.ids, skip_special_tokens=True)
-                         for t in g.trajectories]
-        columns = {k: [v] * g.n for k, v in (prompt.columns or {}).items()}
-        prompts = [prompt.messages if prompt.messages is not None else prompt.text] * g.n
-        return RewardBatch(prompts, conversations, [list(t.ids) for t in g.trajectories], columns, source=prompt)
 
     def _rollouts(self, g: Group, rewards: list[float]) -> GroupRollouts:
         """The finished group as the pump commits it (rewards: ``_score``'s)."""
