@@ -24,7 +24,8 @@ def environment_class(cfg: Any, environment_factory: type | None) -> type | None
 
 
 def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_factory: type | None,
-                     slot_of: Callable[[int], Any], task: Any = None, reward_funcs: list | None = None) -> tuple[Any, Any]:
+                     slot_of: Callable[[int], Any], task: Any = None,
+                     reward_funcs: list | None = None) -> tuple[Any, Any]:
     """``(generator, cfg)``: the run's generator wrapped in a ``TurnGenerator`` when it has an environment (and the
     config naming the class given as an object), else both unchanged. ``slot_of(gid)``: a group's buffer slot (its
     prompt); ``task``: its prompts are what an evaluation may ask the environment to play; ``reward_funcs`` (objects)

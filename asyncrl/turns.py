@@ -69,8 +69,8 @@ class TurnGenerator:
     def bind(self, on_turn: Callable[..., None], at_boundary: Callable[[int, int], bool],
              on_failed: Callable[[int, str], None]) -> None:
         """The pump's callbacks, called on the polling thread outside this object's lock: a turn finished
-        ``(gid, trajectory, turn, version, done)`` (done: the trajectory ended with it); may the group go on after ``turn`` (True: the pump stopped it); a
-        group failed for good ``(gid, why)`` (its environments are dropped already)."""
+        ``(gid, trajectory, turn, version, done)`` (done: the trajectory ended with it); is the group stopped after
+        ``turn`` (True: the pump aborted it); a group failed for good ``(gid, why)``."""
         self.on_turn, self.at_boundary, self.on_failed = on_turn, at_boundary, on_failed
 
     # --- the GenerationBackend Protocol -------------------------------------------------------------------------
@@ -439,7 +439,8 @@ class TurnGenerator:
             else:
                 bad = None
             if bad is None and self.functions is not None:
-                (o,) = self.host.run([((g.gid, 0), "score", ([(g.gid, i) for i in range(g.n)], reward_batch(self.prompt_of(g.gid), g, self.tokenizer)))])
+                batch = reward_batch(self.prompt_of(g.gid), g, self.tokenizer)
+                (o,) = self.host.run([((g.gid, 0), "score", ([(g.gid, i) for i in range(g.n)], batch))])
                 results = o.value if o.ok else []
                 bad = o.problem if not o.ok else next((why for kind, why, _ in results if kind != "ok"), None)
                 if bad is None:

@@ -120,7 +120,8 @@ def _small(**kw):
 
 
 def test_guess_letter_trains_multi_turn_with_observations_masked_and_turn_versions():
-    ctrl = Controller.from_config(_small(sampler={"name": "windowed", "max_staleness_versions": 1}, loss={"importance_correction": "token"}))
+    ctrl = Controller.from_config(_small(sampler={"name": "windowed", "max_staleness_versions": 1},
+                                         loss={"importance_correction": "token"}))
     seen = []
     train = ctrl.policy.train_microbatches
     ctrl.policy.train_microbatches = lambda batch: (seen.append(batch), train(batch))[1]
@@ -259,7 +260,8 @@ def test_trajectories_span_versions_and_a_stale_one_is_stopped_mid_trajectory_sa
     ctrl = Controller.from_config(cfg)
     for _ in range(12):
         ctrl.tick()
-    spanning = [s.rollouts for s in ctrl.buffer.ready_slots() if s.rollouts.gen_start_version != s.rollouts.gen_end_version]
+    spanning = [s.rollouts for s in ctrl.buffer.ready_slots()
+                if s.rollouts.gen_start_version != s.rollouts.gen_end_version]
     rows = ctrl.completions
     assert rows.turn_versions.map(lambda v: len(set(v)) > 1).any()
     for group in spanning:
