@@ -326,3 +326,34 @@ def test_guess_letter_says_higher_lower_correct_and_its_blind_bar_is_computed():
     task = GuessLetterTask()
     assert sorted(p.columns["secret"] for p in task.eval_prompts) == list("abcdefgh")  # each secret once
     assert not {p.id for p in task.eval_prompts} & {p.id for p in task.train_prompts}
+
+
+class Echo:
+    """A text environment: its reset extends the prompt; every reply is long."""
+
+    def reset(self, **row):
+        return " (go)"
+
+    def step(self, action):
+        return " " + "x" * 40, 0.5, False
+
+
+def test_reset_extends_the_prompt_observations_are_cut_to_max_env_tokens_and_a_full_context_ends_a_trajectory():
+    from asyncrl.data import GenerationRequest
+
+    tok = build_tokenizer()
+    inner = Scripted(tok, ["a"] * 20)
+    prompt = Prompt("q:", id="train/0")
+    turns = TurnGenerator(inner, describe_class(Echo), 5, 0, 5.0, 6, tok, lambda gid: prompt, max_prefix=24)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    turns.submit([GenerationRequest(0, [1], 2)])
+    out = []
+    for _ in range(6):
+        out += turns.poll()
+    (group,) = out
+    assert group.prompt_ids == tok.encode("q: (go)")  # reset's string extends the raw prompt
+    for ids, mask, meta in zip(group.completion_ids, group.trained_mask, group.turns):
+        observations = "".join("1" if m else "0" for m in mask).split("1")
+        assert max(len(o) for o in observations) == 6  # each observation cut to max_env_tokens
+        assert len(group.prompt_ids) + len(ids) > 24 and meta["turns"] < 5  # the context ended it, not max_turns
+    assert group.rewards == [0.5 * group.turns[0]["turns"]] * 2  # the sum of step's rewards
