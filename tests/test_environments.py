@@ -4,6 +4,7 @@ train), faults in environments, turn events and versions, the guess_letter task,
 from __future__ import annotations
 
 import pytest
+import torch
 
 from asyncrl import Controller
 from asyncrl.algorithms import make_train_batch
@@ -90,6 +91,14 @@ def test_a_tool_environment_s_turns_keep_the_sampled_tokens_and_mask_the_tool_re
     row = batch.loss_mask[0, len(group.prompt_ids):len(group.prompt_ids) + len(ids)]
     assert row.tolist() == [float(m) for m in mask]
     assert batch.num_tokens == group.num_tokens == sum(map(sum, group.trained_mask))
+    from asyncrl.algorithms import mark_versions
+    from asyncrl.metrics import token_staleness
+
+    counted = token_staleness([group], 2)  # observation tokens count in no staleness metric
+    assert counted["token_staleness_mean"] == 2 * group.num_tokens
+    assert sum(counted[f"token_staleness/{k}"] for k in range(4)) + counted["token_staleness/4+"] == group.num_tokens
+    marked = mark_versions(batch, [group], 2, lambda b, v: None)  # nor in the importance weight's parts
+    assert torch.equal(marked.stale_mask, batch.loss_mask)
 
 
 def test_tool_calls_are_parsed_from_the_hermes_format():
