@@ -366,3 +366,28 @@ def test_reset_extends_the_prompt_observations_are_cut_to_max_env_tokens_and_a_f
         assert max(len(o) for o in observations) == 6  # each observation cut to max_env_tokens
         assert len(group.prompt_ids) + len(ids) > 24 and meta["turns"] < 5  # the context ended it, not max_turns
     assert group.rewards == [0.5 * group.turns[0]["turns"]] * 2  # the sum of step's rewards
+
+
+def test_turns_go_to_the_vllm_generator_as_token_prefixes():
+    from asyncrl.data import GenerationRequest
+    from tests.test_vllm_backend import make_gen
+
+    gen, llm = make_gen(seed=1, max_new_tokens=3)
+    seen = []
+    add = llm.llm_engine.add_request
+    llm.llm_engine.add_request = lambda rid, prompt, params: (seen.append(list(prompt["prompt_token_ids"])),
+                                                              add(rid, prompt, params))[1]
+    tok = build_tokenizer()
+    prompt = Prompt("guess:", "c", "train/0", columns={"secret": "c"})
+    turns = TurnGenerator(gen, describe_class(GuessLetter), 3, 0, 5.0, 16, tok, lambda gid: prompt)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    turns.submit([GenerationRequest(5, tok.encode("guess:"), 2)])
+    out = []
+    for _ in range(4):
+        out += turns.poll()
+    (group,) = out
+    assert seen[0] == group.prompt_ids  # the first turn: one request for the group, from its prompt
+    assert len(seen) == 1 + sum(t["turns"] - 1 for t in group.turns) > 1
+    for ids in seen[1:]:  # each later turn: one trajectory's whole token prefix, as held (never re-tokenised)
+        assert any(ids == group.prompt_ids + c[:len(ids) - len(group.prompt_ids)] for c in group.completion_ids)
+        assert len(ids) > len(group.prompt_ids)
