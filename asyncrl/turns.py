@@ -199,6 +199,12 @@ class TurnGenerator:
         self.host.drop([(g.gid, 0) for g in episodes])
         return [g.trajectories[0].ids for g in episodes]
 
+    def generate_sampled(self, *args, **kwargs) -> list:
+        """Sampled evaluation plays no environment yet: one line, rather than single-turn answers graded as
+        episodes."""
+        raise ValueError("evaluate(temperature > 0) of a run with an environment is not supported yet; evaluate "
+                         "greedy (temperature 0): one episode a prompt")
+
     def __getattr__(self, name: str) -> Any:  # generate_greedy, stage_weights, state_dict, ...: the inner's
         if name.startswith("__") or name == "inner":
             raise AttributeError(name)
