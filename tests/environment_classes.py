@@ -45,3 +45,49 @@ class Calculator:
 
     def get_reward(self) -> float:
         return float(self.used)
+
+
+class Increment:
+    """TRL's demo environment as written for TRL: ``reset(self)`` takes no row; a tool returns an int."""
+
+    def __init__(self):
+        self._counter = 0
+
+    def reset(self) -> None:
+        self._counter = 0
+
+    def increment(self, a: int) -> int:
+        """
+        Increment the integer by a specified value
+
+        Args:
+            a: The value to increment by
+
+        Returns:
+            The incremented integer.
+        """
+        self._counter += a
+        return self._counter
+
+
+class Echo:
+    """A TRL environment whose tool is named ``step`` (returns ``str``, as TRL's echo example)."""
+
+    def reset(self, **kwargs) -> None:
+        self.said = []
+
+    def step(self, message: str) -> str:
+        """
+        Echo the message back from the environment.
+
+        Args:
+            message: The message to echo
+
+        Returns:
+            The echoed message.
+        """
+        self.said.append(message)
+        return message
+
+    def get_reward(self) -> float:
+        return float(len(self.said))

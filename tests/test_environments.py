@@ -391,3 +391,23 @@ def test_turns_go_to_the_vllm_generator_as_token_prefixes():
     for ids in seen[1:]:  # each later turn: one trajectory's whole token prefix, as held (never re-tokenised)
         assert any(ids == group.prompt_ids + c[:len(ids) - len(group.prompt_ids)] for c in group.completion_ids)
         assert len(ids) > len(group.prompt_ids)
+
+
+def test_trl_environment_classes_run_unchanged_a_row_less_reset_and_a_tool_named_step():
+    from asyncrl.data import GenerationRequest
+    from tests.environment_classes import Echo as EchoTool, Increment
+
+    tok = build_tokenizer()
+    assert describe_class(Increment).kind == "tool" and describe_class(EchoTool).kind == "tool"
+    assert [s["function"]["name"] for s in describe_class(EchoTool).tools] == ["step"]
+    assert describe_class(Echo).kind == "text"  # a step returning (observation, reward, done)
+    prompt = Prompt("inc", id="train/0", columns={"unused": 1})
+    for cls, call, result in ((Increment, '{"name": "increment", "arguments": {"a": 2}}', "tool: 2"),
+                              (EchoTool, '{"name": "step", "arguments": {"message": "hi"}}', "tool: hi")):
+        inner = Scripted(tok, [f"<tool_call>{call}</tool_call>", "done"])
+        turns = TurnGenerator(inner, describe_class(cls), 3, 1, 10.0, 64, tok, lambda gid: prompt, TOOL_TEMPLATE)
+        turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+        turns.submit([GenerationRequest(0, [1], 1)])
+        out = turns.poll() + turns.poll()
+        assert result in out[0].texts[0] and out[0].turns[0]["tool_calls"] == 1
+        turns.close()

@@ -1,7 +1,8 @@
 """Environments: multi-turn rollouts in the two shapes users already write (docs/environments.md).
 
 - A **text environment** (Gymnasium-shaped) is a class with a ``step`` method: ``reset(self, **row) -> str | None``
-  and ``step(self, action: str) -> tuple[str | None, float, bool]`` (observation, reward, done).
+  and ``step(self, action: str) -> tuple[str | None, float, bool]`` (observation, reward, done). (A ``step``
+  annotated to return ``str`` is a tool of a tool environment, as TRL allows.)
 - A **tool environment** is any other class, TRL's ``environment_factory`` convention: ``reset(self, **row) -> str |
   None`` (a string extends the prompt), every other public method a tool (its schema from its type hints and
   docstring, ``transformers.utils.get_json_schema``, as TRL builds it), optional ``get_reward(self) -> float``.
@@ -24,7 +25,7 @@ from pydantic import Field
 
 from asyncrl.strict import StrictModel
 
-NOT_TOOLS = ("reset", "get_reward", "step", "close")  # public methods of a tool environment that are no tools
+NOT_TOOLS = ("reset", "get_reward", "close")  # public methods of a tool environment that are no tools
 
 
 class EnvironmentConfig(StrictModel):
@@ -74,10 +75,21 @@ class EnvironmentKind:
     names: tuple[str, ...] = field(default=())
 
 
+def is_text_environment(cls: type) -> bool:
+    """A class with a ``step`` method is a text environment, unless that ``step`` is a tool: annotated to return
+    ``str`` (a TRL environment may name a tool ``step``, as TRL's echo example does)."""
+    step = getattr(cls, "step", None)
+    if not callable(step):
+        return False
+    returns = inspect.signature(step).return_annotation
+    return returns not in (str, "str")
+
+
 def tool_names(cls: type) -> list[str]:
     """A tool environment's tools: its public methods other than ``reset``/``get_reward`` (TRL's rule)."""
+    text = is_text_environment(cls)
     return [name for name, member in inspect.getmembers(cls, inspect.isfunction)
-            if not name.startswith("_") and name not in NOT_TOOLS]
+            if not name.startswith("_") and name not in NOT_TOOLS and (name != "step" or not text)]
 
 
 def describe_class(cls: type) -> EnvironmentKind:
@@ -86,7 +98,7 @@ def describe_class(cls: type) -> EnvironmentKind:
         raise ValueError(f"environment_factory must be a class, got {type(cls).__name__}")
     if not callable(getattr(cls, "reset", None)):
         raise ValueError(f"environment {cls.__qualname__} has no reset(self, **row) method")
-    if callable(getattr(cls, "step", None)):
+    if is_text_environment(cls):
         return EnvironmentKind(cls, "text")
     from transformers.utils import get_json_schema
 

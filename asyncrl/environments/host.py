@@ -52,6 +52,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
+def _accepted(fn: Any, row: dict) -> dict:
+    """The row's columns ``fn`` takes: all with ``**kwargs``, else those it names (TRL's ``reset(self)`` takes
+    none)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return row
+    return {k: v for k, v in row.items() if k in {p.name for p in params}}
+
+
 def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions: Any = None) -> Outcome:
     """One call on the instance of ``key``: ``make`` (a new instance, reset with the row), ``step``, ``tool``
     (a method by name, keyword arguments), ``reward`` (``get_reward``), ``score`` (the run's reward functions on a
@@ -69,7 +80,7 @@ def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions:
     try:
         if op == "make":
             instances[key] = env = cls()
-            out = env.reset(**args[0])
+            out = env.reset(**_accepted(env.reset, args[0]))
             if out is not None and not isinstance(out, str):
                 return Outcome(False, problem=f"{name}.reset returned {type(out).__name__}, not a str or None")
             return Outcome(True, out)
