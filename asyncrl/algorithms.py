@@ -264,10 +264,18 @@ def make_train_batch(groups: Sequence[GroupRollouts], cfg: LossConfig, pad_id: i
     ids[real] = _tensor(list(chain.from_iterable(chain(p, c) for p, c, _ in rows)), np.int64)
     gen = torch.zeros(real.shape, dtype=torch.float32)
     gen[real] = _tensor(list(chain.from_iterable(chain(repeat(0.0, len(p)), lp) for p, _, lp in rows)), np.float32)
+    loss_mask = ((pos >= start) & real).float()
+    if any(g.trained_mask is not None for g in groups):  # multi-turn: observation tokens are context, never trained
+        sampled = torch.zeros(real.shape, dtype=torch.float32)
+        sampled[real] = _tensor(list(chain.from_iterable(
+            chain(repeat(0, len(g.prompt_ids)), m if g.trained_mask is not None else repeat(1, len(c)))
+            for g in groups for c, m in zip(g.completion_ids, g.trained_mask or g.completion_ids))), np.float32)
+        loss_mask = loss_mask * sampled
+        gen = gen * sampled
     return TrainBatch(
         input_ids=ids,
         attention_mask=real.long(),
-        loss_mask=((pos >= start) & real).float(),
+        loss_mask=loss_mask,
         gen_logprobs=gen,
         advantages=adv.to(torch.float32),
         group_sizes=sizes,

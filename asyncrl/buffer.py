@@ -40,6 +40,9 @@ class Slot:
     rollouts: Any = None
     end_weight_version: int | None = None
     start_weight_version: int | None = None  # the oldest weights its tokens used (set at commit)
+    # multi-turn, while pending: trajectory -> (the weight version of each turn so far, whether it ended); written by
+    # the rollout pump at every turn (asyncrl/turn_hooks.py), read by explain() and trajectories(); not checkpointed
+    turns: dict | None = None
 
     @property
     def spans_versions(self) -> bool:

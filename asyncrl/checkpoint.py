@@ -358,7 +358,8 @@ def save(path: str | Path, config: Any, state: dict) -> Path:
     return write(path, meta, config.model_dump(mode="json"), files, tensors)
 
 
-def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool, rewards_given: bool = False) -> dict:
+def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool, rewards_given: bool = False,
+               environment_given: bool = False) -> dict:
     """The checkpoint's own config as plain data, before anything of it is validated (validating a ``custom``
     sampler imports its module): refused when it names a custom sampler the caller did not trust or replace; its
     ``ray.address`` dropped (where to connect is the caller's: a config, or ``RAY_ADDRESS``)."""
@@ -374,6 +375,12 @@ def own_config(ckpt: Checkpoint, sampler_given: bool, trust_code: bool, rewards_
         raise CheckpointError(
             f"checkpoint {str(ckpt.path)!r} names reward functions {imported}: loading them would import and run "
             "their modules' code. Pass trust_code=True if you trust the checkpoint, or pass reward_funcs= (or "
+            "config=) to choose what runs")
+    factory = (data.get("environment") or {}).get("factory") if isinstance(data.get("environment"), dict) else None
+    if factory and not (trust_code or environment_given):  # an environment class of one's own: the same rule
+        raise CheckpointError(
+            f"checkpoint {str(ckpt.path)!r} names an environment class, {factory!r}: building it would import and run "
+            "its module's code. Pass trust_code=True if you trust the checkpoint, or pass environment_factory= (or "
             "config=) to choose what runs")
     if isinstance(data.get("ray"), dict):
         data["ray"] = {**data["ray"], "address": None}
@@ -395,7 +402,7 @@ def state_dict(ckpt: Checkpoint) -> dict:
 
 
 def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: bool = False,
-         rewards_given: bool = False) -> tuple[Any, dict]:
+         rewards_given: bool = False, environment_given: bool = False) -> tuple[Any, dict]:
     """``(config, state_dict)`` of the checkpoint at ``path`` (``resolve`` finds it). The config is ``config``
     (a ``Config``; default: the checkpoint's own, under ``own_config``'s rules) with ``sampler`` (a sampler config
     or mapping) in place of its sampler, validated, and its model must be the checkpoint's: every check that can
@@ -405,7 +412,7 @@ def load(path: str | Path, config: Any = None, sampler: Any = None, trust_code: 
     from asyncrl.samplers import sampler_config
 
     ckpt = read(path, asyncrl.__version__)
-    data = (own_config(ckpt, sampler is not None, trust_code, rewards_given) if config is None
+    data = (own_config(ckpt, sampler is not None, trust_code, rewards_given, environment_given) if config is None
             else config.model_dump(mode="json"))
     if rewards_given:  # the caller's objects replace the functions named (nothing of them is imported)
         data["reward"] = {**(data.get("reward") or {}), "funcs": []}  # weights and accuracy are data: kept

@@ -65,6 +65,8 @@ def group_rows(group_id: int, prompt: Any, weight_version: int, rollouts: Any,
                "finish_reason": reason, "reward": float(reward)}
         for key, values in named:
             row[key] = values[i]
+        if getattr(rollouts, "turns", None):  # multi-turn: turns, tool_calls, env_tokens, turn_versions
+            row.update(rollouts.turns[i])
         rows.append(row)
     return rows
 

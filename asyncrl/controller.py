@@ -49,6 +49,7 @@ from asyncrl.parts import FixedParts
 from asyncrl.reports import ControllerState, TickReport
 from asyncrl.restoring import GIVEN, check_on_sampler_change as _check_on_sampler_change, rejudge
 from asyncrl.rollout import RolloutPump
+from asyncrl.multiturn import TurnsView, attach, with_environment
 from asyncrl.run_loop import ActiveClock, RunHandle, runs_in_lockstep
 from asyncrl.samplers import build_sampler
 from asyncrl.state import RunState, Subscription
@@ -76,17 +77,18 @@ def _tick(method):
     return tick
 
 
-class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed at construction
+class Controller(FixedParts, TurnsView):  # policy, generator, task, sampler, buffer: fixed at construction
     def __init__(self, cfg: Config, task, policy, generator, tokenizer, sampler=None, buffer=None,
-                 reward_funcs=None):
+                 reward_funcs=None, environment_factory=None):
         from asyncrl.chat import prepare_task
         from asyncrl.tasks import PromptStream, check_rewards
-
         self.task = task = prepare_task(task, tokenizer, cfg.model, cfg.generation.max_new_tokens)  # as rendered
         self.reward_funcs = list(reward_funcs or [])  # reward functions given as objects (in place of reward.funcs)
         self.given: list[str] = []  # from_config's arguments given as objects: what a restore must be given again
+        generator, cfg = with_environment(cfg, generator, tokenizer, environment_factory, lambda g: self.buffer[g],
+                                          task, self.reward_funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
-                                              cfg.generation.backend == "simulated")
+                                              cfg.generation.backend == "simulated" or bool(cfg.environment.factory))
         if cfg.eval_every and not task.eval_prompts:
             raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
                              "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")
@@ -124,6 +126,7 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
+        attach(self._rollout, generator)
         self.sync_weights(0)
 
     def encode(self, prompt) -> list[int]:
@@ -140,12 +143,14 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
     @classmethod
     def from_config(cls, cfg: Config, loss: Loss | None = None, train_dataset: Any = None, eval_dataset: Any = None,
                     reward_funcs: list | None = None, reward_weights: list[float] | None = None,
-                    reward_processing_classes: list | None = None) -> Controller:
+                    reward_processing_classes: list | None = None, environment_factory: type | None = None,
+                    ) -> Controller:
         """Task, backends and sampler from ``cfg``; the policy trains with ``loss`` (default ``GRPOLoss(cfg.loss)``:
         a loss of your own is one class satisfying ``asyncrl.algorithms.Loss``). ``train_dataset`` /
         ``eval_dataset`` (a ``datasets.Dataset``, a DataFrame, a list of dicts, or a path) make the task a ``dataset``
         task over them; ``reward_funcs``, ``reward_weights``, ``reward_processing_classes`` are TRL's (functions or
-        reward models, docs/tasks.md). Objects given are named in checkpoints: ``restore`` asks for them again."""
+        reward models, docs/tasks.md); ``environment_factory``: a class, one instance a trajectory (multi-turn,
+        docs/environments.md). Objects given are named in checkpoints: ``restore`` asks for them again."""
         from asyncrl.backends import build_backends
         from asyncrl.rewards.models import with_tokenizers
         from asyncrl.tasks import task_with_data
@@ -159,8 +164,10 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
         task = task_with_data(cfg.task, train_dataset, eval_dataset)
         warn_toy_knobs(cfg, objects=train_dataset is not None)  # (a config's own data warned when it loaded)
         policy, generator, tokenizer = build_backends(cfg, loss)
-        ctrl = cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs)
-        ctrl.given = [k for k, v in zip(GIVEN, (train_dataset, eval_dataset, reward_funcs)) if v is not None]
+        ctrl = cls(cfg, task, policy, generator, tokenizer, reward_funcs=reward_funcs,
+                   environment_factory=environment_factory)
+        given = (train_dataset, eval_dataset, reward_funcs, environment_factory)
+        ctrl.given = [k for k, v in zip(GIVEN, given) if v is not None]
         return ctrl
 
     # ------------------------------------------------------------------------------------------ rollout pump
@@ -463,7 +470,8 @@ class Controller(FixedParts):  # policy, generator, task, sampler, buffer: fixed
         _check_on_sampler_change(on_sampler_change)
         path = checkpoint.resolve(path)  # every check that can fail runs before anything is loaded
         check_given(path, config, data, trust_code)
-        cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")))
+        cfg, state = checkpoint.load(path, config, sampler, trust_code, rewards_given=bool(data.get("reward_funcs")),
+                                     environment_given=data.get("environment_factory") is not None)
         ctrl = cls.from_config(cfg if config is not None or tracking else untracked(cfg), **data)
         try:
             checkpoint.check_shapes(checkpoint.shapes(state["policy"]), checkpoint.shapes(ctrl.policy.state_dict()),

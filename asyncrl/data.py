@@ -5,8 +5,8 @@ This module is the bottom layer: the GRPO maths (``algorithms``), the backends a
 and it imports nothing of asyncrl. Token tensors are only named in annotations, so it loads without torch.
 
 Token tensors in a ``TrainBatch`` are aligned with ``input_ids``: the value at position ``t`` belongs to token
-``input_ids[:, t]`` predicted from ``input_ids[:, :t]``. ``loss_mask`` is 1 exactly at completion tokens, so
-position 0, prompt tokens and right padding never count.
+``input_ids[:, t]`` predicted from ``input_ids[:, :t]``. ``loss_mask`` is 1 exactly at completion tokens the model
+sampled, so position 0, prompt tokens, an environment's observation tokens and right padding never count.
 """
 
 from __future__ import annotations
@@ -49,24 +49,37 @@ class GroupRollouts:
     # Each reward function's values (None where it does not apply), set when the group is committed: carried with
     # the group (into checkpoints), so ``reward/<name>`` is the mean over the groups a step trains.
     reward_parts: dict[str, list[float | None]] | None = None
+    # Multi-turn (``asyncrl/turns.py``): a completion is a trajectory, model turns and observations after the prompt.
+    # ``trained_mask``: per completion, 1 at a token the model sampled, 0 at an observation's (context: no loss, a
+    # logprob of 0, no staleness); None: every token was sampled. ``token_versions`` then lists the versions of the
+    # sampled tokens only, in order. ``turns``: per completion, its counts (``turns``, ``tool_calls``,
+    # ``env_tokens``) and ``turn_versions`` (the version of each model turn).
+    trained_mask: list[list[int]] | None = None
+    turns: list[dict] | None = None
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the model sampled (observation tokens are not counted: nothing generated or trains them)."""
+        if self.trained_mask is not None:
+            return sum(sum(m) for m in self.trained_mask)
         return sum(len(c) for c in self.completion_ids)
 
     def to_json(self) -> dict:
         """What a checkpoint writes: every field, ``token_versions`` and ``reward_parts`` only when set (older
         checkpoints stay byte for byte)."""
         out = asdict(self)
-        for name in ("token_versions", "reward_parts"):
+        for name in ("token_versions", "reward_parts", "trained_mask", "turns"):
             if out[name] is None:
                 del out[name]
         return out
 
     def versions(self) -> list[list[int]]:
-        """The weight version that sampled each token of each completion (``token_versions``, or one version)."""
+        """The weight version that sampled each token of each completion (``token_versions``, or one version);
+        with ``trained_mask``, of each sampled token."""
         if self.token_versions is not None:
             return self.token_versions
+        if self.trained_mask is not None:
+            return [[self.gen_start_version] * sum(m) for m in self.trained_mask]
         return [[self.gen_start_version] * len(c) for c in self.completion_ids]
 
 

@@ -59,7 +59,9 @@ def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: in
              completions=None) -> pd.DataFrame:
     """``explain()``: the sampler's verdict for every buffered group as the next train tick at ``trainer_version``
     would see it (this step's chunk bounds); with generation replicas, also which replica generated each group
-    (empty while it is pending). ``sampler``: anything with the sampler's ``explain(T, min_groups, max_groups)``.
+    (empty while it is pending); with multi-turn groups in flight, ``turn`` (the turn the furthest of its
+    trajectories reached) and ``turn_versions`` (the weight versions its turns so far were generated with).
+    ``sampler``: anything with the sampler's ``explain(T, min_groups, max_groups)``.
     ``completions(group_id)``: the rows the completions log holds for a group, the ``completions`` column (what
     ``completions(group_id)`` of the view reads)."""
     N = cfg.groups_per_step
@@ -69,6 +71,10 @@ def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: in
     if cfg.generation.replicas > 1:
         rollouts = [buffer[gid].rollouts for gid in frame.group_id]
         frame["replica"] = pd.array([None if r is None else r.replica for r in rollouts], dtype="Int64")
+    if any(buffer[gid].turns for gid in frame.group_id):  # multi-turn groups in flight: the turn each has reached
+        turns = [buffer[gid].turns or {} for gid in frame.group_id]
+        frame["turn"] = pd.array([max((len(v) for v, _ in t.values()), default=None) for t in turns], dtype="Int64")
+        frame["turn_versions"] = [sorted({x for v, _ in t.values() for x in v}) or None for t in turns]
     if completions is not None:
         frame["completions"] = pd.array([completions(gid) if buffer[gid].ready else 0 for gid in frame.group_id],
                                         dtype="Int64")  # a pending group has none yet (a view's, logged later)

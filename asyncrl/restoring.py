@@ -23,7 +23,7 @@ from typing import Any
 
 from asyncrl import checkpoint
 
-GIVEN = ("train_dataset", "eval_dataset", "reward_funcs")  # from_config's objects a checkpoint names, not holds
+GIVEN = ("train_dataset", "eval_dataset", "reward_funcs", "environment_factory")  # from_config's objects a checkpoint names, not holds
 
 
 def check_on_sampler_change(how: str) -> None:
@@ -44,7 +44,11 @@ def check_given(path: Path, config: Any, data: dict[str, Any], trust_code: bool 
     except (OSError, ValueError):
         return  # a damaged meta.json is named by the load that follows
     missing = [name for name in given if data.get(name) is None]
-    if missing == ["reward_funcs"] and not (trust_code and _unimportable(path)):
+    if "environment_factory" in missing and not trust_code:
+        missing.remove("environment_factory")  # checkpoint.own_config refuses to import it, naming the keyword
+    elif "environment_factory" in missing and _factory_imports(path):
+        missing.remove("environment_factory")  # trusted: the class the config names is imported
+    if missing in ([], ["reward_funcs"]) and not (missing and trust_code and _unimportable(path)):
         return
     if missing:
         args = ", ".join(f"{name}=..." for name in missing)
@@ -71,6 +75,19 @@ def _unimportable(path: Path) -> bool:
         except ValueError:
             return True
     return False
+
+
+def _factory_imports(path: Path) -> bool:
+    """Whether the environment class the checkpoint's config names loads here (trusted: importing is allowed)."""
+    import yaml
+
+    from asyncrl.environments import load_factory
+
+    try:
+        spec = ((yaml.safe_load((Path(path) / "config.yaml").read_text()) or {}).get("environment") or {}).get("factory")
+        return bool(spec) and load_factory(spec) is not None
+    except (OSError, yaml.YAMLError, ValueError):
+        return False
 
 
 def untracked(cfg: Any) -> Any:

@@ -169,6 +169,14 @@ def addition_task(max_digit: int = 4, partial_credit: float = 0.0) -> ToyTask:
                    well_formed=lambda a: a.isdigit())
 
 
+def guess_letter_task(alphabet: str = "abcdefgh", max_turns: int = 3, train_size: int = 512):
+    """The multi-turn ``guess_letter`` task (``asyncrl/environments/guess_letter.py``; its environment is the
+    ``guess_letter`` preset's ``environment.factory``)."""
+    from asyncrl.environments.guess_letter import GuessLetterTask
+
+    return GuessLetterTask(alphabet, max_turns, train_size)
+
+
 TASKS: dict[str, Callable[..., Task]] = {  # name -> factory; its keyword arguments are the task's options
     "copy_digit": copy_digit_task,
     "copy_first": partial(copy_char_task, "first"),
@@ -177,6 +185,7 @@ TASKS: dict[str, Callable[..., Task]] = {  # name -> factory; its keyword argume
     "addition": addition_task,
     "dataset": dataset_task,
     "countdown": countdown_task,
+    "guess_letter": guess_letter_task,
 }
 TOY_TASKS = ("copy_digit", "copy_first", "copy_last", "successor", "addition")  # prompt lists built in code
 

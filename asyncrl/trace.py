@@ -21,6 +21,7 @@ ABORT = "abort"  # an in-flight group was cancelled after ``T`` moved
 STEP = "step"  # an optimizer step finished (subscribers get a ``StepEvent`` with its metrics row)
 FAULT = "fault"  # an error was caught (``reason`` starts with ``retried:`` or ``not retried:``)
 SKIP = "skip"  # a group was given up, with its reason
+TURN = "turn"  # a model turn of a multi-turn trajectory finished (``detail``: "trajectory I turn K"; its version)
 
 # The numbers a replay needs are typed columns, never words inside ``detail``/``reason`` (those are for people and
 # may be reworded): ``dispatch_index`` on admit and dispatch rows, the generating versions and replica on commit rows.
@@ -28,7 +29,7 @@ TRACE_COLUMNS = [
     "seq", "event", "trainer_version", "group_id", "weight_version", "target_step", "lag", "detail", "reason",
     "gen_start_version", "gen_end_version", "replica", "dispatch_index",
 ]
-TRACE_EVENTS = (ADMIT, REFUSE, DISPATCH, COMMIT, EVICT, SELECT, TRAIN, SYNC, ABORT, STEP, FAULT, SKIP)
+TRACE_EVENTS = (ADMIT, REFUSE, DISPATCH, COMMIT, EVICT, SELECT, TRAIN, SYNC, ABORT, STEP, FAULT, SKIP, TURN)
 TRACE_DTYPES = {"seq": "int64", "trainer_version": "int64", "group_id": "Int64", "weight_version": "Int64",
                 "target_step": "Int64", "lag": "Int64", "gen_start_version": "Int64", "gen_end_version": "Int64",
                 "replica": "Int64", "dispatch_index": "Int64"}

@@ -209,6 +209,11 @@ class TrainPump:
             start += g.num_tokens
         return out
 
+    def _turn_note(self, gid: int) -> str:
+        """A multi-turn group's abort says the turn it reached (``asyncrl/turns.py``); "" for any other."""
+        note = getattr(self.generator, "abort_note", None)
+        return note(gid) if note is not None else ""
+
     def _finish_step(self, report: TickReport, out: dict[str, float]) -> NonFiniteSteps | None:
         """Under the lock, after the optimizer step (``out``): ``T += 1`` with the sync, aborts, the metrics row.
         A step whose loss or gradient norm is not finite (its policy skipped the update) is a ``fault`` row naming
@@ -230,7 +235,7 @@ class TrainPump:
             report.aborted.append(slot.group_id)
             self.step.add({"groups_aborted": 1})
             state.record(ABORT, slot.group_id, w, slot.target_step, T - w, "",
-                         self.sampler.abort_reason(slot, T))
+                         self.sampler.abort_reason(slot, T) + self._turn_note(slot.group_id))
         elapsed = self.clock() - self.step.start  # active time only: not a person's pause between hand ticks
         row = {  # the vocabulary: asyncrl.metrics (STEP_METRICS, STEP_FACTS)
             M.STEP.name: T - 1,

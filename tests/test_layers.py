@@ -34,6 +34,7 @@ TIERS = [
     ["asyncrl.chat", "asyncrl.datasets"],  # prompts as the model sees them (chat templates); tables read as prompts
     # reward functions (TRL's signature), the built-ins and the runner that scores off the pump: no task, no torch
     ["asyncrl.rewards"],  # and its submodules (one family)
+    ["asyncrl.environments"],  # and its submodules (one family): environment classes, their workers, the config
     ["asyncrl.countdown"],  # a generated dataset task, scored by the countdown verifier
     ["asyncrl.tasks"],  # prompts, rewards, evaluation: the config checks a task's options by building it
     ["asyncrl.config"],  # and its submodules (one family): a module per section, Config in the package
@@ -60,9 +61,12 @@ TIERS = [
     # the two pumps, the background run and the checkpoint format the controller uses (the train pump knows the
     # rollout pump only as the part it is handed: a type, imported ``if TYPE_CHECKING:``)
     ["asyncrl.pump_threads"],  # torch threads per pump thread and the OpenMP pool release (CPU runs)
+    ["asyncrl.turns"],  # multi-turn rollouts: a generation backend over the run's generator
+    ["asyncrl.turn_hooks"],  # the rollout pump's side of turns (trace, turn-boundary aborts, failed trajectories)
     ["asyncrl.rollout", "asyncrl.train", "asyncrl.run_loop", "asyncrl.checkpoint"],
     # a checkpoint read back for less than a run: export (the policy alone), what a restore must be given
     ["asyncrl.restoring"],
+    ["asyncrl.multiturn"],  # wiring an environment into a controller
     ["asyncrl.controller"],
     ["asyncrl.run_files"],  # a run directory written live (trace, metrics, the step index)
     ["asyncrl.plots"],  # and its submodules (one family): figures and tables from the read API, no ipywidgets
@@ -82,7 +86,7 @@ TIERS = [
 ]
 LAYERS = {module: layer for layer, modules in enumerate(TIERS) for module in modules}
 # Packages whose submodules are one family: they share the package's layer and may import one another.
-FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards", "asyncrl.plots", "widgets")
+FAMILIES = ("asyncrl.samplers", "asyncrl.config", "asyncrl.rewards", "asyncrl.environments", "asyncrl.plots", "widgets")
 PACKAGES = ("asyncrl", "widgets")  # scanned: the package and the notebook views
 ENGINE = LAYERS["asyncrl.backends.torch"]
 # They connect or multiply engines' actors (K replicas / R ranks as one backend); they import none.

@@ -50,6 +50,7 @@ from asyncrl.config.training import MegatronTrainerConfig, SimulatedTrainerConfi
 from asyncrl.faults import FaultsConfig
 from asyncrl.presets import PRESETS, presets
 from asyncrl.completions import check_every
+from asyncrl.environments import EnvironmentConfig
 from asyncrl.rewards import RewardConfig
 from asyncrl.samplers import CustomConfig, InOrderConfig, SamplerConfig, build_custom, build_sampler
 from asyncrl.strict import StrictModel, booleans_for_numbers
@@ -58,7 +59,7 @@ from asyncrl.tracking import TrackingConfig
 
 __all__ = [
     "Config", "load_config", "merge_overrides", "read_yaml", "presets", "PRESETS",
-    "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
+    "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "EnvironmentConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
     "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
@@ -130,6 +131,7 @@ class Config(BaseModel):
     loss: LossConfig = Field(default_factory=LossConfig)
     task: TaskConfig = Field(default_factory=TaskConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)  # reward functions, weights, workers (asyncrl/rewards)
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig)  # multi-turn (asyncrl/environments)
     log_completions: str | int = Field(
         "all", description="what completions.jsonl and ctrl.completions keep: 'all', 'none', or N (the groups "
         "generated with weights 0, N, 2N, ...); asyncrl/completions.py")

@@ -37,7 +37,7 @@ from asyncrl.rewards.builtin import BUILTINS, MissingColumn
 from asyncrl.rewards.models import RewardModel, is_reward_model
 
 RESERVED = ("prompts", "completions", "completion_ids")  # what every call passes besides the columns
-TRL_ARGUMENTS = (*RESERVED, "trainer_state", "log_extra", "log_metric")  # never columns (TRL passes them itself)
+TRL_ARGUMENTS = (*RESERVED, "trainer_state", "log_extra", "log_metric", "environments")  # never columns (TRL passes them)
 SIGNATURE = "f(prompts=..., completions=..., completion_ids=..., **columns) -> list[float | None]"
 
 

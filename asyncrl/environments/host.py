@@ -1,0 +1,260 @@
+"""Environment instances, one per trajectory, hosted in ``environment.workers`` worker processes (or, with 0
+workers, in this process).
+
+A worker is started as the reward workers are (``python -c BOOT FD``, never ``multiprocessing``'s spawn) and
+loads the environment class from a cloudpickle payload, so a class defined in a notebook cell runs too.
+
+Invariants:
+- A trajectory's instance lives in one worker (``key -> worker``, by its group: a group's instances together), and a
+  worker answers its calls one at a time, in order: a timeout or a death is the fault of the call it was running.
+- ``run(calls)`` answers every call with an ``Outcome``: ``ok`` with the value, or a ``problem`` naming the
+  environment, the call and why (an exception, a value of the wrong type, past ``timeout_s``, the worker died).
+  A worker past its deadline is killed; a dead one is replaced; the instances it held are gone, so every later
+  call on them is a problem too ("lost"). Nothing here retries: the turns module gives the trajectory up and the
+  rollout pump regenerates its group within ``faults.max_dispatch_attempts``.
+- A worker whose caller is gone exits (the reward worker's rule).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing import Pipe
+from multiprocessing.connection import wait as wait_any
+from typing import Any
+
+BOOT = """
+import signal, sys
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from multiprocessing.connection import Connection
+conn = Connection(int(sys.argv[1]))
+path, payload = conn.recv()
+sys.path[:] = path
+from asyncrl.environments.host import serve
+serve(conn, payload)
+"""
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    value: Any = None
+    problem: str = ""
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def _accepted(fn: Any, row: dict) -> dict:
+    """The row's columns ``fn`` takes: all with ``**kwargs``, else those it names (TRL's ``reset(self)`` takes
+    none)."""
+    import inspect
+
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return row
+    return {k: v for k, v in row.items() if k in {p.name for p in params}}
+
+
+def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions: Any = None) -> Outcome:
+    """One call on the instance of ``key``: ``make`` (a new instance, reset with the row), ``step``, ``tool``
+    (a method by name, keyword arguments), ``reward`` (``get_reward``), ``score`` (the run's reward functions on a
+    group, ``environments=`` its instances: ``[(kind, values, seconds)]`` per function, as
+    ``asyncrl.rewards.functions.outcome``) or ``drop``. A wrong type is a problem."""
+    name = cls.__qualname__
+    if op == "score":
+        from asyncrl.rewards.functions import outcome
+
+        keys, batch = args
+        if any(k not in instances for k in keys):
+            return Outcome(False, problem=f"{name} instances lost before scoring (their worker was replaced)")
+        batch.columns["environments"] = [instances[k] for k in keys]  # TRL's keyword
+        return Outcome(True, [outcome(f, n, batch) for f, n in zip(functions.funcs, functions.names)])
+    try:
+        if op == "make":
+            instances[key] = env = cls()
+            out = env.reset(**_accepted(env.reset, args[0]))
+            if out is not None and not isinstance(out, str):
+                return Outcome(False, problem=f"{name}.reset returned {type(out).__name__}, not a str or None")
+            return Outcome(True, out)
+        if op == "drop":
+            instances.pop(key, None)
+            return Outcome(True)
+        env = instances.get(key)
+        if env is None:
+            return Outcome(False, problem=f"{name} instance lost (its worker was replaced)")
+        if op == "step":
+            out = env.step(args[0])
+            if (not isinstance(out, tuple) or len(out) != 3 or not (out[0] is None or isinstance(out[0], str))
+                    or not isinstance(out[1], (int, float)) or isinstance(out[1], bool)):
+                return Outcome(False, problem=f"{name}.step returned {out!r:.80}, not (str | None, float, bool)")
+            return Outcome(True, (out[0], float(out[1]), bool(out[2])))
+        if op == "tool":
+            method, kwargs = args
+            try:
+                return Outcome(True, str(getattr(env, method)(**kwargs)))
+            except Exception as exc:  # a tool's error is the model's to read, as TRL returns it
+                return Outcome(True, f"error: {_describe(exc)}")
+        if op == "reward":
+            out = env.get_reward() if hasattr(env, "get_reward") else 0.0
+            if not isinstance(out, (int, float)) or isinstance(out, bool):
+                return Outcome(False, problem=f"{name}.get_reward returned {type(out).__name__}, not a float")
+            return Outcome(True, float(out))
+        raise ValueError(f"unknown environment call {op!r}")
+    except Exception as exc:
+        return Outcome(False, problem=f"{name}.{'reset' if op == 'make' else op} raised {_describe(exc)}")
+
+
+def _exit_with_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def serve(conn, payload: bytes) -> None:
+    """The worker: load the class, then answer ``(key, op, args)`` calls until the caller goes away."""
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    try:
+        cls, functions = pickle.loads(payload)
+    except BaseException as exc:  # noqa: BLE001 - the caller must hear it in one line
+        conn.send(("init_error", _describe(exc)))
+        return
+    conn.send(("ready",))
+    instances: dict = {}
+    while True:
+        try:
+            key, op, args = conn.recv()
+        except (EOFError, OSError):
+            return
+        conn.send(apply(cls, instances, key, op, args, functions))
+
+
+class _Worker:
+    def __init__(self, payload: bytes):
+        parent, child = Pipe()
+        self.proc = subprocess.Popen([sys.executable, "-c", BOOT, str(child.fileno())], pass_fds=(child.fileno(),),
+                                     stdin=subprocess.DEVNULL)
+        child.close()
+        self.conn = parent
+        parent.send((list(sys.path), payload))
+        self.ready = False
+
+    def stop(self) -> str:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        code = self.proc.wait()
+        self.conn.close()
+        return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
+
+
+class EnvironmentHost:
+    """The instances of ``cls`` in ``workers`` processes (0: here). ``timeout_s`` bounds each call; ``start_s``
+    how long a new worker may take to load the class; ``functions``: the run's reward functions (``score``), sent
+    with the class. A group's trajectories live in one worker (``key = (group id, trajectory)``), so its reward
+    functions see all its instances."""
+
+    def __init__(self, cls: type, workers: int, timeout_s: float, start_s: float = 60.0, functions: Any = None):
+        self.cls, self.n, self.timeout_s, self.start_s, self.functions = cls, workers, timeout_s, start_s, functions
+        self.instances: dict = {}  # workers == 0
+        self.owner: dict = {}  # key -> worker index
+        self._lock = threading.RLock()
+        self.workers: list[_Worker] = []
+        if workers:
+            import cloudpickle
+
+            self.payload = cloudpickle.dumps((cls, functions))
+            self.workers = [_Worker(self.payload) for _ in range(workers)]
+
+    def run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
+        """Each ``(key, op, args)`` answered, in order per worker, calls on different workers at once. One caller
+        at a time (an evaluation on the train pump's thread waits for the rollout pump's calls)."""
+        with self._lock:
+            return self._run(calls)
+
+    def _run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
+        if not self.n:
+            return [apply(self.cls, self.instances, key, op, args, self.functions) for key, op, args in calls]
+        out: list[Outcome | None] = [None] * len(calls)
+        queues: dict[int, list[int]] = {}
+        for i, (key, op, _) in enumerate(calls):
+            if op == "make" or key not in self.owner:
+                self.owner[key] = key[0] % self.n  # a group's trajectories together (its reward functions' view)
+            queues.setdefault(self.owner[key], []).append(i)
+        running: dict[int, tuple[int, float]] = {}  # worker -> (call, deadline)
+        while queues or running:
+            for w in list(queues):
+                if w not in running and self._ready(w):
+                    i = queues[w].pop(0)
+                    if not queues[w]:
+                        del queues[w]
+                    try:
+                        self.workers[w].conn.send(calls[i])
+                        running[w] = (i, time.monotonic() + self.timeout_s)
+                    except Exception as exc:  # e.g. the arguments cannot be pickled
+                        out[i] = Outcome(False, problem=f"an environment call cannot be sent: {_describe(exc)}")
+            if not running:
+                continue
+            by_conn = {self.workers[w].conn: w for w in running}
+            wait = max(0.0, min(d for _, d in running.values()) - time.monotonic())
+            for conn in wait_any(list(by_conn), wait):
+                w = by_conn[conn]
+                i, _ = running.pop(w)
+                try:
+                    out[i] = conn.recv()
+                except (EOFError, OSError):
+                    why = self._replace(w)
+                    out[i] = Outcome(False, problem=f"the environment worker died ({why}) during "
+                                     f"{self.cls.__qualname__}.{calls[i][1]}; it was replaced")
+            now = time.monotonic()
+            for w, (i, deadline) in list(running.items()):
+                if now >= deadline:
+                    del running[w]
+                    self._replace(w)
+                    out[i] = Outcome(False, problem=f"{self.cls.__qualname__}.{calls[i][1]} ran past "
+                                     f"environment.timeout_s={self.timeout_s:g} s; its worker was stopped and replaced")
+        return out  # type: ignore[return-value]
+
+    def _ready(self, w: int) -> bool:
+        """Wait for worker ``w`` to have loaded the class (a failure to load is one line: nothing could run)."""
+        worker = self.workers[w]
+        if not worker.ready:
+            if not worker.conn.poll(self.start_s):
+                raise RuntimeError(f"an environment worker did not start within {self.start_s:g} s")
+            message = worker.conn.recv()
+            if message[0] != "ready":
+                raise RuntimeError(f"an environment worker cannot load {self.cls.__qualname__}: {message[1]}")
+            worker.ready = True
+        return True
+
+    def _replace(self, w: int) -> str:
+        """Stop worker ``w`` and start another; the instances it held are lost (their keys forget the worker)."""
+        why = self.workers[w].stop()
+        self.workers[w] = _Worker(self.payload)
+        for key in [k for k, owner in self.owner.items() if owner == w]:
+            del self.owner[key]
+        return why
+
+    def drop(self, keys: list) -> None:
+        """Forget the instances of ``keys`` (finished, given up or aborted trajectories)."""
+        with self._lock:
+            self._drop(keys)
+
+    def _drop(self, keys: list) -> None:
+        live = [k for k in keys if (k in self.instances if not self.n else k in self.owner)]
+        if live:
+            self._run([(k, "drop", ()) for k in live])
+        for k in live:
+            self.owner.pop(k, None)
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self.workers:
+                worker.stop()
+            self.workers = []
