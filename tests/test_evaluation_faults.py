@@ -117,7 +117,9 @@ def test_a_tasks_own_reward_that_raises_on_evaluation_is_a_fault_not_a_traceback
         ctrl.close()
 
 
-@pytest.mark.parametrize("func,workers,every", [("raises_on_eval", 0, 1), ("exits_on_eval", 1, None)])
+# ("exits_on_eval", 0, ...): training scores inline, and an evaluation still gets a worker of its own for user code
+@pytest.mark.parametrize("func,workers,every", [("raises_on_eval", 0, 1), ("exits_on_eval", 1, None),
+                                                ("exits_on_eval", 0, None)])
 def test_the_cli_ends_normally_when_evaluation_rewards_fail(func, workers, every, tmp_path):
     """The untrained model's evaluation, each step's (eval_every) and the final one; a dead worker: the final."""
     root = Path(__file__).resolve().parents[1]

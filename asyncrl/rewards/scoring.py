@@ -278,10 +278,15 @@ class GroupScorer:
     def evaluation_runner(self) -> RewardRunner:
         """The runner evaluations score with: ``evaluation_functions`` of this scorer's, in workers of its own
         with the same settings (``reward.workers``, ``timeout_s``, placement), so an evaluation never waits behind
-        training groups nor takes their outcomes. Built at the first evaluation, closed with this scorer."""
+        training groups nor takes their outcomes. Built at the first evaluation, closed with this scorer. Reward
+        functions of the user's (not a toy task's own reward) get at least one worker even when training scores
+        inline (``reward.workers: 0``): an evaluation runs at the start and the end of a CLI run, where a function
+        that calls ``os._exit`` or never returns must be a fault, not the end of the controller or a hang."""
         with self.lock:
             if self._evaluation is None:
                 workers, timeout_s, placement, ray_options = self._settings
+                if not self.functions.is_task:
+                    workers = max(workers, 1)
                 self._evaluation = RewardRunner(evaluation_functions(self.functions), workers, timeout_s,
                                                 placement=placement, ray_options=ray_options)
             return self._evaluation
