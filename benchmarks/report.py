@@ -37,7 +37,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "data"
-FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md")
+FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 # A marker written inside backticks (as in benchmarks/README.md's description of markers) is text, not a marker.
 MARKER = re.compile(r"(?<!`)<!-- report:(?P<name>[\w.-]+) -->(?P<body>(?:(?!<!-- report:).)*?)<!-- /report -->", re.S)
 
