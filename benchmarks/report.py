@@ -38,7 +38,7 @@ import pandas as pd
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "benchmarks" / "data"
-FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", ROOT / "docs" / "gpu.md")
+FILES = (ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted((ROOT / "docs").glob("*.md")))
 # A marker written inside backticks (as in benchmarks/README.md's description of markers) is text, not a marker.
 MARKER = re.compile(r"(?<!`)<!-- report:(?P<name>[\w.-]+) -->(?P<body>(?:(?!<!-- report:).)*?)<!-- /report -->", re.S)
 
@@ -1522,6 +1522,23 @@ def grpo_preset_table() -> str:
 
 REPORTS.update({"gradient_checkpointing": gradient_checkpointing_table, "grpo_preset": grpo_preset_table})
 
+
+# --- issue 48: beside TRL on one H100 80GB, 3 warm-up + 8 timed steps a side, and tests/gpu in one process there ----
+TRL_H100, CHECKS_H100 = "2026-12-05-one-h100", "2026-12-05-one-h100-ef00b21"
+
+
+def _trl_ratio(key: str) -> Callable[[], str]:
+    return value("bench_trl_gpu", TRL_H100, lambda r, _: f"{r['ratios'][key]:.2f}x")
+
+
+REPORTS.update({
+    "trl_h100": trl_rows(TRL_H100),
+    "trl_h100_sync_steps": _trl_ratio("asyncrl_sync_over_trl_steps_per_s"),
+    "trl_h100_async_steps": _trl_ratio("asyncrl_async_over_trl_steps_per_s"),
+    "trl_h100_sync_tflops": _trl_ratio("asyncrl_sync_over_trl_useful_train_tflops"),
+    "checks_h100_tests": lambda: json.loads(
+        (DATA / "gpu_checks" / CHECKS_H100 / "summary.json").read_text())["pytest_tests_gpu_one_process"],
+})
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

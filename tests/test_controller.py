@@ -222,7 +222,7 @@ def test_the_readme_snippet_has_verdicts_to_explain():
     from pathlib import Path
 
     readme = (Path(__file__).parents[1] / "README.md").read_text()
-    snippet = readme.split("### The toy tasks, stepped by hand", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    snippet = readme.split("## Step it, and read why", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     namespace: dict = {}
     exec(snippet[: snippet.index("ctrl.train_tick()")], namespace)  # up to its explain(), as a reader runs it
     verdicts = namespace["ctrl"].explain()
