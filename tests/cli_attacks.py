@@ -95,10 +95,23 @@ def _env(tmp: Path) -> dict:
             "MPLBACKEND": "Agg"}
 
 
+def _default_signals() -> None:
+    """In the child: SIGHUP and SIGINT as a terminal gives them, whatever the caller inherited (``nohup``, a
+    background job): a run keeps an inherited ignore."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start(tmp: Path, *args: str, preexec_fn=None) -> subprocess.Popen:
     (tmp / "user_code.py").write_text(USER_CODE)
+
+    def child() -> None:
+        _default_signals()
+        if preexec_fn is not None:
+            preexec_fn()
+
     return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", *args], cwd=tmp, env=_env(tmp),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=preexec_fn)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=child)
 
 
 def _finish(proc: subprocess.Popen, timeout: float = HANG_S) -> tuple[int | str, str, str]:

@@ -23,7 +23,14 @@ SIMULATED = ["--set", "generation.backend=simulated", "--set", "generation.clock
              "--set", "generation.prefill_s=0.01", "--set", "trainer.backend=simulated", "--set", "eval_every=null"]
 
 
-def start_run(out: Path, *extra: str, preexec_fn=None) -> subprocess.Popen:
+def default_signals() -> None:
+    """In the child: SIGHUP and SIGINT as a terminal gives them, whatever this test runner inherited (a suite
+    started under ``nohup`` or in a background job ignores them, and the run keeps an inherited ignore)."""
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def start_run(out: Path, *extra: str, preexec_fn=default_signals) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "MPLBACKEND": "Agg"}
     return subprocess.Popen([sys.executable, "-m", "asyncrl.cli", "run", "quickstart", "--steps", "100000",
                              "--out", str(out), "--quiet", *SIMULATED, *extra],

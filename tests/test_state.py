@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl import Controller, load_config
+from asyncrl import Controller, checkpoint, load_config
 from asyncrl.trace import SELECT, STEP, TRACE_COLUMNS, StepEvent, TraceRow
 from tests.faults import check_accounting, small_config
 
@@ -61,8 +61,11 @@ def test_a_checkpoint_in_the_format_before_state_dict_still_loads(tmp_path):
     assert [row[:9] for row in rows] == saved["trace"]  # the typed columns added since are empty
     assert all(value is None for row in rows for value in row[9:])
     again = ctrl.save(tmp_path / "again")  # written back, it is the same checkpoint
-    for name in ("state.json", "meta.json"):
-        assert (again / name).read_text() == (old / name).read_text(), name
+    assert (again / "state.json").read_text() == (old / "state.json").read_text()
+    # meta.json: the old one's keys and values, and the digests of its files that every checkpoint now records
+    meta = json.loads((again / "meta.json").read_text())
+    assert checkpoint.digest_damage(again, meta) is None and set(meta.pop("digests")) == {"tensors.pt", "state.json"}
+    assert meta == json.loads((old / "meta.json").read_text())
     # the same configuration; its dump also lists the keys added since, at their defaults
     assert load_config(again / "config.yaml") == load_config(old / "config.yaml")
     a, b = (torch.load(p / "tensors.pt", weights_only=True) for p in (old, again))
