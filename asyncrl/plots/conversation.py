@@ -27,15 +27,15 @@ from matplotlib.patches import FancyBboxPatch, Patch
 
 # guess_letter's replies (" higher ", " lower ", " correct", " invalid "): pass as ``replies=`` for its transcripts.
 GUESS_LETTER_REPLIES = r" (?:higher|lower|correct|invalid) ?"
-VERSION_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3", "#8C8C8C",
-                   "#CCB974", "#64B5CD"]
+VERSION_COLOURS = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3", "#937860", "#DA8BC3",
+                   "#64B5CD"]  # no grey: grey is the environment's
 ENVIRONMENT_COLOUR = "#E6E6E6"  # observations and tool results: neutral, untrained
 PROMPT_COLOUR = "#FFFFFF"
 COLUMNS = ["group_id", "trajectory", "segment", "role", "turn", "version", "trained", "text", "state", "reward"]
 
 
 def version_colour(version: int) -> str:
-    """The tint of a weight version (cycles after ten)."""
+    """The tint of a weight version (cycles after eight)."""
     return VERSION_COLOURS[int(version) % len(VERSION_COLOURS)]
 
 
@@ -67,6 +67,7 @@ def conversation_groups(source) -> pd.DataFrame:
             versions = sorted({int(v) for vs in frame.turn_versions for v in vs})
             rows[int(gid)] = {"group_id": int(gid), "state": state, "turn_versions": versions}
     logged = getattr(source, "completions", None)
+    logged = logged() if callable(logged) else logged  # a recorded view's method: every row it logged
     if isinstance(logged, pd.DataFrame) and "turn_versions" in logged:
         for gid, frame in logged[logged.group_id >= 0].groupby("group_id", sort=True):
             if int(gid) not in rows:
@@ -235,14 +236,15 @@ def conversation_figure(source, group_id: int | Sequence[int], replies: str | No
     n = table.groupby(["group_id", "trajectory"]).ngroups
     longest = table.groupby(["group_id", "trajectory"]).text.apply(
         lambda t: sum(max(min(len(s), max_chars), 2) * 0.55 + 0.75 for s in t)).max()
-    fig = Figure(figsize=figsize or (min(4 + longest * 0.16, 16), 0.9 + 0.32 * n), layout="constrained")
+    fig = Figure(figsize=figsize or (min(max(8.0, 2.5 + longest * 0.2), 16), 1.4 + 0.32 * n), layout="constrained")
     ax = fig.add_subplot()
     draw_conversation(table, ax, max_chars)
     ax.set_xlim(-0.2, longest + 3.5)
     handles = [Patch(facecolor=version_colour(v), label=f"turn generated with weights {v}")
                for v in _legend_versions(table)]
     handles.append(Patch(facecolor=ENVIRONMENT_COLOUR, label="environment reply (untrained)"))
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
+    ax.legend(handles=handles, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, 0.0), frameon=False,
+              ncol=min(len(handles), 4))
     ax.set_title("conversations turn by turn, tinted by the weight version of each model turn", fontsize=10,
                  loc="left")
     return fig
