@@ -387,3 +387,82 @@ def test_a_failing_action_is_reported_not_raised():
     controls.buttons["train"].click()
     assert "RuntimeError: backend went away" in controls.report.value
     assert refreshed == [True] and not controls.buttons["train"].disabled
+
+
+# ------------------------------------------------------------------------------- multi-turn conversations
+def _guess_letter(**overrides) -> Controller:
+    cfg = {"groups_per_step": 2, "group_size": 2, "eval_every": None, **overrides}
+    return Controller.from_config(load_config("guess_letter", **cfg))
+
+
+def test_the_conversation_view_lists_each_turn_with_the_version_that_generated_it():
+    """A group whose turns span a weight sync: its first turns at weights 0, its last at 1; the environment's
+    replies between them are untrained and have no version. In flight it lists versions; committed, the text."""
+    ctrl = _guess_letter(sampler={"name": "in_order", "max_lookahead_versions": 2})
+    play(ctrl, "rrrtr")  # step 0 trained while group 4 was one turn in; its second turn was already on its way
+    live = widgets.conversation_table(ctrl, 4)
+    assert live.role.tolist() == ["model"] * 4 and live.version.tolist() == [0, 0] * 2 and live.text.eq("").all()
+    assert set(live.state) == {"in flight"}
+    play(ctrl, "r")  # its third turn is generated with weights 1
+    table = widgets.conversation_table(ctrl, 4, replies=widgets.GUESS_LETTER_REPLIES)
+    for i, frame in table.groupby("trajectory"):
+        assert frame.role.iloc[0] == "prompt" and frame.text.iloc[0] == "guess:"
+        model = frame[frame.role == "model"]
+        assert model.turn.tolist() == [1, 2, 3] and model.version.tolist() == [0, 0, 1] and model.trained.all()
+        replies = frame[frame.role == "environment"]
+        assert len(replies) == 2 and not replies.trained.any() and replies.version.isna().all()
+        assert all(t.strip() in {"higher", "lower", "invalid"} for t in replies.text)
+        row = ctrl.completions.query(f"group_id == 4 and completion_index == {i}").iloc[0]
+        assert "".join(frame.text.iloc[1:]) == row.completion  # the transcript, cut, not rewritten
+    assert set(table.state) == {"buffered"}
+    from asyncrl.plots import conversation_groups
+
+    groups = conversation_groups(ctrl)
+    assert groups.set_index("group_id").loc[4, "turn_versions"] == [0, 1]
+    assert groups.set_index("group_id").loc[0, "state"] == "trained"  # trained by step 0: from the log
+
+
+def test_a_transcript_that_cannot_be_cut_into_its_turns_is_shown_whole_with_its_versions():
+    ctrl = _guess_letter()
+    play(ctrl, "rrr")
+    table = widgets.conversation_table(ctrl, 0)  # no replies pattern: not cut
+    whole = table[table.role == "conversation"]
+    assert len(whole) == 2 and whole.version.tolist() == [[0, 0, 0]] * 2
+    with pytest.raises(KeyError, match="group 99"):
+        widgets.conversation_table(ctrl, 99)
+
+
+def test_the_conversation_figure_and_html_tint_turns_by_version_with_a_legend():
+    ctrl = _guess_letter(sampler={"name": "in_order", "max_lookahead_versions": 2})
+    play(ctrl, "rrrtrr")
+    fig = widgets.conversation_figure(ctrl, [0, 4], replies=widgets.GUESS_LETTER_REPLIES)
+    (ax, *_), legend = fig.axes, fig.axes[0].get_legend()
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["turn generated with weights 0", "turn generated with weights 1",
+                      "environment reply (untrained)"]
+    from asyncrl.plots.conversation import version_colour
+
+    colours = {p.get_facecolor()[:3] for p in ax.patches}
+    from matplotlib.colors import to_rgb
+
+    assert to_rgb(version_colour(0)) in colours and to_rgb(version_colour(1)) in colours
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["group 0 · 0", "group 0 · 1", "group 4 · 0",
+                                                            "group 4 · 1"]
+    page = widgets.conversation_html(ctrl, 4, replies=widgets.GUESS_LETTER_REPLIES)
+    assert page.count('class="asyncrl-turn"') == 6 and page.count('data-version="1"') == 2
+    assert page.count('class="asyncrl-observation"') == 4 and "environment (untrained)" in page
+
+
+def test_the_dashboard_has_a_conversations_tab_for_a_multi_turn_run():
+    pytest.importorskip("ipywidgets")
+    assert widgets.Dashboard(make()).conversations is None  # single-turn: no tab
+    ctrl = _guess_letter()
+    dash = widgets.Dashboard(ctrl, replies=widgets.GUESS_LETTER_REPLIES)
+    assert "no multi-turn group" in dash.conversations.table.value
+    dash.controls.buttons["rollout"].click()
+    assert dash.conversations.group.value == 1 and "1: in flight, weights 0" in dash.conversations.group.options[-1][0]
+    dash.controls.buttons["rollout"].click()
+    dash.controls.buttons["rollout"].click()
+    view = dash.conversations
+    view.group.value = 0
+    assert view.table.value.count('class="asyncrl-turn"') == 6 and "guess:" in view.table.value

@@ -3,6 +3,7 @@
 this module, and ``widgets`` re-exports them (``widgets.buffer_figure``, ``widgets.metrics_figure``, ...)."""
 
 from asyncrl.plots import (  # noqa: F401
+    GUESS_LETTER_REPLIES,
     LABELS,
     SKEW_COLOURS,
     SKEW_LABELS,
@@ -10,6 +11,9 @@ from asyncrl.plots import (  # noqa: F401
     bias_figure,
     buffer_figure,
     buffer_table,
+    conversation_figure,
+    conversation_html,
+    conversation_table,
     draw_bias,
     draw_buffer,
     draw_lag_history,

@@ -19,6 +19,7 @@ import ipywidgets as W
 from asyncrl.metrics import LAG_MEAN, REWARD_MEAN
 from asyncrl.trace import STEP
 from asyncrl import plots
+from asyncrl.plots.conversation import conversation_groups, conversation_html, group_completions  # noqa: F401
 
 
 TABLE_CSS = (
@@ -242,17 +243,6 @@ class VerdictTable(W.VBox):
         self.table.value = f"{TABLE_CSS}<p><b>verdicts at T={T}</b>: what evict / select would do now</p>{rows}"
 
 
-def group_completions(source, group_id: int):
-    """What the model wrote for one group: ``source.completions`` is a DataFrame (a controller) or a method of
-    the group id (a recording's view); None when the source keeps none (an attached run: read its run directory)."""
-    completions = getattr(source, "completions", None)
-    if callable(completions):
-        return completions(group_id)
-    if completions is None:
-        return None
-    return completions[completions.group_id == group_id].reset_index(drop=True)
-
-
 class CompletionsView(W.VBox):
     """The completions of one buffered group, with their rewards: pick a group that has them (the verdicts'
     ``completions`` column), read what the model wrote next to the sampler's verdict."""
@@ -296,6 +286,47 @@ class CompletionsView(W.VBox):
                             f"<code>{prompt}</code></p>{rows}")
 
 
+class ConversationView(W.VBox):
+    """A multi-turn group's conversations turn by turn (``plots.conversation_html``): pick a group in flight,
+    buffered or trained (in the completions log); each trajectory's prompt, then its model turns tinted by the
+    weight version that generated them (a legend names them) and the environment's replies in grey, untrained.
+    ``replies``: a regular expression of the environment's replies that cuts a logged transcript into turns
+    (``plots.GUESS_LETTER_REPLIES`` for guess_letter; see ``asyncrl/plots/conversation.py``)."""
+
+    def __init__(self, ctrl, replies: str | None = None):
+        self.ctrl, self.replies = ctrl, replies
+        self.group = W.Dropdown(description="group", layout=W.Layout(width="320px"))
+        self.group.add_class("asyncrl-conversation-group")
+        self.table = W.HTML(layout=W.Layout(max_height="360px", overflow="auto"))
+        self.table.add_class("asyncrl-conversation-table")
+        self._updating = False
+        self.group.observe(lambda _change: self._updating or self._draw(), names="value")
+        super().__init__([self.group, self.table])
+        self.add_class("asyncrl-conversations")
+        self.refresh()
+
+    def refresh(self) -> None:
+        groups = conversation_groups(self.ctrl)
+        options = [(f"{int(g)}: {state}, weights {', '.join(map(str, versions))}", int(g))
+                   for g, state, versions in zip(groups.group_id, groups.state, groups.turn_versions)]
+        ids = [gid for _, gid in options]
+        current = self.group.value
+        self._updating = True
+        try:
+            self.group.options = options
+            self.group.value = current if current in ids else (ids[-1] if ids else None)
+        finally:
+            self._updating = False
+        self._draw()
+
+    def _draw(self) -> None:
+        gid = self.group.value
+        if gid is None:
+            self.table.value = "<p>no multi-turn group in flight, buffered or logged yet (an environment: run)</p>"
+            return
+        self.table.value = TABLE_CSS + conversation_html(self.ctrl, gid, self.replies)
+
+
 class MetricsView(W.VBox):
     """Reward over steps, lag distribution by step, throughput; under them token staleness by step and the
     training-inference gap (``plots.staleness_figure``)."""
@@ -317,24 +348,44 @@ class MetricsView(W.VBox):
 
 class Dashboard(W.VBox):
     """Step controls above the buffer view and the verdict table, with the metric plots below; every action, and a
-    background run while it goes (throttled), refreshes every view."""
+    background run while it goes (throttled), refreshes every view. A multi-turn run (an environment) shows a
+    group's conversations (``ConversationView``) in a tab beside its completions; ``replies``: see there."""
 
-    def __init__(self, ctrl, steps: int = 10):
+    def __init__(self, ctrl, steps: int = 10, replies: str | None = None):
         self.ctrl = ctrl
         self.controls = StepControls(ctrl, steps=steps)
         self.buffer = BufferView(ctrl)
         self.verdicts = VerdictTable(ctrl)
         self.completions = CompletionsView(ctrl)
+        self.conversations = None
+        what = self.completions
+        if callable(getattr(ctrl, "trajectories", None)) and _multi_turn(ctrl):
+            self.conversations = ConversationView(ctrl, replies)
+            what = W.Tab([self.conversations, self.completions])
+            what.set_title(0, "conversations")
+            what.set_title(1, "completions")
+            what.add_class("asyncrl-dashboard-tabs")
         self.metrics = MetricsView(ctrl)
         self.controls.on_action(self.refresh)
-        super().__init__([self.controls, W.HBox([self.buffer, self.verdicts]), self.completions, self.metrics])
+        super().__init__([self.controls, W.HBox([self.buffer, self.verdicts]), what, self.metrics])
         self.add_class("asyncrl-dashboard")
 
     def refresh(self) -> None:
-        for view in (self.controls, self.verdicts, self.metrics):
+        views = [self.controls, self.verdicts, self.metrics]
+        for view in views + ([self.conversations] if self.conversations is not None else []):
             view.refresh()
         self.buffer.refresh(verdicts=self.verdicts._verdicts)  # the table's explain(): one per refresh
         self.completions.refresh(verdicts=self.verdicts._verdicts)
+
+
+def _multi_turn(ctrl) -> bool:
+    """The run has an environment (its config's ``environment.factory``; a source without a config: it has
+    trajectories to show)."""
+    cfg = getattr(ctrl, "cfg", None)
+    environment = getattr(cfg, "environment", None)
+    if environment is not None:
+        return bool(environment.factory)
+    return not ctrl.trajectories().empty
 
 
 class Replay(W.VBox):
