@@ -30,6 +30,22 @@ modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section'
   token the logprob of the version it was decoded under (decoding steps spread evenly over the group's decoding
   time, pauses included). Stepped by hand or on the wall clock an update is instant.
 
+**Turns** (``generation.turns``, a ``SimulatedTurns``; None: single-turn). Each completion is a trajectory of
+model turns, each followed by an environment call, as a text environment's through ``asyncrl/turns.py``: a
+trajectory plays ``1 + `` a geometric number of turns (mean ``mean_turns``, at most ``max_turns``), each turn's
+length drawn as a completion's, each call's seconds drawn from a lognormal or pareto with median ``env_latency_s``
+(clipped to ``env_latency_max_s``). A group plays its turns together: turn ``j`` decodes for ``prefill_s +
+decode_s_per_token x`` its trajectories' longest turn ``j``, then the environment answers each trajectory still
+playing, one call after another (one worker holds a group's instances, as ``asyncrl/environments/host.py`` places
+them), and the group holds its decoding slot meanwhile; the sum is the group's seconds. At each turn's end (its
+environment's answer) the pump bound by ``asyncrl.multiturn.attach`` gets a ``turn`` event per trajectory that
+played it, at the version that decoded it, and, unless the group is done, is asked whether the group goes on (the
+sampler's ``should_abort_inflight``, as a ``TurnGenerator``'s boundaries ask); a group stopped there leaves at once.
+A turn is decoded with the weights its replica holds when the turn starts, so a group spans versions turn by turn:
+``turn_versions``, per sampled token ``token_versions``; observation tokens (``env_tokens`` after every turn but
+the last) are context (``trained_mask`` 0, logprob 0). Turn boundaries are events of the loop
+(``next_event_time``), spread over the group's span with its pauses as token times are.
+
 Time is virtual by default (``clock: ticks``, a ``SimClock``): nothing sleeps. Stepped by hand (or under
 ``Controller.run``) each ``poll`` is one rollout tick and advances the clock by ``rollout_tick_s``, so a group
 finishes after a number of rollout ticks drawn from the model, the same every time for a seed. Under
@@ -50,7 +66,7 @@ import math
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +82,19 @@ __all__ = ["SimulatedGeneration", "SimulatedTraining", "SimulatedGenerator", "Si
 
 LOG_HALF = math.log(0.5)
 DRIFT = 0.01  # token logprobs at version v are LOG_HALF - DRIFT * v: stale tokens carry IS weights exp(-DRIFT * lag)
+
+
+def draw_env_seconds(turns, rng: random.Random) -> float:
+    """One environment call's seconds: median ``env_latency_s`` with a lognormal or pareto tail, clipped to
+    ``env_latency_max_s``."""
+    median = turns.env_latency_s
+    if median <= 0:
+        return 0.0
+    if turns.env_latency_tail == "lognormal":
+        x = rng.lognormvariate(math.log(median), turns.env_latency_sigma)
+    else:  # pareto with this median: x_m = median / 2 ** (1 / alpha)
+        x = median / 2 ** (1 / turns.env_latency_alpha) * rng.paretovariate(turns.env_latency_alpha)
+    return x if turns.env_latency_max_s is None else min(x, turns.env_latency_max_s)
 
 
 def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Random) -> int:
@@ -90,6 +119,16 @@ class _Flight:
     replica: int = 0
     start: float = math.inf  # planned by _schedule; fixed once the clock passed it; inf: not planned yet
     finish: float = math.inf
+    # Multi-turn (``turns``): per trajectory, each turn's length; per turn, the offset (drawn seconds from the start)
+    # at which its decoding starts and at which its environment answered; turns reported to the pump so far.
+    turn_lengths: list[list[int]] | None = None
+    turn_starts: list[float] | None = None
+    turn_ends: list[float] | None = None
+    reported: int = 0
+
+    def at(self, offset: float) -> float:
+        """When ``offset`` drawn seconds into the group happen, its pauses spread over its span."""
+        return self.start + (offset / self.seconds * (self.finish - self.start) if self.seconds else 0.0)
 
 
 class SimulatedGenerator:
@@ -111,6 +150,19 @@ class SimulatedGenerator:
         self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
         self._lock = threading.Condition()  # Controller.run calls in from two pumps; a wall-clock poll waits on it
+        # the pump's turn callbacks (``bind``; asyncrl/turn_hooks.py), for a ``turns`` model
+        self.on_turn: Callable[..., None] = lambda gid, i, turn, version, done: None
+        self.at_boundary: Callable[[int, int], bool] = lambda gid, turn: False
+
+    @property
+    def plays_turns(self) -> bool:
+        """Whether groups are multi-turn (``generation.turns``): the rollout pump binds its turn hooks then."""
+        return self.model.turns is not None
+
+    def bind(self, on_turn: Callable[..., None], at_boundary: Callable[[int, int], bool],
+             on_failed: Callable[[int, str], None]) -> None:
+        """The pump's callbacks, as a ``TurnGenerator`` takes them (a simulated environment never fails)."""
+        self.on_turn, self.at_boundary = on_turn, at_boundary
 
     @property
     def version(self) -> int:
@@ -129,6 +181,33 @@ class SimulatedGenerator:
         lengths = [self.length() for _ in range(request.n)]
         return lengths, [1.0 if self.rng.random() < success else 0.0 for _ in range(request.n)]
 
+    def draw_turns(self, request: GenerationRequest, success: float) -> tuple[list[list[int]], list[list[float]],
+                                                                             list[float]]:
+        """A multi-turn group: per trajectory its turns' lengths and its environment calls' seconds (one per turn),
+        and the rewards. A replay's generator serves recorded turns instead."""
+        turns = self.model.turns
+        stop = 1 / turns.mean_turns if turns.mean_turns is not None else 0.0
+        lengths, env = [], []
+        for _ in range(request.n):
+            n = 1
+            while n < turns.max_turns and self.rng.random() >= stop:
+                n += 1
+            lengths.append([self.length() for _ in range(n)])
+            env.append([draw_env_seconds(turns, self.rng) for _ in range(n)])
+        return lengths, env, [1.0 if self.rng.random() < success else 0.0 for _ in range(request.n)]
+
+    def _plan_turns(self, f: _Flight, env: list[list[float]]) -> None:
+        """The group's turn timeline in drawn seconds (module docstring, "Turns"): its seconds and turn offsets."""
+        m, t = self.model, 0.0
+        f.turn_starts, f.turn_ends = [], []
+        for j in range(max(len(x) for x in f.turn_lengths)):
+            live = [i for i, x in enumerate(f.turn_lengths) if len(x) > j]
+            f.turn_starts.append(t)
+            t += m.prefill_s + m.decode_s_per_token * max(f.turn_lengths[i][j] for i in live)
+            t += sum(env[i][j] for i in live)  # one worker answers the group's trajectories in turn
+            f.turn_ends.append(t)
+        f.seconds = t
+
     def submit(self, requests: Sequence[GenerationRequest]) -> None:
         with self._lock:
             self._advance()
@@ -137,13 +216,20 @@ class SimulatedGenerator:
             for f in self._flights.values():
                 load[f.replica] += 1
             for req in requests:
-                lengths, rewards = self.draw(req, p)
-                seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
-                self.drawn[0] += 1
-                self.drawn[1] += seconds
                 replica = min(range(self.replicas), key=lambda r: (load[r], r))  # least loaded, as ReplicaSet
                 load[replica] += 1
-                self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards, replica)
+                if self.model.turns is None:
+                    lengths, rewards = self.draw(req, p)
+                    seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
+                    f = _Flight(req, self._version, seconds, lengths, rewards, replica)
+                else:
+                    turn_lengths, env, rewards = self.draw_turns(req, p)
+                    f = _Flight(req, self._version, 0.0, [sum(x) for x in turn_lengths], rewards, replica,
+                                turn_lengths=turn_lengths)
+                    self._plan_turns(f, env)
+                self.drawn[0] += 1
+                self.drawn[1] += f.seconds
+                self._flights[req.group_id] = f
             self._schedule()
             self._lock.notify_all()
 
@@ -185,6 +271,9 @@ class SimulatedGenerator:
         with self._lock:
             past = self.clock.now if self.hold else -math.inf
             times = [f.finish for f in self._flights.values() if past < f.finish < math.inf]
+            times += [f.at(f.turn_ends[f.reported]) for f in self._flights.values()
+                      if f.turn_ends is not None and f.reported < len(f.turn_ends) - 1 and f.start < math.inf
+                      and past < f.at(f.turn_ends[f.reported])]
             times += [u[0] for rep in self._replicas for u in rep.pending]
             return min(times, default=None)
 
@@ -270,6 +359,19 @@ class SimulatedGenerator:
                 if wait <= 0:
                     break
                 self._lock.wait(wait)
+            turns = self._turns_by(now)
+        if turns:  # the pump's callbacks take the run's lock: called with this one released (as TurnGenerator)
+            stopped = self._report_turns(turns)
+            with self._lock:
+                for g in stopped:
+                    f = self._flights.pop(g, None)
+                    if f is not None and f.start < now:
+                        self.busy.append((f.start, now, f.replica))
+                if stopped:
+                    self._schedule()
+        with self._lock:
+            done = sorted((f for f in self._flights.values() if f.finish <= now),
+                          key=lambda f: (f.finish, f.request.group_id))
             for r in {f.replica for f in done}:  # their replicas are free now, held or not: a drain loads
                 self._drained(r, max(f.finish for f in done if f.replica == r))
             if self.hold:  # asyncrl.simulate: they stay in flight until the train tick's end
@@ -282,7 +384,40 @@ class SimulatedGenerator:
                 self._schedule()
             return [self._rollouts(f) for f in done]
 
+    def _turns_by(self, now: float) -> list[tuple[_Flight, int, list[int]]]:
+        """The turns ended by ``now`` and not reported yet, ``(flight, turn index, versions of every turn so
+        far)``, in time order (marked reported)."""
+        out = []
+        for f in self._flights.values():
+            while f.turn_ends is not None and f.reported < len(f.turn_ends) and f.at(f.turn_ends[f.reported]) <= now:
+                f.reported += 1
+                out.append((f, f.reported - 1, self._turn_versions(f)[:f.reported]))
+        return sorted(out, key=lambda e: (e[0].at(e[0].turn_ends[e[1]]), e[0].request.group_id))
+
+    def _turn_versions(self, f: _Flight) -> list[int]:
+        """The version each turn of ``f`` is decoded with: its replica's when the turn starts."""
+        rep = self._replicas[f.replica]
+        return [max(f.version if not self.timed_updates else 0, rep.version_at(f.at(t))) for t in f.turn_starts]
+
+    def _report_turns(self, turns: list[tuple[_Flight, int, list[int]]]) -> set[int]:
+        """A ``turn`` event per trajectory that played each turn, then (unless the group is done) whether it goes
+        on; the groups the pump stopped."""
+        stopped: set[int] = set()
+        for f, j, versions in turns:
+            gid = f.request.group_id
+            if gid in stopped:
+                continue
+            last = len(f.turn_ends) - 1
+            for i, x in enumerate(f.turn_lengths):
+                if len(x) > j:
+                    self.on_turn(gid, i, j + 1, versions[j], len(x) == j + 1)
+            if j < last and self.at_boundary(gid, j + 1):
+                stopped.add(gid)
+        return stopped
+
     def _rollouts(self, f: _Flight) -> GroupRollouts:
+        if f.turn_lengths is not None:
+            return self._turn_rollouts(f)
         req = f.request
         if self.timed_updates:  # the weights its replica held when it started and when it ended
             rep = self._replicas[f.replica]
@@ -304,6 +439,41 @@ class SimulatedGenerator:
                              reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None,
                              texts=["x" * (n - 1) for n in f.lengths],  # what the ids say, for the completions log
                              token_versions=None if versions is None else [versions[:n] for n in f.lengths])
+
+    def observation_tokens(self, group_id: int, trajectory: int) -> int:
+        """Tokens of each observation of a trajectory (``turns.env_tokens``; a replay serves recorded ones)."""
+        return self.model.turns.env_tokens
+
+    def _turn_rollouts(self, f: _Flight) -> GroupRollouts:
+        """A multi-turn group: each trajectory's turns (``x`` tokens, eos ending its last) with ``env_tokens``
+        observation tokens (``o``) after every turn but the last; per-turn versions and logprobs."""
+        versions = self._turn_versions(f)
+        ids, lps, masks, tversions, turns, reasons = [], [], [], [], [], []
+        for k, x in enumerate(f.turn_lengths):
+            env = self.observation_tokens(f.request.group_id, k)
+            i_, l_, m_, v_ = [], [], [], []
+            for j, n in enumerate(x):
+                last = j == len(x) - 1
+                i_ += [ord("x")] * (n - 1) + [self.eos_id if last else ord("x")]
+                l_ += [LOG_HALF - DRIFT * versions[j]] * n
+                m_ += [1] * n
+                v_ += [versions[j]] * n
+                if not last:
+                    i_ += [ord("o")] * env
+                    l_ += [0.0] * env
+                    m_ += [0] * env
+            ids.append(i_)
+            lps.append(l_)
+            masks.append(m_)
+            tversions.append(v_)
+            turns.append({"turns": len(x), "tool_calls": 0, "env_tokens": env * (len(x) - 1),
+                          "turn_versions": versions[:len(x)]})
+            reasons.append("length" if x[-1] == self.max_new_tokens else "stop")
+        used = versions[:max(len(x) for x in f.turn_lengths)]
+        return GroupRollouts(f.request.group_id, list(f.request.prompt_ids), ids, lps, min(used), max(used),
+                             reasons, rewards=list(f.rewards), replica=f.replica if self.replicas > 1 else None,
+                             texts=["".join(map(chr, i_[:-1])) for i_ in ids], token_versions=tversions,
+                             trained_mask=masks, turns=turns)
 
     def busy_s(self, start: float, end: float) -> list[float]:
         """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""

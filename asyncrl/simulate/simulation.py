@@ -42,6 +42,7 @@ from asyncrl import metrics as M
 from asyncrl.backends.simulated import SimulatedGenerator, SimulatedPolicy
 from asyncrl.config import Config
 from asyncrl.controller import Controller
+from asyncrl.trace import ABORT, TURN
 
 WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s", "gen_tokens_per_s")  # the controller's are wall time
 
@@ -134,8 +135,13 @@ class Simulation:
 
     def _rollout(self, now: float) -> None:
         """Rollout ticks at ``now`` until one neither dispatches nor commits."""
+        rows = self.ctrl._state.trace  # turn events and aborts at turn boundaries come from inside a rollout tick
         while True:
+            seen = len(rows)
             report = self.ctrl.rollout_tick()
+            for row in rows[seen:]:
+                if row.event in (TURN, ABORT):
+                    self._times[row.event].append(now)
             if report.dispatched:
                 self._times["admit"].append(now)
             self._times["dispatch"].extend([now] * len(report.dispatched))
