@@ -1408,6 +1408,41 @@ REPORTS.update({"one_gpu_inflight": one_gpu_inflight_table, "one_gpu_inflight_sh
                                       ("notebook", "gpu_quickstart_notebook"))}})
 
 
+
+# --- bench_agents (issue 46) -------------------------------------------------------------------------------------
+AGENTS = "2026-12-05-g4x4-w4"
+
+
+def agents_table(name: str = AGENTS) -> str:
+    """bench_agents: real, simulated and replayed steps/s, step time and lag per mode, and the async speed-up."""
+    meta, _ = run("bench_agents", name)
+    rows = [[r["mode"], r["source"], f"{r['steps_per_s']:.3f}", f"{r['step_ms']:.0f}", f"{r['lag_mean']:.2f}",
+             f"{r['speedup']:.2f}x" if r["mode"] == "async" else "1 (base)"]
+            for _, r in frame("bench_agents", name, "predicted.csv").iterrows()]
+    return table(rows, ["mode", "source", "steps/s", "ms/step", "lag", "async/sync"]) + f"\n{machine(meta)}; " \
+        f"data `benchmarks/data/bench_agents/{name}`\n"
+
+
+def agents_number(what: str, name: str = AGENTS) -> Callable[[], str]:
+    def make() -> str:
+        r = run("bench_agents", name)[0]["results"]
+        if what == "speedup":
+            per = ", ".join(f"{x:.2f}" for x in r["speedup_repeats"])
+            return (f"{r['speedup_real']:.2f}x (the median repeat of each mode; per repeat {per}), against "
+                    f"{r['speedup_simulate']:.2f}x predicted by `asyncrl simulate` and {r['speedup_replay']:.2f}x by "
+                    f"the replay")
+        return (f"a synchronous step took {r['sync_step_ms_median']:.0f} ms, training {r['train_ms_median']:.0f} ms "
+                f"of it, for {r['env_calls_per_step']:.0f} environment calls ({r['turns_mean']:.2f} turns a "
+                f"trajectory); the fit: {r['fit']['rule'].split('multi-turn: ')[-1]}")
+    return make
+
+
+REPORTS.update({
+    "agents_table": agents_table,
+    "agents_speedup": agents_number("speedup"),
+    "agents_where": agents_number("where"),
+})
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",

@@ -76,6 +76,9 @@ class Simulation:
         self._drawn = list(self.gen.drawn)
         self.replanned = 0  # train ticks whose chunk differed in length from the one planned
         self.wall_s = 0.0
+        # aborts (after a sync, or at a turn boundary inside a rollout tick) and turn events: when delivered, at the
+        # end of the tick that recorded them, on this thread, so at the virtual time the tick ran
+        ctrl.subscribe(lambda row: self._times[row.event].append(self.clock.now), events=[ABORT, TURN])
 
     # ------------------------------------------------------------------------------------------------- loop
     def run(self, steps: int) -> pd.DataFrame:
@@ -135,13 +138,8 @@ class Simulation:
 
     def _rollout(self, now: float) -> None:
         """Rollout ticks at ``now`` until one neither dispatches nor commits."""
-        rows = self.ctrl._state.trace  # turn events and aborts at turn boundaries come from inside a rollout tick
         while True:
-            seen = len(rows)
             report = self.ctrl.rollout_tick()
-            for row in rows[seen:]:
-                if row.event in (TURN, ABORT):
-                    self._times[row.event].append(now)
             if report.dispatched:
                 self._times["admit"].append(now)
             self._times["dispatch"].extend([now] * len(report.dispatched))
@@ -202,7 +200,6 @@ class Simulation:
         times = self._times
         times["evict"].extend([start] * len(report.evicted))
         times["select"].extend([start] * len(report.selected))
-        times["abort"].extend([end] * len(report.aborted))
         if report.selected:
             times["train"].append(end)
         if report.step_finished:
