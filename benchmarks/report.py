@@ -1437,7 +1437,21 @@ def agents_number(what: str, name: str = AGENTS) -> Callable[[], str]:
     return make
 
 
+AGENTS_W8 = "2026-12-05-g4x4-w8"
+
+
+def agents_workers(name: str = AGENTS_W8) -> str:
+    """The same bench with more environment workers: the speed-ups and the synchronous step."""
+    meta, _ = run("bench_agents", name)
+    r = meta["results"]
+    per = ", ".join(f"{x:.2f}" for x in r["speedup_repeats"])
+    return (f"with {r['settings']['workers']} workers async ran {r['speedup_real']:.2f}x (per repeat {per}; "
+            f"`simulate` {r['speedup_simulate']:.2f}x, replay {r['speedup_replay']:.2f}x), a synchronous step "
+            f"{r['sync_step_ms_median']:.0f} ms; {machine(meta)}; data `benchmarks/data/bench_agents/{name}`")
+
+
 REPORTS.update({
+    "agents_workers": agents_workers,
     "agents_table": agents_table,
     "agents_speedup": agents_number("speedup"),
     "agents_where": agents_number("where"),

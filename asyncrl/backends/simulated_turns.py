@@ -80,7 +80,7 @@ class TurnsModel:
         return lengths, env, [1.0 if self.rng.random() < success else 0.0 for _ in range(request.n)]
 
     def _plan_turns(self, f: Any, env: list[list[float]]) -> None:
-        """The group's turn timeline in drawn seconds (module docstring, "Turns"): its seconds and turn offsets."""
+        """The group's turn timeline in drawn seconds (the module docstring): its seconds and turn offsets."""
         m, t = self.model, 0.0
         f.turn_starts, f.turn_ends = [], []
         for j in range(max(len(x) for x in f.turn_lengths)):
