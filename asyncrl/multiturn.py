@@ -55,8 +55,9 @@ def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_facto
 
 
 def attach(pump: Any, generator: Any) -> None:
-    """Bind a ``TurnGenerator`` to the pump that polls it (nothing for any other generator)."""
-    if isinstance(generator, TurnGenerator):
+    """Bind a ``TurnGenerator`` (or a generator that plays turns itself: the simulated one with a ``turns``
+    model) to the pump that polls it (nothing for any other generator)."""
+    if isinstance(generator, TurnGenerator) or getattr(generator, "plays_turns", False) is True:
         TurnHooks(pump, generator)
 
 

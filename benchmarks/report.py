@@ -1538,6 +1538,55 @@ REPORTS.update({
     "trl_h100_sync_tflops": _trl_ratio("asyncrl_sync_over_trl_useful_train_tflops"),
     "checks_h100_tests": lambda: json.loads(
         (DATA / "gpu_checks" / CHECKS_H100 / "summary.json").read_text())["pytest_tests_gpu_one_process"],
+
+
+
+# --- bench_agents (issue 46) -------------------------------------------------------------------------------------
+AGENTS = "2026-12-05-g4x4-w4"
+
+
+def agents_table(name: str = AGENTS) -> str:
+    """bench_agents: real, simulated and replayed steps/s, step time and lag per mode, and the async speed-up."""
+    meta, _ = run("bench_agents", name)
+    rows = [[r["mode"], r["source"], f"{r['steps_per_s']:.3f}", f"{r['step_ms']:.0f}", f"{r['lag_mean']:.2f}",
+             f"{r['speedup']:.2f}x" if r["mode"] == "async" else "1 (base)"]
+            for _, r in frame("bench_agents", name, "predicted.csv").iterrows()]
+    return table(rows, ["mode", "source", "steps/s", "ms/step", "lag", "async/sync"]) + f"\n{machine(meta)}; " \
+        f"data `benchmarks/data/bench_agents/{name}`\n"
+
+
+def agents_number(what: str, name: str = AGENTS) -> Callable[[], str]:
+    def make() -> str:
+        r = run("bench_agents", name)[0]["results"]
+        if what == "speedup":
+            per = ", ".join(f"{x:.2f}" for x in r["speedup_repeats"])
+            return (f"{r['speedup_real']:.2f}x (the median repeat of each mode; per repeat {per}), against "
+                    f"{r['speedup_simulate']:.2f}x predicted by `asyncrl simulate` and {r['speedup_replay']:.2f}x by "
+                    f"the replay")
+        return (f"a synchronous step took {r['sync_step_ms_median']:.0f} ms, training {r['train_ms_median']:.0f} ms "
+                f"of it, for {r['env_calls_per_step']:.0f} environment calls ({r['turns_mean']:.2f} turns a "
+                f"trajectory); the fit: {r['fit']['rule'].split('multi-turn: ')[-1]}")
+    return make
+
+
+AGENTS_W8 = "2026-12-05-g4x4-w8"
+
+
+def agents_workers(name: str = AGENTS_W8) -> str:
+    """The same bench with more environment workers: the speed-ups and the synchronous step."""
+    meta, _ = run("bench_agents", name)
+    r = meta["results"]
+    per = ", ".join(f"{x:.2f}" for x in r["speedup_repeats"])
+    return (f"with {r['settings']['workers']} workers async ran {r['speedup_real']:.2f}x (per repeat {per}; "
+            f"`simulate` {r['speedup_simulate']:.2f}x, replay {r['speedup_replay']:.2f}x), a synchronous step "
+            f"{r['sync_step_ms_median']:.0f} ms; {machine(meta)}; data `benchmarks/data/bench_agents/{name}`")
+
+
+REPORTS.update({
+    "agents_workers": agents_workers,
+    "agents_table": agents_table,
+    "agents_speedup": agents_number("speedup"),
+    "agents_where": agents_number("where"),
 })
 
 def main(argv: list[str] | None = None) -> int:

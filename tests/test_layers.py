@@ -41,13 +41,14 @@ TIERS = [
     # the backend Protocols and Capabilities; the submit/poll/abort queue of generators that generate on poll
     ["asyncrl.backends.base", "asyncrl.backends.submit_queue"],
     # what the engines share: HF helpers, placements, Megatron's weight map, process groups and forward, torch
-    # decoding, the simulated generator's clock and replica timelines, Megatron's optimizer step
+    # decoding, the simulated generator's clock, replica timelines and turns model, Megatron's optimizer step
     ["asyncrl.backends.hf", "asyncrl.backends.ray", "asyncrl.backends.process",
      "asyncrl.backends.megatron_weights", "asyncrl.backends.megatron_parallel", "asyncrl.backends.megatron_forward",
      "asyncrl.backends.megatron_step",
      "asyncrl.backends.device_lock",
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode",
-     "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline", "asyncrl.backends.lora"],
+     "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline", "asyncrl.backends.simulated_turns",
+     "asyncrl.backends.lora"],
     # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
     ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them

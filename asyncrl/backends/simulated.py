@@ -30,6 +30,8 @@ modelled, with typed knobs (``SimulatedGeneration``, the ``generation`` section'
   token the logprob of the version it was decoded under (decoding steps spread evenly over the group's decoding
   time, pauses included). Stepped by hand or on the wall clock an update is instant.
 
+**Turns** (``generation.turns``): multi-turn groups, asyncrl/backends/simulated_turns.py (``TurnsModel``).
+
 Time is virtual by default (``clock: ticks``, a ``SimClock``): nothing sleeps. Stepped by hand (or under
 ``Controller.run``) each ``poll`` is one rollout tick and advances the clock by ``rollout_tick_s``, so a group
 finishes after a number of rollout ticks drawn from the model, the same every time for a seed. Under
@@ -60,12 +62,12 @@ from asyncrl.backends.base import Capabilities
 from asyncrl.config import SimulatedGeneration, SimulatedGenerationConfig, SimulatedTrainerConfig, SimulatedTraining
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
 from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock
+from asyncrl.backends.simulated_turns import DRIFT, LOG_HALF, TurnsModel, draw_env_seconds
 from asyncrl.metrics import GAP_METRICS, Accumulator
 
-__all__ = ["SimulatedGeneration", "SimulatedTraining", "SimulatedGenerator", "SimulatedPolicy", "draw_length"]
+__all__ = ["SimulatedGeneration", "SimulatedTraining", "SimulatedGenerator", "SimulatedPolicy", "draw_env_seconds",
+           "draw_length"]
 
-LOG_HALF = math.log(0.5)
-DRIFT = 0.01  # token logprobs at version v are LOG_HALF - DRIFT * v: stale tokens carry IS weights exp(-DRIFT * lag)
 
 
 def draw_length(model: SimulatedGeneration, max_new_tokens: int, rng: random.Random) -> int:
@@ -90,9 +92,19 @@ class _Flight:
     replica: int = 0
     start: float = math.inf  # planned by _schedule; fixed once the clock passed it; inf: not planned yet
     finish: float = math.inf
+    # Multi-turn (``turns``): per trajectory, each turn's length; per turn, the offset (drawn seconds from the start)
+    # at which its decoding starts and at which its environment answered; turns reported to the pump so far.
+    turn_lengths: list[list[int]] | None = None
+    turn_starts: list[float] | None = None
+    turn_ends: list[float] | None = None
+    reported: int = 0
+
+    def at(self, offset: float) -> float:
+        """When ``offset`` drawn seconds into the group happen, its pauses spread over its span."""
+        return self.start + (offset / self.seconds * (self.finish - self.start) if self.seconds else 0.0)
 
 
-class SimulatedGenerator:
+class SimulatedGenerator(TurnsModel):
     def __init__(self, model_cfg, gen_cfg: SimulatedGenerationConfig, seed: int, tokenizer) -> None:
         self.model = gen_cfg  # its knobs were checked when the config loaded
         self.max_new_tokens = gen_cfg.max_new_tokens
@@ -137,13 +149,20 @@ class SimulatedGenerator:
             for f in self._flights.values():
                 load[f.replica] += 1
             for req in requests:
-                lengths, rewards = self.draw(req, p)
-                seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
-                self.drawn[0] += 1
-                self.drawn[1] += seconds
                 replica = min(range(self.replicas), key=lambda r: (load[r], r))  # least loaded, as ReplicaSet
                 load[replica] += 1
-                self._flights[req.group_id] = _Flight(req, self._version, seconds, lengths, rewards, replica)
+                if self.model.turns is None:
+                    lengths, rewards = self.draw(req, p)
+                    seconds = self.model.prefill_s + self.model.decode_s_per_token * max(lengths)
+                    f = _Flight(req, self._version, seconds, lengths, rewards, replica)
+                else:
+                    turn_lengths, env, rewards = self.draw_turns(req, p)
+                    f = _Flight(req, self._version, 0.0, [sum(x) for x in turn_lengths], rewards, replica,
+                                turn_lengths=turn_lengths)
+                    self._plan_turns(f, env)
+                self.drawn[0] += 1
+                self.drawn[1] += f.seconds
+                self._flights[req.group_id] = f
             self._schedule()
             self._lock.notify_all()
 
@@ -185,6 +204,9 @@ class SimulatedGenerator:
         with self._lock:
             past = self.clock.now if self.hold else -math.inf
             times = [f.finish for f in self._flights.values() if past < f.finish < math.inf]
+            times += [f.at(f.turn_ends[f.reported]) for f in self._flights.values()
+                      if f.turn_ends is not None and f.reported < len(f.turn_ends) - 1 and f.start < math.inf
+                      and past < f.at(f.turn_ends[f.reported])]
             times += [u[0] for rep in self._replicas for u in rep.pending]
             return min(times, default=None)
 
@@ -270,6 +292,19 @@ class SimulatedGenerator:
                 if wait <= 0:
                     break
                 self._lock.wait(wait)
+            turns = self._turns_by(now)
+        if turns:  # the pump's callbacks take the run's lock: called with this one released (as TurnGenerator)
+            stopped = self._report_turns(turns)
+            with self._lock:
+                for g in stopped:
+                    f = self._flights.pop(g, None)
+                    if f is not None and f.start < now:
+                        self.busy.append((f.start, now, f.replica))
+                if stopped:
+                    self._schedule()
+        with self._lock:
+            done = sorted((f for f in self._flights.values() if f.finish <= now),
+                          key=lambda f: (f.finish, f.request.group_id))
             for r in {f.replica for f in done}:  # their replicas are free now, held or not: a drain loads
                 self._drained(r, max(f.finish for f in done if f.replica == r))
             if self.hold:  # asyncrl.simulate: they stay in flight until the train tick's end
@@ -283,6 +318,8 @@ class SimulatedGenerator:
             return [self._rollouts(f) for f in done]
 
     def _rollouts(self, f: _Flight) -> GroupRollouts:
+        if f.turn_lengths is not None:
+            return self._turn_rollouts(f)
         req = f.request
         if self.timed_updates:  # the weights its replica held when it started and when it ended
             rep = self._replicas[f.replica]

@@ -35,6 +35,7 @@ from asyncrl.config.backends import GENERATION_CONFIGS, TRAINER_CONFIGS, Generat
 from asyncrl.config.generation import (
     SimulatedGeneration,
     SimulatedGenerationConfig,
+    SimulatedTurns,
     TorchGenerationConfig,
     VLLMGenerationConfig,
 )
@@ -61,7 +62,7 @@ __all__ = [
     "Config", "load_config", "merge_overrides", "read_yaml", "presets", "PRESETS",
     "ModelConfig", "RayConfig", "TaskConfig", "RewardConfig", "EnvironmentConfig", "LossConfig", "FaultsConfig", "TrackingConfig", "SamplerConfig",
     "GENERATION_CONFIGS", "TRAINER_CONFIGS", "GenerationConfig", "TrainerConfig",
-    "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig",
+    "TorchGenerationConfig", "VLLMGenerationConfig", "SimulatedGeneration", "SimulatedGenerationConfig", "SimulatedTurns",
     "TorchTrainerConfig", "MegatronTrainerConfig", "SimulatedTraining", "SimulatedTrainerConfig",
     "check_sampler_fits", "required_buffer_capacity",
     # importable from asyncrl.config since before the split into a package; their homes are asyncrl.samplers

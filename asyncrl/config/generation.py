@@ -107,6 +107,33 @@ class VLLMGenerationConfig(_LongTail):
         return device
 
 
+class SimulatedTurns(StrictModel):
+    """Multi-turn trajectories of the simulated generator (asyncrl/backends/simulated.py, "Turns"): how many model
+    turns each trajectory plays and how long each environment call takes. Times are virtual seconds."""
+
+    max_turns: int = Field(3, ge=1, description="model turns per trajectory at most (environment.max_turns)")
+    mean_turns: float | None = Field(
+        None, ge=1, description="mean turns per trajectory before clipping to max_turns: after each turn a "
+        "trajectory ends with probability 1 / mean_turns (geometric); None: every trajectory plays max_turns")
+    env_latency_s: float = Field(0.0, ge=0, description="median seconds of one environment call (a step after "
+                                 "each model turn, the last included, as a text environment's)")
+    env_latency_tail: Literal["lognormal", "pareto"] = Field(
+        "lognormal", description="the calls' latency distribution with that median: lognormal (env_latency_sigma) "
+        "or pareto (env_latency_alpha)")
+    env_latency_sigma: float = Field(1.0, gt=0, le=4, description="lognormal: standard deviation of log seconds")
+    env_latency_alpha: float = Field(2.0, gt=1, le=20, description="pareto: tail index (> 1; smaller is heavier)")
+    env_latency_max_s: float | None = Field(
+        None, gt=0, description="a call's seconds are clipped to this (the environment's own cap); None: no cap")
+    env_tokens: int = Field(2, ge=0, description="observation tokens after each model turn but the last "
+                            "(context: untrained, like a real environment's)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> "SimulatedTurns":
+        if self.mean_turns is not None and self.mean_turns > self.max_turns:
+            raise ValueError(f"turns.mean_turns {self.mean_turns} exceeds turns.max_turns {self.max_turns}")
+        return self
+
+
 class SimulatedGeneration(StrictModel):
     """Latency and reward model of the simulated generator (asyncrl/backends/simulated.py says how each knob
     is used). Times are virtual seconds. A knob set of its own, so ``asyncrl.simulate``'s calibration can fit one."""
@@ -152,6 +179,10 @@ class SimulatedGeneration(StrictModel):
         "were made with)")
     gpus_per_replica: int = Field(
         1, ge=1, description="GPUs one engine uses (tensor parallel); summary()['gpus'] counts them")
+    turns: SimulatedTurns | None = Field(
+        None, description="multi-turn trajectories (max_turns, mean_turns, env_latency_s and its tail, "
+        "env_tokens): each group's trajectories play turns with environment calls between them, producing turn "
+        "events and per-turn versions; None: one model turn per completion")
 
     @model_validator(mode="after")
     def _ordered(self) -> "SimulatedGeneration":

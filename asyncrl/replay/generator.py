@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from asyncrl.backends.simulated import SimulatedGenerator
+from asyncrl.backends.simulated import SimulatedGenerator, draw_env_seconds
 from asyncrl.data import GenerationRequest
 from asyncrl.replay.recorded import RecordedGroup
 
@@ -76,8 +76,35 @@ class RecordedGenerator(SimulatedGenerator):
         self._cursor: dict[tuple[str, int], int] = defaultdict(int)
         self._prompt_of = prompt_of
         self._draws = random.Random(f"replay draws {self.seed}")
+        self._env_draws = random.Random(f"replay environment {self.seed}")  # environment seconds (multi-turn)
+        self._observations: dict[int, list[int]] = {}  # per group: each trajectory's tokens per observation
 
     def draw(self, request: GenerationRequest, success: float) -> tuple[list[int], list[float]]:
+        group = self._pick(request)
+        lengths = [min(self.max_new_tokens, n) for n in group.lengths]
+        # a recording's groups hold group_size completions; a partial log is cycled to fill the group
+        return ([lengths[i % len(lengths)] for i in range(request.n)],
+                [group.rewards[i % len(group.rewards)] for i in range(request.n)])
+
+    def draw_turns(self, request: GenerationRequest, success: float) -> tuple[list[list[int]], list[list[float]],
+                                                                             list[float]]:
+        """A recorded multi-turn group: each trajectory's recorded turns (its sampled tokens split over them) and
+        reward, the environment's seconds drawn from the fitted ``turns`` model (a stream of their own)."""
+        group = self._pick(request)
+        split = group.turn_lengths()
+        lengths = [[min(self.max_new_tokens, n) for n in split[i % len(split)]] for i in range(request.n)]
+        env = [[draw_env_seconds(self.model.turns, self._env_draws) for _ in x] for x in lengths]
+        observations = group.env_tokens or (0,) * len(split)
+        self._observations[request.group_id] = [
+            observations[i % len(split)] // max(1, len(x) - 1) for i, x in enumerate(lengths)]
+        return lengths, env, [group.rewards[i % len(group.rewards)] for i in range(request.n)]
+
+    def observation_tokens(self, group_id: int, trajectory: int) -> int:
+        """The recorded trajectory's tokens per observation (its observation tokens over its turns but one)."""
+        return self._observations[group_id][trajectory] if group_id in self._observations else 0
+
+    def _pick(self, request: GenerationRequest) -> RecordedGroup:
+        """The recorded group a request is served (module docstring), noted in ``served``."""
         key, version = self._prompt_of(request.group_id), self._version
         known = self._by_prompt.get(key)
         if known is not None:
@@ -89,10 +116,7 @@ class RecordedGenerator(SimulatedGenerator):
         else:
             group, drawn = self._draws.choice(self._everything.at[self._everything.nearest(version)]), True
         self.served[request.group_id] = Served(group.group_id, drawn)
-        lengths = [min(self.max_new_tokens, n) for n in group.lengths]
-        # a recording's groups hold group_size completions; a partial log is cycled to fill the group
-        return ([lengths[i % len(lengths)] for i in range(request.n)],
-                [group.rewards[i % len(group.rewards)] for i in range(request.n)])
+        return group
 
     @property
     def drawn_fraction(self) -> float:

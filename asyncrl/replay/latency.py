@@ -17,6 +17,10 @@ Timings measured while generation and training overlapped already hold what they
 ``overlap_slowdown`` stays 1 unless given (``measure_overlap`` measures it; a lockstep recording replayed under an
 asynchronous sampler on one machine needs it). The first ``skip`` steps are left out as warm-up when the
 recording has enough steps.
+
+A **multi-turn** recording (its completions have ``turns``) replays with a ``turns`` model: each group's recorded
+turns are served, and the generation seconds are split between decoding and the environment's calls by least
+squares (``_fit_turns``), the calls' seconds then drawn from a lognormal (``SIGMA``) with the fitted mean.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from asyncrl.config import SimulatedGeneration, SimulatedTraining
 from asyncrl.replay.recorded import RecordedRun
 
 SKIP = 3  # warm-up steps left out of a fit when at least 2 x SKIP steps are recorded
+SIGMA = 0.5  # the spread of a replayed environment call (lognormal): the fit finds a mean only, and its
+# features count a batch's calls, so a wide spread would add the expected maximum of noisier sums on top
 
 
 def fit(run: RecordedRun, overlap_slowdown: float | None = None) -> tuple[dict[str, Any], dict[str, Any], dict]:
@@ -64,7 +70,12 @@ def fit(run: RecordedRun, overlap_slowdown: float | None = None) -> tuple[dict[s
         batches = float(m.gen_completions[ok].sum()) / (N * G)
         batch_s, rule = poll_s / batches if batches else 0.0, "the generator's seconds (gen_tokens_per_s), per batch"
     longest = _mean_longest(run)
-    generation = {"prefill_s": 0.0, "decode_s_per_token": batch_s / longest, "clock": "ticks",
+    decode_s, turns, extra = batch_s / longest, None, {}
+    if any(g.multi_turn for g in run.groups):
+        decode_s, turns, split, call_s = _fit_turns(run, m, lockstep, batch_s / longest)
+        rule += f"; multi-turn: {split}"
+        extra = {"env_call_s": call_s}
+    generation = {"prefill_s": 0.0, "decode_s_per_token": decode_s, "clock": "ticks", "turns": turns,
                   "replicas": cfg.generation.replicas,
                   "weight_update": getattr(cfg.generation, "weight_update", "drain")}
     if cfg.generation.backend == "torch":
@@ -74,7 +85,42 @@ def fit(run: RecordedRun, overlap_slowdown: float | None = None) -> tuple[dict[s
     training = {"train_s_per_token": per_token, "train_s_per_step": per_step, "sync_s": sync_s, "clock": "ticks",
                 "overlap_slowdown": 1.0 if overlap_slowdown is None else overlap_slowdown}
     return generation, training, {"rule": rule, "batch_s": batch_s, "longest_mean": longest,
-                                  "steps_fitted": len(m)}
+                                  "steps_fitted": len(m), **extra}
+
+
+def _fit_turns(run: RecordedRun, m, lockstep: bool, decode_s: float) -> tuple[float, dict, str, float]:
+    """A multi-turn recording: ``(decode_s_per_token, turns knobs, what the fit did, mean seconds a call)``. The simulated
+    generator plays a group's turns one after another, each a decode of its longest turn and then the environment
+    answering its trajectories in turn, so a batch of groups lasts about ``decode_s_per_token x D + call_s x E``
+    (``D``: the most tokens, turn by turn, of its groups; ``E``: the most environment calls of its groups). Least
+    squares over the steps (the generation seconds of each, as ``fit`` reads them) gives both; the environment's
+    seconds per call are taken as the mean of a lognormal of spread ``SIGMA`` for the median ``env_latency_s``. When
+    the two do not separate (too few steps, or a negative coefficient), every second stays the decoder's, as for a
+    single-turn run."""
+    cfg = run.cfg
+    by_step: dict[int, dict[int, list]] = defaultdict(lambda: defaultdict(list))
+    for g in run.groups:
+        if g.batch is not None and g.multi_turn:
+            split = g.turn_lengths()
+            d = sum(max((x[j] for x in split if len(x) > j), default=0) for j in range(max(map(len, split))))
+            by_step[g.step][g.batch].append((d, sum(g.turns)))
+    steps = [int(s) for s in m.step if int(s) in by_step]
+    x = np.array([[sum(max(d for d, _ in b) for b in by_step[s].values()),
+                   sum(max(e for _, e in b) for b in by_step[s].values())] for s in steps], dtype=float)
+    rows = m.set_index("step").loc[steps]
+    if lockstep:
+        y = (rows.step_time_s - rows.train_time_s - rows.sync_time_s).clip(lower=0).to_numpy(float)
+    else:
+        y = (rows.gen_completions * rows.gen_len_mean / rows.gen_tokens_per_s).fillna(0).to_numpy(float)
+    max_turns = getattr(getattr(cfg, "environment", None), "max_turns", None) or max(max(g.turns or (1,)) for g in run.groups)
+    turns = {"max_turns": int(max_turns), "env_latency_s": 0.0, "env_latency_sigma": SIGMA}
+    if len(steps) >= 3:
+        (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
+        if a > 0 and b > 0:
+            turns["env_latency_s"] = float(b) / math.exp(SIGMA ** 2 / 2)  # the median of that mean
+            return float(a), turns, (f"decode {a * 1e3:.3g} ms a token, environment {b * 1e3:.3g} ms a call "
+                                     f"(mean) over {len(steps)} steps"), float(b)
+    return decode_s, turns, "the environment's seconds not separable from decoding: all the decoder's", 0.0
 
 
 def _fit_training(m) -> tuple[float, float]:

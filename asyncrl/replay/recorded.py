@@ -39,7 +39,9 @@ COMPLETION_COLUMNS = ("group_id", "tokens", "reward")  # what a replay needs of 
 class RecordedGroup:
     """One committed group of the recording: ``position`` (its data position, the prompt stream's index),
     ``version`` (the weights its generation started with), ``batch`` (its dispatch index; None for a replacement),
-    ``step`` (T when it committed), ``lengths`` and ``rewards`` (one per completion)."""
+    ``step`` (T when it committed), ``lengths`` and ``rewards`` (one per completion). A multi-turn run's also
+    ``turns`` (model turns per trajectory) and ``env_tokens`` (observation tokens per trajectory); its ``lengths``
+    are then the sampled tokens (what decoding took), observations left out."""
 
     group_id: int
     position: int
@@ -49,6 +51,21 @@ class RecordedGroup:
     step: int
     lengths: tuple[int, ...]
     rewards: tuple[float, ...]
+    turns: tuple[int, ...] | None = None
+    env_tokens: tuple[int, ...] | None = None
+
+    def turn_lengths(self) -> list[list[int]]:
+        """Each trajectory's sampled tokens split over its turns (the first turns take the remainder): the
+        completions log counts a trajectory's tokens, not each turn's."""
+        out = []
+        for n, k in zip(self.lengths, self.turns or [1] * len(self.lengths)):
+            k = max(1, min(k, n))
+            out.append([n // k + (j < n % k) for j in range(k)])
+        return out
+
+    @property
+    def multi_turn(self) -> bool:
+        return self.turns is not None
 
 
 @dataclass
@@ -111,11 +128,18 @@ def read(recording) -> RecordedRun:
                 continue
             rows = rows.sort_values("completion_index") if "completion_index" in rows else rows
             lengths, rewards = rows.tokens.astype(int).tolist(), rows.reward.astype(float).tolist()
+            if "turns" in rows and rows.turns.notna().all():  # multi-turn: sampled tokens, turns, observations
+                env = rows.env_tokens.fillna(0).astype(int).tolist() if "env_tokens" in rows else [0] * len(rows)
+                lengths = [n - e for n, e in zip(lengths, env)]
+                turns = (tuple(rows.turns.astype(int).tolist()), tuple(env))
+            else:
+                turns = (None, None)
         else:
             mean_len, mean_reward = _step_means(means, T)
             lengths, rewards = [mean_len] * G, [mean_reward] * G
+            turns = (None, None)
         groups.append(RecordedGroup(gid, positions[gid], prompts[gid], version, batches[gid], T,
-                                    tuple(max(1, n) for n in lengths), tuple(rewards)))
+                                    tuple(max(1, n) for n in lengths), tuple(rewards), *turns))
     if not groups:
         raise ValueError(f"{recording!r} committed no group whose completions it holds: nothing to replay")
     return RecordedRun(recording.cfg, trace, metrics, groups, source)

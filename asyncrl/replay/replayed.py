@@ -144,7 +144,8 @@ def _key(prompt) -> str:
 def _config(recorded: Config, sampler: dict, generation: dict, training: dict) -> Config:
     """The recording's config on the simulated backends (``generation``, ``training``: their knobs) under
     ``sampler``, with evaluation, checkpoints and tracking off."""
-    data = recorded.model_dump(mode="json", exclude={"sampler", "generation", "trainer", "tracking"})
+    # no environment: the recorded trajectories' turns are served by the generator's ``turns`` model instead
+    data = recorded.model_dump(mode="json", exclude={"sampler", "generation", "trainer", "tracking", "environment"})
     data.update(
         generation={"backend": "simulated", "placement": "local", "weight_sync": "driver",
                     "max_new_tokens": recorded.generation.max_new_tokens, **generation},

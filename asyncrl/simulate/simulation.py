@@ -42,6 +42,7 @@ from asyncrl import metrics as M
 from asyncrl.backends.simulated import SimulatedGenerator, SimulatedPolicy
 from asyncrl.config import Config
 from asyncrl.controller import Controller
+from asyncrl.trace import ABORT, TURN
 
 WALL_COLUMNS = ("step_time_s", "sync_time_s", "tokens_per_s", "gen_tokens_per_s")  # the controller's are wall time
 
@@ -75,6 +76,9 @@ class Simulation:
         self._drawn = list(self.gen.drawn)
         self.replanned = 0  # train ticks whose chunk differed in length from the one planned
         self.wall_s = 0.0
+        # aborts (after a sync, or at a turn boundary inside a rollout tick) and turn events: when delivered, at the
+        # end of the tick that recorded them, on this thread, so at the virtual time the tick ran
+        ctrl.subscribe(lambda row: self._times[row.event].append(self.clock.now), events=[ABORT, TURN])
 
     # ------------------------------------------------------------------------------------------------- loop
     def run(self, steps: int) -> pd.DataFrame:
@@ -196,7 +200,6 @@ class Simulation:
         times = self._times
         times["evict"].extend([start] * len(report.evicted))
         times["select"].extend([start] * len(report.selected))
-        times["abort"].extend([end] * len(report.aborted))
         if report.selected:
             times["train"].append(end)
         if report.step_finished:
