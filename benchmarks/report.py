@@ -1538,7 +1538,7 @@ REPORTS.update({
     "trl_h100_sync_tflops": _trl_ratio("asyncrl_sync_over_trl_useful_train_tflops"),
     "checks_h100_tests": lambda: json.loads(
         (DATA / "gpu_checks" / CHECKS_H100 / "summary.json").read_text())["pytest_tests_gpu_one_process"],
-
+})
 
 
 # --- bench_agents (issue 46) -------------------------------------------------------------------------------------
@@ -1588,6 +1588,7 @@ REPORTS.update({
     "agents_speedup": agents_number("speedup"),
     "agents_where": agents_number("where"),
 })
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
