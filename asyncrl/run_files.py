@@ -222,8 +222,9 @@ def whole_steps(run_dir: Path, entries: list[IndexEntry], indexed: bool) -> int 
 
     What counts as damage, and why a live run's directory never shows it: ``RunFiles`` flushes a step's trace rows,
     then its metrics row, then its index line, so an index line whose trace rows or metrics row is not whole was cut
-    after it was written. A trace read without an index is not a live run's, so a row cut short there is damage too;
-    so is a completions row cut short (a group's rows are one write of whole lines)."""
+    after it was written. A trace row cut short after the last indexed step cuts no step the recording holds, but
+    a row goes out in one write, so it is damage too (a live run shows one only for the instant of a write), and so
+    is a completions row cut short (a group's rows are one write of whole lines)."""
     whole, notes = len(entries), []
 
     def cut(k: int, text: str) -> None:  # step ``entries[k]`` is the first the file does not hold whole
@@ -237,7 +238,7 @@ def whole_steps(run_dir: Path, entries: list[IndexEntry], indexed: bool) -> int 
     trace = run_dir / TRACE_FILE
     size, end = trace.stat().st_size, whole_length(trace)
     k = next((i for i, e in enumerate(entries) if e.offset > end), len(entries))
-    if k < len(entries) or (not indexed and size > end):
+    if k < len(entries) or size > end:  # a trailing row cut short after the last indexed step is damage too
         step = entries[k].step if k < len(entries) else (entries[-1].step + 1 if entries else 0)
         cut(k, f"{ends(trace, _rows_before(trace, end), size, end)}, inside step {step}'s rows")
 

@@ -139,3 +139,28 @@ def test_the_cli_ends_normally_when_evaluation_rewards_fail(func, workers, every
     assert summary["status"] == "completed" and summary["steps"] == 1
     assert summary["final_eval_eval_failed"] == HELD_OUT
     assert not (out / "control.sock").exists()
+
+
+def test_an_evaluation_whose_every_call_kills_its_worker_gives_up_after_a_few_and_leaves_the_rest_out(monkeypatch):
+    """Each call that kills its worker costs a new one: over ~100 held-out prompts that would hold the evaluation
+    (and the train thread, with eval_every) for minutes. After scoring.EVAL_GIVE_UP such calls with none succeeding,
+    the rest are left out at once, each with a fault row saying why, all counted in eval_failed."""
+    from asyncrl import Controller
+    from asyncrl.rewards.scoring import EVAL_GIVE_UP
+
+    monkeypatch.setenv("ASYNCRL_EVAL_FRACTION", "0.2")
+    ctrl = Controller.from_config(small_config(
+        reward={"funcs": [F + "first_char", F + "exits_on_eval"], "workers": 0, "timeout_s": 0.5},
+        faults={"reward_retries": 1}, task={"name": "copy_first", "options": {"eval_fraction": 0.2}}))
+    try:
+        held_out = len(ctrl.task.eval_prompts)
+        ev = ctrl.evaluate()
+        assert held_out > 3 * EVAL_GIVE_UP and ev["eval_failed"] == held_out and ev["n"] == 0
+        faults = eval_faults(ctrl)
+        died = faults.detail.str.contains("died (exit code 3)", regex=False)
+        assert EVAL_GIVE_UP <= died.sum() < held_out  # not one dead worker a prompt
+        given_up = faults[faults.detail.str.contains("evaluation given up", regex=False)]
+        assert len(given_up) + died.sum() >= held_out and len(faults) <= 2 * held_out
+        assert ctrl.evaluate(n=1)["eval_failed"] == held_out  # the next evaluation starts afresh, and ends the same
+    finally:
+        ctrl.close()

@@ -255,3 +255,22 @@ def test_an_intact_run_directory_opens_without_a_warning(whole_run):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert Recording(whole_run).steps == list(range(8))
+
+
+def test_a_trace_whose_last_row_is_cut_after_the_last_indexed_step_still_says_so(whole_run, tmp_path):
+    """The end of trace.csv cut mid-row past the index's last step (a kill mid-write, a copy cut short): every
+    indexed step is whole, so all of them open, but the file is damaged and the recording says where it ends."""
+    from asyncrl.recording import RecordingDamaged
+
+    run = tmp_path / "run"
+    shutil.copytree(whole_run, run)
+    whole = (run / "trace.csv").read_bytes()
+    with open(run / "trace.csv", "ab") as f:
+        f.write(whole.splitlines(keepends=True)[-1][:7])  # the start of one more row, no newline
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        rec = Recording(run)
+    damaged = [str(w.message) for w in said if issubclass(w.category, RecordingDamaged)]
+    assert len(damaged) == 1 and damaged[0].startswith("trace.csv ends mid-row"), damaged
+    assert f"(byte {len(whole)} of {len(whole) + 7})" in damaged[0], damaged
+    assert rec.steps == list(range(8)) and rec.at(7).trainer_version == 8

@@ -319,6 +319,15 @@ def evaluation_functions(functions: RewardFunctions) -> RewardFunctions:
     return RewardFunctions([functions.funcs[0], TaskCorrect(functions.funcs[0].task)], [1.0, 0.0])
 
 
+# An evaluation's calls that killed their worker or ran past timeout_s, none succeeding, before it leaves out the
+# rest: each such call costs a worker's restart or timeout_s, so a function that does it on every prompt would hold
+# an evaluation (and the train thread, with eval_every) for minutes. A function that merely raises is retried as usual.
+EVAL_GIVE_UP = 3
+
+
+def fatal(problem: str | None) -> bool:
+    """Whether a scoring problem cost a worker or a whole timeout (the runner's and the pool's wording)."""
+    return problem is not None and (" died (" in problem or "past reward.timeout_s" in problem)
 _EVALUATED = itertools.count()  # runner keys of evaluations' prompts: unique while two evaluations overlap
 
 
@@ -327,26 +336,39 @@ def score_now(runner: RewardRunner, batches: Sequence[RewardBatch], retries: int
     """Score ``batches`` (an evaluation's prompts) through ``runner`` and wait for them: each one's ``Scored``, or
     None where its scoring failed ``retries + 1`` times. Every failed attempt is ``fault(index, error, reason)``,
     worded as the pump's; a bug (wrong length, non-number) is a fault and the ``RewardTypeError`` returned, to
-    raise once the rest are scored. Bounded as the runner is (``timeout_s``, a dead worker replaced)."""
+    raise once the rest are scored. Bounded as the runner is (``timeout_s``, a dead worker replaced), and as a whole:
+    after ``EVAL_GIVE_UP`` calls that killed their worker or timed out, none succeeding, the rest are left out."""
     keys = [("evaluation", next(_EVALUATED), i) for i in range(len(batches))]
     out: list[Scored | None] = [None] * len(batches)
     bug: Exception | None = None
-    todo, attempt = list(range(len(batches))), 0
+    todo, attempt, failed_first, gave_up = list(range(len(batches))), 0, 0, False
     while todo:
         runner.submit_all([(keys[i], batches[i]) for i in todo])
-        done = {scored.key: scored for scored in runner.wait([keys[i] for i in todo])}
-        failed = []
-        for i in todo:
-            scored = done[keys[i]]
-            if scored.bug is not None:
-                fault(i, scored.bug, BUG_REASON)
-                bug = bug or RewardTypeError(scored.bug)
-            elif scored.problem is None:
-                out[i] = scored
-            elif attempt < retries:
-                fault(i, scored.problem, retry_reason(attempt, retries))
-                failed.append(i)
-            else:
-                fault(i, scored.problem, spent_reason(retries) + "; the prompt is left out of the evaluation")
-        todo, attempt = failed, attempt + 1
+        waiting, failed = {keys[i]: i for i in todo}, []
+        while waiting:
+            runner.ready(1.0)
+            for scored in runner.take([k for k in waiting]):
+                i = waiting.pop(scored.key)
+                if scored.bug is not None:
+                    fault(i, scored.bug, BUG_REASON)
+                    bug = bug or RewardTypeError(scored.bug)
+                elif scored.problem is None:
+                    out[i] = scored
+                elif attempt < retries:
+                    fault(i, scored.problem, retry_reason(attempt, retries))
+                    failed.append(i)
+                else:
+                    fault(i, scored.problem, spent_reason(retries) + "; the prompt is left out of the evaluation")
+                if fatal(scored.problem) and not any(o is not None for o in out):
+                    failed_first += 1
+            if attempt == 0 and failed_first >= EVAL_GIVE_UP and waiting:  # every call so far died or timed out
+                why = (f"evaluation given up: the first {failed_first} scorings killed their worker or ran past "
+                       "reward.timeout_s and none succeeded")
+                for key, i in waiting.items():
+                    runner.cancel(key)
+                    fault(i, why, "not retried; the prompt is left out of the evaluation")
+                for i in failed:  # due a retry: left out with the rest
+                    fault(i, why, "not retried; the prompt is left out of the evaluation")
+                waiting, failed, gave_up = {}, [], True
+        todo, attempt = ([] if gave_up else failed), attempt + 1
     return out, bug
