@@ -1538,6 +1538,8 @@ REPORTS.update({
     "trl_h100_sync_tflops": _trl_ratio("asyncrl_sync_over_trl_useful_train_tflops"),
     "checks_h100_tests": lambda: json.loads(
         (DATA / "gpu_checks" / CHECKS_H100 / "summary.json").read_text())["pytest_tests_gpu_one_process"],
+    "checks_h100_after_merges": lambda: json.loads((DATA / "gpu_checks" / "2026-12-05-one-h100-52ad9bb" /
+                                                    "summary.json").read_text())["pytest_tests_gpu_one_process"],
 })
 
 
