@@ -1589,6 +1589,30 @@ REPORTS.update({
     "agents_table": agents_table,
     "agents_speedup": agents_number("speedup"),
     "agents_where": agents_number("where"),
+
+
+# --- issue 46: guess_letter, does the model use what the environment said? (bench_guess_letter.py) ---------------
+GUESS_LETTER = "2026-12-05-400-steps-seeds-0-1-2"
+
+
+def guess_letter_short() -> str:
+    """Final held-out accuracy per seed against the blind-play bar, and how many seeds beat it."""
+    meta, rows = run("bench_guess_letter", GUESS_LETTER)
+    bar = float(rows.constant_answer_accuracy.iloc[0])
+    seeds = ", ".join(str(s) for s in rows.seed)
+    return (f"final held-out accuracy {' / '.join(f'{a:.2f}' for a in rows.final_eval_accuracy)} over seeds "
+            f"{seeds} after {int(rows.steps.iloc[0])} steps against the blind-play bar {bar:.3f}: "
+            f"{int(rows.beat.sum())} of {len(rows)} above")
+
+
+REPORTS.update({
+    "guess_letter": csv_table("bench_guess_letter", GUESS_LETTER, columns=[
+        "seed", "steps", "wall_s", "untrained_eval_accuracy", "final_eval_accuracy", "constant_answer_accuracy",
+        "beat"], note=" Held-out accuracy by step is in `curves.csv` beside it."),
+    "guess_letter_short": guess_letter_short,
+    "guess_letter_figure": lambda: (f"![Held-out accuracy of `asyncrl run guess_letter --steps 400` by step, seeds "
+                                    f"0, 1, 2, with the blind-play bar](data/bench_guess_letter/{GUESS_LETTER}/"
+                                    f"accuracy.png)"),
 })
 
 
