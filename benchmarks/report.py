@@ -1589,6 +1589,7 @@ REPORTS.update({
     "agents_table": agents_table,
     "agents_speedup": agents_number("speedup"),
     "agents_where": agents_number("where"),
+})
 
 
 # --- issue 46: guess_letter, does the model use what the environment said? (bench_guess_letter.py) ---------------
