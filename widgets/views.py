@@ -263,13 +263,7 @@ class CompletionsView(W.VBox):
         verdicts = plots.verdict_table(self.ctrl) if verdicts is None else verdicts
         counts = verdicts.completions if "completions" in verdicts else []
         ids = [int(g) for g, n in zip(verdicts.group_id, counts) if n]
-        current = self.group.value
-        self._updating = True
-        try:
-            self.group.options = ids
-            self.group.value = current if current in ids else (ids[-1] if ids else None)
-        finally:
-            self._updating = False
+        _choose_among(self, ids, ids)
         self._draw()
 
     def _draw(self) -> None:
@@ -284,6 +278,18 @@ class CompletionsView(W.VBox):
         prompt = html.escape(str(frame.prompt.iloc[0]))
         self.table.value = (f"{TABLE_CSS}<p><b>group {gid}</b> ({html.escape(str(frame.prompt_id.iloc[0]))}): "
                             f"<code>{prompt}</code></p>{rows}")
+
+
+def _choose_among(view, options: list, ids: list[int]) -> None:
+    """New ``options`` for ``view.group``: its choice kept while it is still there, else the newest group; no redraw
+    on the way (``view._updating``)."""
+    current = view.group.value
+    view._updating = True
+    try:
+        view.group.options = options
+        view.group.value = current if current in ids else (ids[-1] if ids else None)
+    finally:
+        view._updating = False
 
 
 class ConversationView(W.VBox):
@@ -309,14 +315,7 @@ class ConversationView(W.VBox):
         groups = conversation_groups(self.ctrl)
         options = [(f"{int(g)}: {state}, weights {', '.join(map(str, versions))}", int(g))
                    for g, state, versions in zip(groups.group_id, groups.state, groups.turn_versions)]
-        ids = [gid for _, gid in options]
-        current = self.group.value
-        self._updating = True
-        try:
-            self.group.options = options
-            self.group.value = current if current in ids else (ids[-1] if ids else None)
-        finally:
-            self._updating = False
+        _choose_among(self, options, [gid for _, gid in options])
         self._draw()
 
     def _draw(self) -> None:
