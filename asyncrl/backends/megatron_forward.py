@@ -91,8 +91,12 @@ def _flex_core_attention():
     from torch.nn.attention.flex_attention import BlockMask
 
     class FlexCoreAttention(DotProductAttention):
+        pass_block_mask = None  # the running pass's mask, set by final_hidden (why: _hand_over_block_mask)
+
         def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                     packed_seq_params=None):
+            if attention_mask is None:
+                attention_mask = self.pass_block_mask
             if not isinstance(attention_mask, BlockMask):
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
@@ -161,13 +165,28 @@ def _without_output_layer(model):
         model.post_process = saved
 
 
+def _hand_over_block_mask(model, mask: Any) -> Any:
+    """What to pass as the model's ``attention_mask``: a boolean mask as it is; a FlexAttention ``BlockMask`` is
+    set on every ``FlexCoreAttention`` instead, and None passed. Why: Megatron's activation recompute
+    (``trainer.gradient_checkpointing``) hands the layers' inputs to ``save_for_backward``, which takes tensors only
+    ("argument 1 is of type BlockMask"). The mask stays set until the next pass's, so the recompute in this pass's
+    backward (after ``final_hidden`` returned) still finds it; a policy's passes run one at a time, forward then
+    backward, under the device lock."""
+    if mask is None or isinstance(mask, torch.Tensor):
+        return mask
+    for module in model.modules():
+        if hasattr(module, "pass_block_mask"):
+            module.pass_block_mask = mask
+    return None
+
+
 def final_hidden(model, forward_module, input_ids: torch.Tensor, mask: Any) -> torch.Tensor:
     """[S, B, H] hidden states after the final norm (what the output layer would multiply), through
     ``forward_module`` (the model or its DDP wrapper)."""
     B, S = input_ids.shape
     pos = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
     with _without_output_layer(model):
-        return forward_module(input_ids, pos, mask)
+        return forward_module(input_ids, pos, _hand_over_block_mask(model, mask))
 
 
 def output_weight(model) -> torch.Tensor:
