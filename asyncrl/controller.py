@@ -89,6 +89,8 @@ class Controller(FixedParts, TurnsView):  # policy, generator, task, sampler, bu
                                           task, self.reward_funcs)
         self.reward_functions = check_rewards(task, cfg.reward, self.reward_funcs,  # columns checked against the rows
                                               cfg.generation.backend == "simulated" or bool(cfg.environment.factory))
+        from asyncrl.backends import place_reward_models
+        place_reward_models(cfg, self.reward_functions)  # a GPU run's reward models score on its GPU, under its lock
         if cfg.eval_every and not task.eval_prompts:
             raise ValueError(f"eval_every {cfg.eval_every}: task {task.name!r} has no evaluation split; give it one "
                              "(task.options.eval or eval_fraction, or eval_dataset=) or set eval_every null")

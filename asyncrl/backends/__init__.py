@@ -95,4 +95,30 @@ def build_backends(cfg, loss: Loss | None = None):
     return policy, generator, tokenizer
 
 
-__all__ = ["GenerationBackend", "PolicyBackend", "build_backends", "engine"]
+def reward_model_device(cfg) -> str | None:
+    """The CUDA device reward models score on in this process: the trainer's when it trains here (placement
+    'local') on CUDA, else the generator's when it generates here on CUDA; None (a CPU run, or no engine of the run
+    in this process on a GPU): they score on the CPU, in the reward workers."""
+    for section in (cfg.trainer, cfg.generation):
+        if section.backend != "simulated" and section.placement == "local" and str(section.device).startswith("cuda"):
+            return str(section.device)
+    return None
+
+
+def place_reward_models(cfg, functions) -> list[str]:
+    """On a GPU run, the run's reward models (``functions``: its ``RewardFunctions``) score on that GPU in this
+    process, each forward under the device lock the engines take turns on (``device_lock.exclusive_device``, as
+    the engine "RewardModel" in ``device_lock_stats``); the names of those placed."""
+    device = reward_model_device(cfg)
+    if device is None:
+        return []
+    from functools import partial
+
+    from asyncrl.backends.device_lock import exclusive_device
+    from asyncrl.rewards.models import place_models
+
+    return place_models(functions.funcs, device, partial(exclusive_device, device, "RewardModel"))
+
+
+__all__ = ["GenerationBackend", "PolicyBackend", "build_backends", "engine", "place_reward_models",
+           "reward_model_device"]

@@ -10,7 +10,14 @@ How it scores (as TRL's ``GRPOTrainer`` does): the text is prompt + completion, 
 messages ``prompt + [completion]`` through the reward tokenizer's chat template; it is tokenized as asyncrl
 tokenizes a prompt (``asyncrl/chat.py``): a standard text with the tokenizer's special tokens, a templated one
 with nothing added again (the template writes its own); right-padded, ``batch_size`` texts per forward, in the
-model's dtype on the CPU with no gradient; the reward is the model's one logit (``logits[:, 0]``).
+model's dtype with no gradient; the reward is the model's one logit (``logits[:, 0]``).
+
+Where it scores: on the CPU, in the reward workers (or inline), by default. On a GPU run, ``place(device, lock)``
+(``asyncrl.backends.place_reward_models`` calls it for the run) puts it on the GPU of the engine in the trainer's
+process instead, scoring there, in that process (the runner keeps a placed model out of its workers: N workers would
+each load it, on the CPU), each forward inside ``lock()``: the device lock vLLM and the trainer take turns on, so the
+three never interleave GPU work on one card. ``lock`` is any callable returning a context manager (``DeviceLock``):
+this module sits below the backends and imports none of them.
 
 Invariants:
 - Its name, hence its metric ``reward/<name>``, is the model directory's name (a model object: the basename of its
@@ -22,16 +29,27 @@ Invariants:
   whose model has one label (and a sequence-classification architecture when it names one); anything else is one
   ``ValueError`` line naming the path.
 - Nothing heavy is imported here until a model is loaded or called (``transformers``, ``torch``).
+- Placed (``in_process``): each forward of ``batch_size`` texts, its inputs' move to the device and its logits'
+  move back all run inside one ``lock()``; nothing of it runs outside one. A placed model sent to another process
+  (pickled) arrives unplaced: on the CPU, without the lock, which belongs to this process.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 KEYS = ("model", "batch_size")
+
+
+class DeviceLock(Protocol):
+    """What a placed reward model holds while it uses its device: ``with lock(): ...`` (a run's device lock,
+    ``functools.partial(asyncrl.backends.device_lock.exclusive_device, device, name)``, or any such callable)."""
+
+    def __call__(self) -> AbstractContextManager[Any]: ...
 
 
 def is_model(obj: Any) -> bool:
@@ -57,6 +75,7 @@ class RewardModel:
         self.path, self.batch_size = path, batch_size
         self._model, self._tokenizer = model, tokenizer
         self._lock = threading.Lock()
+        self.device, self.device_lock = "cpu", None  # where it scores (``place``); None: no lock, the CPU
         if model is not None:
             check_labels(model.config, repr(type(model).__name__))
             source = str(getattr(model, "name_or_path", "") or getattr(model.config, "_name_or_path", "") or "")
@@ -88,8 +107,18 @@ class RewardModel:
         path = self.path if self.path is not None else str(getattr(self._model, "name_or_path", "") or self.__name__)
         return {"model": path, "batch_size": self.batch_size}
 
+    def place(self, device: str, lock: DeviceLock) -> None:
+        """Score on ``device``, in this process, each forward inside ``lock()`` (module docstring). The model moves
+        there at its next load (its first call)."""
+        self.device, self.device_lock = str(device), lock
+
+    @property
+    def in_process(self) -> bool:
+        """Placed: it scores in this process (the runner keeps it out of its workers)."""
+        return self.device_lock is not None
+
     def __getstate__(self) -> dict:
-        state = {**self.__dict__, "_lock": None}
+        state = {**self.__dict__, "_lock": None, "device": "cpu", "device_lock": None}  # placement stays here
         if self.path is not None:  # a directory travels as its path; the receiver loads it once
             state["_model"] = state["_tokenizer"] = None
         return state
@@ -99,7 +128,8 @@ class RewardModel:
         self._lock = threading.Lock()
 
     def load(self) -> tuple[Any, Any]:
-        """``(model, tokenizer)``, loaded on the first call (a directory) and kept; float32, on the CPU, eval."""
+        """``(model, tokenizer)``, loaded on the first call (a directory) and kept; on its device (the CPU unless
+        placed), eval."""
         with self._lock:
             if self._model is None:
                 from transformers import AutoModelForSequenceClassification
@@ -119,10 +149,20 @@ class RewardModel:
                 tok.pad_token = tok.eos_token
             if getattr(model.config, "pad_token_id", None) is None:
                 model.config.pad_token_id = tok.pad_token_id
-            if next(model.parameters()).device.type != "cpu" or model.training:
-                model.to("cpu")
+            if str(next(model.parameters()).device) != self._device_name(model) or model.training:
+                with self.device_lock() if self.device_lock is not None else nullcontext():  # a copy to the GPU
+                    model.to(self.device)
                 model.eval()
             return model, tok
+
+    def _device_name(self, model: Any) -> str:
+        """``self.device`` as torch names a parameter's device ("cuda" is "cuda:0" there)."""
+        import torch
+
+        device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        return str(device)
 
     def texts(self, prompts: list, completions: list) -> list[tuple[str, bool]]:
         """``(text, conversational)`` of each row: prompt + completion, through the chat template for a
@@ -154,12 +194,24 @@ class RewardModel:
                     end += 1
                 inputs = tok([text for text, _ in rows[start:end]], return_tensors="pt", padding=True,
                              padding_side="right", add_special_tokens=not rows[start][1])
-                scores += model(**inputs).logits[:, 0].float().tolist()
+                with self.device_lock() if self.device_lock is not None else nullcontext():
+                    inputs = {k: v.to(self.device) for k, v in inputs.items()}
+                    scores += model(**inputs).logits[:, 0].float().tolist()
                 start = end
         return scores
 
     def __repr__(self) -> str:
         return f"RewardModel({self.spec()!r})"
+
+
+def place_models(funcs: list, device: str, lock: DeviceLock) -> list[str]:
+    """``place`` every reward model among ``funcs`` (a run's ``RewardFunctions.funcs``); their names."""
+    placed = []
+    for func in funcs:
+        if isinstance(func, RewardModel):
+            func.place(device, lock)
+            placed.append(func.__name__)
+    return placed
 
 
 def check_labels(config: Any, where: str) -> None:

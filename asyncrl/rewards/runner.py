@@ -18,8 +18,9 @@ Invariants:
 - A worker runs one call at a time, so a timeout or a death is the fault of exactly one call. Workers see the
   caller's ``sys.path`` and load the functions once (cloudpickle: a function defined in a notebook cell, in
   ``__main__``, is sent by value). A function that cannot be pickled runs in this process on a helper thread,
-  with a one-line ``RuntimeWarning`` naming it; inline (``workers: 0``) and such calls cannot be cut off, so their
-  ``timeout_s`` is judged when they return.
+  with a one-line ``RuntimeWarning`` naming it; so does, without a warning, a reward model placed on this
+  process's GPU (``in_process``: asyncrl/rewards/models.py); inline (``workers: 0``) and such calls cannot be
+  cut off, so their ``timeout_s`` is judged when they return.
 - ``seconds`` is the time the functions took on the group (summed over its calls), not the time it queued:
   the ``reward_time_s`` metric.
 - Workers are started by the dispatcher thread (building a runner never waits for them) and stopped by
@@ -98,6 +99,9 @@ class RewardRunner:
 
         sendable = {}
         for i, (name, func) in enumerate(zip(self.functions.names, self.functions.funcs)):
+            if getattr(func, "in_process", False):  # a reward model placed on this process's GPU (models.py)
+                self._local.add(i)
+                continue
             try:
                 cloudpickle.dumps(func)
             except Exception as exc:
