@@ -15,6 +15,7 @@
 #   bench    trl then asyncrl in one call (~10 min on an H100: over a 10-minute call's limit; there, two calls:
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
 #   all      tests then bench
+#   notebook notebooks/gpu_quickstart.ipynb (or $NOTEBOOK) through nbclient (tests/gpu/run_notebook.py; NB_WHEELS from tests/gpu/stage_notebook.sh go into $SITE if needed): <name>.summary.json, the executed notebook, notebook.log; ~2-3 min on an H100
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -63,7 +64,15 @@ for part in $PARTS; do
     r=${PIPESTATUS[0]}
     if [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
       cp "$BENCH_DIR"/{meta.json,rows.csv,steps.csv,trl.json,asyncrl.json} "$OUT/" 2>/dev/null; fi ;;
-  *) echo "unknown part $part: tests, trl, asyncrl, bench or all"; exit 2 ;;
+  notebook)
+    if ! python3 -c "import nbclient, ipykernel, ipywidgets, matplotlib_inline" 2>/dev/null; then
+      [ -n "${NB_WHEELS:-}" ] && [ -n "${SITE:-}" ] || { echo "nbclient is not importable: set SITE and NB_WHEELS"; exit 2; }
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$NB_WHEELS"/*.whl || exit 2
+    fi
+    python3 tests/gpu/run_notebook.py "${NOTEBOOK:-notebooks/gpu_quickstart.ipynb}" --out "$OUT" >"$OUT/notebook.log" 2>&1
+    r=$?
+    grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank" "$OUT/notebook.log" | cut -c1-300 | tail -n 40 ;;
+  *) echo "unknown part $part: tests, trl, asyncrl, bench, notebook or all"; exit 2 ;;
   esac
   echo "=== $part: rc=$r, $((SECONDS - t)) s"
   [ "$r" = 0 ] || rc=$r
