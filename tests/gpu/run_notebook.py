@@ -55,6 +55,7 @@ def run(notebook: Path, out: Path, timeout: int) -> dict:
 
     for name, sub in (("JUPYTER_RUNTIME_DIR", "runtime"), ("IPYTHONDIR", "ipython")):  # a bare machine's HOME
         os.environ.setdefault(name, os.path.join(tempfile.gettempdir(), "asyncrl-jupyter", sub))
+        os.makedirs(os.environ[name], exist_ok=True)
     nb = nbformat.read(notebook, as_version=4)
     code = [i for i, cell in enumerate(nb.cells) if cell.cell_type == "code"]
     client = NotebookClient(nb, timeout=timeout, kernel_name="python3", allow_errors=False,
@@ -92,6 +93,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for the summary and the executed notebook")
     parser.add_argument("--timeout", type=int, default=600, help="seconds one cell may take (default 600)")
     args = parser.parse_args(argv)
+    if not args.notebook.is_file():
+        print(f"run_notebook: {args.notebook} is not a notebook file", file=sys.stderr)
+        return 2
     summary = run(args.notebook.resolve(), args.out, args.timeout)
     shown = {k: v for k, v in summary.items() if k != "cell_seconds"}
     print(json.dumps(shown, indent=1), flush=True)
