@@ -19,7 +19,8 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (pip
 
 from asyncrl.algorithms import GRPOLoss, LossConfig  # noqa: E402
 from asyncrl.backends.megatron import MegatronPolicy  # noqa: E402
-from asyncrl.backends.megatron_forward import final_hidden, pass_mask  # noqa: E402
+from asyncrl.backends.megatron_forward import (activation_bytes, final_hidden, fit_micro_batch_tokens,  # noqa: E402
+                                               pass_mask)
 from asyncrl.config import MegatronTrainerConfig, ModelConfig  # noqa: E402
 from tests.test_megatron_backend import LONG_TAIL, long_tailed_batch, megatron_cpu, tok  # noqa: E402,F401
 
@@ -99,3 +100,22 @@ def test_megatron_recompute_takes_flex_attention_s_block_mask(megatron_cpu, tok,
         assert out.requires_grad == recompute
         hidden[recompute] = out.detach()
     torch.testing.assert_close(hidden[True], hidden[False], rtol=0, atol=0)
+
+
+def test_the_micro_batch_budget_counts_what_recompute_keeps():
+    """With recompute a pass keeps each layer's input and one layer's activations at a time, so the budget that
+    fits the same memory is several times larger (the auto budget: larger passes, fewer of them)."""
+    from types import SimpleNamespace
+
+    spec = SimpleNamespace(hidden_size=896, intermediate_size=4864, num_heads=14, num_kv_heads=2, head_dim=64,
+                           num_layers=24)  # Qwen2.5-0.5B's shape
+    for attention in ("flex", "unfused"):
+        plain = activation_bytes(spec, torch.bfloat16, attention, 1024)
+        kept = activation_bytes(spec, torch.bfloat16, attention, 1024, recompute=True)
+        layer = plain / spec.num_layers
+        assert kept == pytest.approx(layer + (spec.num_layers + 2) * 896 * 2)
+        assert kept < plain / 5
+    gib = 2 ** 30
+    per, per_rc = (activation_bytes(spec, torch.bfloat16, "flex", 1024, recompute=r) for r in (False, True))
+    assert (fit_micro_batch_tokens(None, 20 * gib, per_rc, 2 * gib, 1024, "cuda:0")
+            > 5 * fit_micro_batch_tokens(None, 20 * gib, per, 2 * gib, 1024, "cuda:0"))

@@ -198,13 +198,16 @@ def output_weight(model) -> torch.Tensor:
 
 # ---- memory ------------------------------------------------------------------------------------------------------
 
-def activation_bytes(spec: Any, dtype: torch.dtype, attention: str, width: int, tp: int = 1) -> float:
+def activation_bytes(spec: Any, dtype: torch.dtype, attention: str, width: int, tp: int = 1,
+                     recompute: bool = False) -> float:
     """Bytes a pass keeps for its backward per position (``spec``: ``megatron_weights.ArchSpec``). Per layer: the
     two norms' inputs and outputs (4H each, as the torch fallback's decomposed ops save), the projections' inputs
     (qkv, attention output, fc1, fc2) and rotated q/k, the attention kernel's q/k/v/output, the MLP's gate and up
     halves and their product; unfused attention adds the fp32 softmax and the bf16 probabilities and scores of
     ``heads x width`` per position. Sharded parts divide by ``tp``. An upper estimate, checked against the peak
-    measured on the H200 (benchmarks/README.md)."""
+    measured on the H200 (benchmarks/README.md). With ``recompute`` (``trainer.gradient_checkpointing``: Megatron's
+    full recompute, one layer a group) a pass keeps each layer's input (H) and, while the backward recomputes a
+    layer, that one layer's activations, beside the last hidden states and their gradient (2H)."""
     b = torch.finfo(dtype).bits // 8
     H, inter = spec.hidden_size, spec.intermediate_size
     q = spec.num_heads * spec.head_dim
@@ -212,6 +215,8 @@ def activation_bytes(spec: Any, dtype: torch.dtype, attention: str, width: int, 
     per_layer = 13 * H + (2 * q + 4 * kv + 4 * inter) / tp
     if attention == "unfused":
         per_layer += spec.num_heads / tp * width * (4 + 2 * b) / b
+    if recompute:
+        return float(((spec.num_layers + 2) * H + per_layer) * b)
     return float(spec.num_layers * per_layer * b)
 
 
@@ -258,8 +263,9 @@ def resolve_budget(tc: Any, spec: Any, dtype: torch.dtype, attention: str, tp: i
     free = (torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device)
             - torch.cuda.memory_allocated(device))
     width = spec.max_position_embeddings
-    per = activation_bytes(spec, dtype, attention, width, tp)
+    recompute = bool(getattr(tc, "gradient_checkpointing", False))
+    per = activation_bytes(spec, dtype, attention, width, tp, recompute)
     fixed = output_layer_bytes(spec, dtype, tc.logprob_chunk_tokens, tp) + reserve
     budget = fit_micro_batch_tokens(tc.micro_batch_tokens, free, per, fixed, width, device)
     return budget, {"free_gib": free / 2**30, "per_position_mib": per / 2**20, "fixed_gib": fixed / 2**30,
-                    "micro_batch_tokens": budget, "attention": attention}
+                    "micro_batch_tokens": budget, "attention": attention, "recompute": recompute}

@@ -89,7 +89,7 @@ def one_step(tok, attention: str, recompute: bool) -> dict:
         metrics = policy.finish_train_step()
         return {"loss_sum": out["loss_sum"], "loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
                 "forward_backward_s": round(seconds, 4), "activation_peak_gib": round(peak / 2**30, 3),
-                "start_gib": round(start / 2**30, 3)}
+                "start_gib": round(start / 2**30, 3), "memory_plan": policy.memory_plan}
     finally:
         _close(policy)
 
