@@ -60,9 +60,11 @@ def test_the_first_error_stops_the_notebook_and_is_named(tmp_path):
 
 def test_run_gpu_sh_s_notebook_part_runs_it(tmp_path):
     nb = notebook(tmp_path / "nb" / "part.ipynb", f"print({LINE!r})")
-    env = {**os.environ, "NOTEBOOK": str(nb), "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    here = Path(sys.executable).parent  # run_gpu.sh calls python3: this interpreter's, first on PATH
+    if shutil.which("python3", path=str(here)) is None:
+        pytest.skip(f"no python3 beside {sys.executable}")
+    env = {**os.environ, "NOTEBOOK": str(nb), "PATH": f"{here}:{os.environ['PATH']}"}
     env.pop("SITE", None)
-    assert shutil.which("python3", path=env["PATH"]).startswith(str(Path(sys.executable).parent))
     out = tmp_path / "out"
     done = subprocess.run(["bash", "tests/gpu/run_gpu.sh", str(out), "notebook"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
