@@ -15,6 +15,7 @@
 #   bench    trl then asyncrl in one call (~10 min on an H100: over a 10-minute call's limit; there, two calls:
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
 #   all      tests then bench
+#   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -63,6 +64,10 @@ for part in $PARTS; do
     r=${PIPESTATUS[0]}
     if [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
       cp "$BENCH_DIR"/{meta.json,rows.csv,steps.csv,trl.json,asyncrl.json} "$OUT/" 2>/dev/null; fi ;;
+  lora)
+    python3 benchmarks/bench_lora_gpu.py --preset gpu_lora_8b --steps "${LORA_STEPS:-4}" --warmup 3 --out "$OUT" \
+      2>&1 | tee "$OUT/call_lora.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 60
+    r=${PIPESTATUS[0]} ;;
   *) echo "unknown part $part: tests, trl, asyncrl, bench or all"; exit 2 ;;
   esac
   echo "=== $part: rc=$r, $((SECONDS - t)) s"
