@@ -129,8 +129,9 @@ def lora_configs(args, dry: bool) -> dict:
             "async": load_config(args.preset, **merge_overrides(over, {"sampler": sampler}))}
 
 
-def lora_runs(args, dry: bool) -> tuple[list[dict], list[dict], pd.DataFrame, dict]:
-    """Parts 2-4 (module docstring): the 8B directory, sync and async runs, the adapter's timed syncs."""
+def lora_runs(args, dry: bool, on_mode) -> tuple[list[dict], list[dict], pd.DataFrame, dict]:
+    """Parts 2-4 (module docstring): the 8B directory, sync and async runs, the adapter's timed syncs;
+    ``on_mode(rows, steps, timings)`` after each mode (the bench writes what it has: a call cut short keeps it)."""
     import torch
 
     cfgs = lora_configs(args, dry)
@@ -164,6 +165,7 @@ def lora_runs(args, dry: bool) -> tuple[list[dict], list[dict], pd.DataFrame, di
             steps.append(m[[c for c in STEP_COLUMNS if c in m]].assign(mode=mode))
             say(f"  {mode}: {row['steps_per_s']:.4f} steps/s, sync {1e3 * row['sync_time_s_median']:.0f} ms "
                 f"{row['sync_bytes_median'] / 1e6:.1f} MB, peak {row.get('peak_allocated_gib', 0):.1f} GiB")
+            on_mode(rows, steps, timings)
         if isinstance(generator, b2.RemoteBackend) or cfg.generation.backend != "vllm":
             sync = DriverWeightSync(policy, generator)  # dry run: the torch generator takes merged weights
         else:
@@ -202,35 +204,52 @@ def main() -> int:
     full = full_weights_syncs(args, dry)
     say(f"full-weights sync at the 0.5B shape: {pd.DataFrame(full).sync_ms.median():.0f} ms, "
         f"{full[0]['sync_bytes'] / 1e6:.0f} MB")
-    rows, adapter, steps, timings = lora_runs(args, dry)
+    out = write(args, before, full, [], [], [], {}, t_all)
+    rows, adapter, steps, timings = lora_runs(
+        args, dry, lambda rows, steps, timings: write(args, before, full, rows, [], steps, timings, t_all))
+    out = write(args, before, full, rows, adapter, [steps], timings, t_all, final=True)
+    say(f"wrote {out}")
+    return 0
+
+
+def write(args, before: dict, full: list, rows: list, adapter: list, steps: list, timings: dict, t_all: float,
+          final: bool = False) -> Path:
+    """The run directory with what is measured so far (``results.complete`` says whether all of it is)."""
     by_mode = {r["mode"]: r for r in rows}
     syncs = pd.DataFrame(full + adapter)
     med = syncs.groupby("kind").agg(sync_ms=("sync_ms", "median"), sync_bytes=("sync_bytes", "median"))
-    lora_kind = adapter[0]["kind"]
     results = {
-        "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "syncs": args.syncs, "dry_run": dry,
+        "preset": args.preset, "steps": args.steps, "warmup": args.warmup, "syncs": args.syncs,
+        "dry_run": args.cpu_dry_run, "complete": final,
         "steps_per_s": {m: r["steps_per_s"] for m, r in by_mode.items()},
-        "async_over_sync": by_mode["async"]["steps_per_s"] / by_mode["sync"]["steps_per_s"],
         "sync_ms": {k: float(v) for k, v in med.sync_ms.items()},
         "sync_bytes": {k: int(v) for k, v in med.sync_bytes.items()},
-        "sync_ms_over_full_weights": float(med.sync_ms[lora_kind] / med.sync_ms["full_weights"]),
-        "sync_bytes_over_full_weights": float(med.sync_bytes[lora_kind] / med.sync_bytes["full_weights"]),
         "run_sync_time_s_median": {m: r["sync_time_s_median"] for m, r in by_mode.items()},
+        "run_sync_bytes_median": {m: r["sync_bytes_median"] for m, r in by_mode.items()},
         "peak_allocated_gib": {m: r.get("peak_allocated_gib", float("nan")) for m, r in by_mode.items()},
         "timings_s": {**timings, "total_s": time.perf_counter() - t_all},
     }
-    table = pd.DataFrame([{"mode": m, "steps/s": r["steps_per_s"], "gen busy s/step": r["gen_busy_per_step_s"],
-                           "train busy s/step": r["train_busy_per_step_s"],
-                           "sync ms (run)": 1e3 * r["sync_time_s_median"], "sync MB": r["sync_bytes_median"] / 1e6,
-                           "peak GiB": r.get("peak_allocated_gib", float("nan"))} for m, r in by_mode.items()])
-    say(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
-    say((med.assign(sync_MB=med.sync_bytes / 1e6).drop(columns="sync_bytes")).to_string(float_format=lambda x: f"{x:.1f}"))
-    say(f"async/sync {results['async_over_sync']:.2f}x; adapter sync {results['sync_ms_over_full_weights']:.2f}x the "
-        f"full-weights sync's ms at the 0.5B shape, {results['sync_bytes_over_full_weights']:.3f}x its bytes")
-    out = save("bench_lora_gpu", pd.DataFrame(rows), results, before=before, out=args.out,
-               files={"syncs.csv": syncs, "steps.csv": steps})
-    say(f"wrote {out}")
-    return 0
+    if {"sync", "async"} <= set(by_mode):
+        results["async_over_sync"] = by_mode["async"]["steps_per_s"] / by_mode["sync"]["steps_per_s"]
+    if adapter:
+        kind = adapter[0]["kind"]
+        results["sync_ms_over_full_weights"] = float(med.sync_ms[kind] / med.sync_ms["full_weights"])
+        results["sync_bytes_over_full_weights"] = float(med.sync_bytes[kind] / med.sync_bytes["full_weights"])
+    if final:
+        table = pd.DataFrame([{"mode": m, "steps/s": r["steps_per_s"], "gen busy s/step": r["gen_busy_per_step_s"],
+                               "train busy s/step": r["train_busy_per_step_s"],
+                               "sync ms (run)": 1e3 * r["sync_time_s_median"],
+                               "sync MB": r["sync_bytes_median"] / 1e6,
+                               "peak GiB": r.get("peak_allocated_gib", float("nan"))} for m, r in by_mode.items()])
+        say(table.to_string(index=False, float_format=lambda x: f"{x:.3f}"))
+        say(med.assign(sync_MB=med.sync_bytes / 1e6).drop(columns="sync_bytes").to_string(
+            float_format=lambda x: f"{x:.1f}"))
+        say(f"async/sync {results['async_over_sync']:.2f}x; {adapter[0]['kind']} sync "
+            f"{results['sync_ms_over_full_weights']:.2f}x the full-weights sync's ms at the 0.5B shape, "
+            f"{results['sync_bytes_over_full_weights']:.4f}x its bytes")
+    steps_frame = pd.concat(steps, ignore_index=True) if steps else pd.DataFrame()
+    return save("bench_lora_gpu", pd.DataFrame(rows), results, before=before, out=args.out,
+                files={"syncs.csv": syncs, "steps.csv": steps_frame})
 
 
 if __name__ == "__main__":
