@@ -4,6 +4,8 @@ the buffer's size.
 Invariants:
 - A sampler that may train on stale data needs an importance-sampling correction in the loss.
 - The buffer holds at least the sampler's required capacity for ``groups_per_step``, or the run deadlocks.
+- ``model.lora`` on vLLM: the generator holds one adapter per weight version a group in flight uses, so
+  ``generation.max_loras`` >= the sampler's window W + 1 (``check_lora_adapters``).
 - Both are facts of the sampler's class and knobs, asked without building a sampler or a buffer (a custom
   target's class is imported, as validating its config already did); the controller builds the one sampler.
 - Each rule raises one ``ValueError`` naming both sides; none changes the configuration.
