@@ -41,6 +41,7 @@ from asyncrl.algorithms import Loss
 from asyncrl.logprobs import chunked_logprobs
 from asyncrl.backends.base import Capabilities, KeptVersions
 import asyncrl.backends.lora as lora
+from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import DTYPES, build_model, special_ids
 from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.sampling import group_max_tokens
@@ -220,6 +221,7 @@ class TorchPolicy(KeptVersions):
         same in every version)."""
         return self.params
 
+    @holds_device  # GPU work colocated with vLLM: one engine's kernels at a time (device_lock.py)
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
         return self._logprobs_with(self.model, batch)
@@ -258,6 +260,7 @@ class TorchPolicy(KeptVersions):
         self._step.add({"peak_flops": self.peak_flops})  # before the DP reduction: the step's devices add up
         self._in_step = True
 
+    @holds_device
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("train_microbatches before begin_train_step")
@@ -286,6 +289,7 @@ class TorchPolicy(KeptVersions):
         return {"loss_sum": totals.get("loss", 0.0), "normaliser": totals.get("normaliser", 0.0),
                 "sequences": float(batch.num_sequences)}
 
+    @holds_device
     def finish_train_step(self) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
@@ -313,6 +317,7 @@ class TorchPolicy(KeptVersions):
         return metrics
 
     # -- weights and state -----------------------------------------------------------------------------------------
+    @holds_device
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Detached copies of the current weights under Hugging Face names (``model.state_dict()`` keys; with tied
         embeddings ``lm_head.weight`` is present too, as a copy of ``model.embed_tokens.weight``); a LoRA run's
@@ -322,6 +327,7 @@ class TorchPolicy(KeptVersions):
         with torch.no_grad():
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
+    @holds_device
     def export_adapter(self):
         """A LoRA run's adapter alone (``lora.export_adapter``): what the sync sends vLLM instead of merged weights."""
         return lora.export_adapter(self.peft, DTYPES[self.model_cfg.dtype])
