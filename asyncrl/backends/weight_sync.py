@@ -89,8 +89,8 @@ def serves_adapters(cfg: Any) -> bool:
 
 
 def payload_bytes(tensors: Any) -> int:
-    """Bytes of a dict of tensors: what a sync moved."""
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+    """Bytes of a dict of tensors (arrays: their ``nbytes``; anything else counts 0): what a sync moved."""
+    return sum(int(getattr(t, "nbytes", 0)) for t in tensors.values())
 
 
 class DriverWeightSync:
