@@ -265,3 +265,14 @@ def test_the_adapter_sent_is_a_directory_peft_loads_to_the_policys_merged_weight
     assert any(not torch.equal(want[k], v) for k, v in build_model(
         cfg.model, len(tok), cfg.seed, "cpu", tok.pad_token_id, tok.bos_token_id, tok.eos_token_id).state_dict().items()
         if k in want)
+
+
+def test_a_full_weights_sync_reports_the_models_bytes():
+    """Without LoRA the driver's sync sends every weight: ``sync_bytes`` is the exported model's size."""
+    from asyncrl import Controller, load_config
+
+    cfg = load_config("quickstart", eval_every=None, groups_per_step=2, group_size=2, torch_threads=1)
+    with Controller.from_config(cfg) as ctrl:
+        m = ctrl.run(2, progress=False)
+        weights = ctrl.policy.export_weights()
+    assert (m.sync_bytes == sum(t.numel() * t.element_size() for t in weights.values())).all()
