@@ -243,6 +243,9 @@ TRAINER_VERSION = Column("trainer_version", "T after the step")
 STEP_TIME_S = Column("step_time_s", "seconds the step took, active time only (not a pause between hand ticks)")
 TOKENS_PER_S = Column("tokens_per_s", "completion_tokens / step_time_s")
 SYNC_TIME_S = Column("sync_time_s", "seconds of the weight sync after the optimizer step")
+SYNC_BYTES = Column("sync_bytes", "bytes the weight sync after the optimizer step sent the generator: the weights, "
+                    "or with model.lora on vLLM the adapter alone (a row has it when the sync says: driver, adapter "
+                    "and collective syncs)")
 BUFFERED = Column("buffered", "groups in the buffer at the end of the step")
 INFLIGHT = Column("inflight", "groups in flight at the end of the step")
 EVAL_REWARD = Column("eval_reward", "held-out greedy reward after the step (every eval_every steps, else absent)")
@@ -252,7 +255,7 @@ EVAL_FAILED = Column("eval_failed", "evaluation prompts left out: their reward s
 STEP_FACTS: tuple[Column, ...] = (STEP, TRAINER_VERSION, STEP_TIME_S, TOKENS_PER_S, SYNC_TIME_S, BUFFERED, INFLIGHT)
 """A row of ``Controller.metrics``: ``step``, ``trainer_version``, ``STEP_METRICS``, ``GEN_METRICS`` (the
 rollout pump's), the rest of ``STEP_FACTS``,
-the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT`` (below), a generator's optional
+``SYNC_BYTES`` (when the weight sync counts them), the policy backend's metrics (its loss's and ``ENGINE_METRICS``), ``THROUGHPUT`` (below), a generator's optional
 ``step_metrics()``, and ``EVAL_REWARD``/``EVAL_ACCURACY``/``EVAL_FAILED`` every ``eval_every`` steps."""
 
 # --- Controller.evaluations: one row per held-out evaluation ---------------------------------------------------

@@ -47,6 +47,12 @@ if TYPE_CHECKING:
     from asyncrl.tasks import Task
 
 
+def sync_bytes(sync: Any) -> dict[str, float]:
+    """``{sync_bytes: the last sync's payload}`` where the weight sync counts it (``last_bytes``), else ``{}``."""
+    nbytes = getattr(sync, "last_bytes", None)
+    return {} if nbytes is None else {M.SYNC_BYTES.name: float(nbytes)}
+
+
 class TrainPump:
     """The train half of a controller, built from the parts it uses: ``state`` is the controller's run state,
     ``rollout`` the rollout pump it hands generation to, ``clock`` the step timer's (active time only),
@@ -245,6 +251,7 @@ class TrainPump:
             M.STEP_TIME_S.name: elapsed,
             M.TOKENS_PER_S.name: self.step.total("completion_tokens") / elapsed if elapsed > 0 else math.nan,
             M.SYNC_TIME_S.name: sync_s,
+            **sync_bytes(rollout.sync_weights),
             M.BUFFERED.name: len(self.buffer),
             M.INFLIGHT.name: self.buffer.num_pending,
         }

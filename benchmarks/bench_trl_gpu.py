@@ -57,17 +57,16 @@ import tempfile
 import time
 from pathlib import Path
 
+import model_dirs
 import pandas as pd
+from model_dirs import SHAPES
 from record import DATA, meta, save
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from asyncrl.metrics import peak_flops, throughput, train_flops  # noqa: E402
 
 GROUPS, GROUP_SIZE = 32, 8
-QWEN = dict(vocab_size=151936, hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-            intermediate_size=4864, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=2048)
-TINY = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=128, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=128)
+QWEN, TINY = SHAPES["qwen2_0_5b"][1], SHAPES["tiny_qwen2"][1]
 
 
 def say(*args) -> None:
@@ -76,21 +75,8 @@ def say(*args) -> None:
 
 def build_model_dir(path: Path, dry: bool, seed: int = 0) -> Path:
     """A randomly initialised Qwen2 directory (config, bf16 safetensors, the padded byte tokenizer, its chat
-    template): what both sides load."""
-    import torch
-    from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from asyncrl.tokenizer import build_tokenizer
-
-    shape = TINY if dry else QWEN
-    tok = build_tokenizer(shape["vocab_size"])
-    cfg = Qwen2Config(**shape, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                      eos_token_id=tok.eos_token_id)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.float32 if dry else torch.bfloat16)
-    model.save_pretrained(str(path))
-    tok.save_pretrained(str(path))
-    return path
+    template): what both sides load (``benchmarks/model_dirs.py``)."""
+    return model_dirs.build_model_dir(path, "tiny_qwen2" if dry else "qwen2_0_5b", seed)
 
 
 def prompts(n: int) -> list[str]:

@@ -107,7 +107,8 @@ TRAIN_CALLS = ("logprobs", "begin_train_step", "train_microbatches", "finish_tra
 
 CURVE_EXTRAS = ("entropy", "grad_norm", "is_weight_mean", "is_truncated_frac", "lag_mean",
                 # each step's timing and work (per-step tables: bench_trl_gpu.py; asyncrl.metrics says what each is)
-                "step_time_s", "train_time_s", "sync_time_s", "completion_tokens", "train_tokens", "train_flops",
+                "step_time_s", "train_time_s", "sync_time_s", "sync_bytes", "completion_tokens", "train_tokens",
+                "train_flops",
                 "train_tflops", "mfu")
 SAMPLING_KEYS = {"max_new_tokens", "min_new_tokens_tail", "length_sigma", "temperature", "top_p"}
 

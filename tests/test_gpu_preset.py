@@ -108,3 +108,37 @@ def test_knobs_of_the_logprob_path_and_attention_are_checked():
     with pytest.raises(ValidationError, match="vocab_size"):
         load_config("gpu_real_shape", model={"vocab_size": 100})
     assert load_config("quickstart").trainer.logprob_chunk_tokens == 2048
+
+
+def test_the_lora_8b_preset_validates_and_its_recipe_trains_a_tiny_qwen3_on_cpu(tmp_path):
+    """``gpu_lora_8b``: an 8B-shaped Qwen3 directory built first (``benchmarks/model_dirs.py``), LoRA r=16 on every
+    linear layer, vLLM serving one adapter per version (max_loras = W + 1), the torch engine on CUDA with gradient
+    checkpointing, no reference copy. Its recipe (a Qwen3 directory, LoRA, checkpointing, sorted micro-batches)
+    trains on CPU at a tiny shape, and the directory builder keeps a directory of the same shape."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("peft")
+    from asyncrl import Controller
+
+    cfg = load_config("gpu_lora_8b")
+    assert cfg.model.hf_path == "/tmp/asyncrl-qwen3-8b" and cfg.model.dtype == "bfloat16"
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha) == (16, 32.0) and cfg.model.lora.target_modules is None
+    assert (cfg.trainer.backend, cfg.trainer.device, cfg.trainer.gradient_checkpointing) == ("torch", "cuda", True)
+    assert (cfg.generation.backend, cfg.generation.device) == ("vllm", "cuda")
+    assert cfg.generation.max_loras == cfg.sampler.max_staleness_versions + 1 == 2
+    assert cfg.loss.kl == "none" and not cfg.loss.gap_metrics  # neither a reference nor a kept copy of the base
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from model_dirs import SHAPES, build_model_dir
+
+    assert SHAPES["qwen3_8b"][1]["num_hidden_layers"] == 36 and SHAPES["qwen3_8b"][1]["head_dim"] == 128
+    path = build_model_dir(tmp_path / "tiny", "tiny_qwen3")
+    written = (path / "model.safetensors").stat().st_mtime_ns
+    assert build_model_dir(path, "tiny_qwen3") == path and (path / "model.safetensors").stat().st_mtime_ns == written
+    tiny = load_config("gpu_lora_8b", eval_every=None, groups_per_step=2, group_size=2, torch_threads=1,
+                       model={"hf_path": str(path), "dtype": "float32"},
+                       generation={"backend": "torch", "device": "cpu", "max_new_tokens": 4},
+                       trainer={"device": "cpu", "micro_batch_tokens": 64})
+    with Controller.from_config(tiny) as ctrl:
+        m = ctrl.run(2, progress=False)
+    assert len(m) == 2 and m.loss.notna().all() and (m.sync_bytes > 0).all()

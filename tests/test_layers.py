@@ -49,8 +49,10 @@ TIERS = [
      "asyncrl.backends.data_parallel", "asyncrl.backends.sampling", "asyncrl.backends.torch_decode",
      "asyncrl.backends.lr_schedule", "asyncrl.backends.simulated_timeline", "asyncrl.backends.simulated_turns",
      "asyncrl.backends.lora"],
-    # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it
-    ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights"],
+    # how the vLLM engine is built (the HF model directory it loads), a group's requests, weights into it, LoRA
+    # adapters in it
+    ["asyncrl.backends.vllm_build", "asyncrl.backends.vllm_requests", "asyncrl.backends.vllm_weights",
+     "asyncrl.backends.vllm_lora"],
     # engines (any other asyncrl.backends.* module counts as one) and the weight sync between two of them
     ["asyncrl.backends.torch", "asyncrl.backends.megatron", "asyncrl.backends.vllm", "asyncrl.backends.simulated",
      "asyncrl.backends.weight_sync", "asyncrl.backends.replicas", "asyncrl.backends.ranks"],

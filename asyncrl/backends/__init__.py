@@ -6,7 +6,7 @@ actors (``placement: ray``) or, the generator, in a child process (``placement: 
 configuration, not code.
 Layout: ``base`` (the Protocols), ``hf`` (Hugging Face helpers every engine shares), one module per engine
 (``torch`` with ``torch_decode``, ``megatron`` with ``megatron_weights`` and ``megatron_parallel``, ``vllm`` with
-``vllm_build``, ``vllm_requests`` and ``vllm_weights``, ``simulated``), the placements (``ray``, ``process``; the
+``vllm_build``, ``vllm_requests``, ``vllm_weights`` and ``vllm_lora``, ``simulated``), the placements (``ray``, ``process``; the
 queue of generators that generate on poll is ``submit_queue``), ``replicas`` (K generation engines as one backend), ``ranks`` (a multi-rank
 trainer as one backend; its ranks reduce with ``data_parallel``) and ``weight_sync`` (how weights reach the
 generator). Engines never import each other.

@@ -10,12 +10,18 @@ Invariants:
   rank included), under the model's plain Hugging Face names: what a generator loads and an export writes.
 - ``adapter_state`` is what a checkpoint keeps of the model: the adapter's tensors only (the base is named, not
   copied: ``model.hf_path`` or the seeded built-in model rebuilds it).
+- ``export_adapter`` is what the weight sync sends a generator that serves adapters (vLLM, ``asyncrl/backends/vllm.py``):
+  the adapter's tensors under peft's saved names (``base_model.model....lora_A.weight``, what
+  ``adapter_model.safetensors`` holds) in the generator's dtype, on the CPU, with peft's ``adapter_config.json``
+  as a dict; ``nbytes`` is what the sync moved. ``write_adapter_dir`` writes it as the directory peft and vLLM load.
 """
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -90,4 +96,42 @@ def save_adapter(peft_model: Any, path: str | Path) -> Path:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return path
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """One version of the adapter as a generator receives it (module docstring): peft-named tensors and config."""
+
+    tensors: dict[str, torch.Tensor]
+    config: dict[str, Any]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+@torch.no_grad()
+def export_adapter(peft_model: Any, dtype: torch.dtype) -> LoraAdapter:
+    """The adapter of ``peft_model`` as ``adapter_model.safetensors`` / ``adapter_config.json`` would hold it,
+    tensors cast to ``dtype`` (the generator's) and copied to the CPU."""
+    from peft.utils import get_peft_model_state_dict
+
+    if peft_model is None:
+        raise ValueError("export_adapter: this policy trains no adapter (model.lora is unset)")
+    state = get_peft_model_state_dict(peft_model, adapter_name=ADAPTER)
+    tensors = {k: v.detach().to(device="cpu", dtype=dtype).contiguous() for k, v in state.items()}
+    config = peft_model.peft_config[ADAPTER].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}  # as peft writes it
+    return LoraAdapter(tensors, config)
+
+
+def write_adapter_dir(adapter: LoraAdapter, path: str | Path) -> Path:
+    """Write ``adapter`` as ``path/adapter_config.json`` + ``path/adapter_model.safetensors`` (created)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text(json.dumps(adapter.config, indent=2, sort_keys=True, default=str))
+    save_file(adapter.tensors, str(path / "adapter_model.safetensors"), metadata={"format": "pt"})
     return path

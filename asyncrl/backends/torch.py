@@ -40,7 +40,9 @@ from asyncrl import micro_batches
 from asyncrl.algorithms import Loss
 from asyncrl.logprobs import chunked_logprobs
 from asyncrl.backends.base import Capabilities, KeptVersions
-from asyncrl.backends.hf import build_model, special_ids
+import asyncrl.backends.lora as lora
+from asyncrl.backends.device_lock import holds_device
+from asyncrl.backends.hf import DTYPES, build_model, special_ids
 from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.sampling import group_max_tokens
 from asyncrl.backends.submit_queue import SubmitQueue
@@ -152,9 +154,7 @@ class TorchPolicy(KeptVersions):
         self.model = build_model(model_cfg, vocab, seed, self.device, self.pad_id, bos_id, self.eos_id)
         self.peft = None  # model.lora: the adapter is injected into self.model; only it trains (backends/lora.py)
         if model_cfg.lora is not None:
-            from asyncrl.backends.lora import apply_lora
-
-            self.peft = apply_lora(self.model, model_cfg.lora, seed)
+            self.peft = lora.apply_lora(self.model, model_cfg.lora, seed)
         self.model.train()
         if trainer_cfg.gradient_checkpointing:  # each decoder layer recomputed in backward (torch.utils.checkpoint)
             if hasattr(self.model, "activation_checkpointing_enable"):  # transformers >= 5.x's name for it
@@ -221,6 +221,7 @@ class TorchPolicy(KeptVersions):
         same in every version)."""
         return self.params
 
+    @holds_device  # GPU work colocated with vLLM: one engine's kernels at a time (device_lock.py)
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] logprobs of ``batch.input_ids`` under the current weights, 0 off ``loss_mask``; no grad."""
         return self._logprobs_with(self.model, batch)
@@ -259,6 +260,7 @@ class TorchPolicy(KeptVersions):
         self._step.add({"peak_flops": self.peak_flops})  # before the DP reduction: the step's devices add up
         self._in_step = True
 
+    @holds_device
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("train_microbatches before begin_train_step")
@@ -287,6 +289,7 @@ class TorchPolicy(KeptVersions):
         return {"loss_sum": totals.get("loss", 0.0), "normaliser": totals.get("normaliser", 0.0),
                 "sequences": float(batch.num_sequences)}
 
+    @holds_device
     def finish_train_step(self) -> dict[str, float]:
         if not self._in_step:
             raise RuntimeError("finish_train_step before begin_train_step")
@@ -314,16 +317,20 @@ class TorchPolicy(KeptVersions):
         return metrics
 
     # -- weights and state -----------------------------------------------------------------------------------------
+    @holds_device
     def export_weights(self) -> dict[str, torch.Tensor]:
         """Detached copies of the current weights under Hugging Face names (``model.state_dict()`` keys; with tied
         embeddings ``lm_head.weight`` is present too, as a copy of ``model.embed_tokens.weight``); a LoRA run's
         with the adapter merged in."""
         if self.peft is not None:
-            from asyncrl.backends.lora import merged_weights
-
-            return merged_weights(self.model)
+            return lora.merged_weights(self.model)
         with torch.no_grad():
             return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+    @holds_device
+    def export_adapter(self):
+        """A LoRA run's adapter alone (``lora.export_adapter``): what the sync sends vLLM instead of merged weights."""
+        return lora.export_adapter(self.peft, DTYPES[self.model_cfg.dtype])
 
     def generate_greedy(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
         """Greedy completions under the current (trained) weights; draws no randomness."""
@@ -333,9 +340,7 @@ class TorchPolicy(KeptVersions):
         """Everything an exact resume needs: weights, AdamW state, the reference weights (KL), steps done. A LoRA
         run's ``model`` is the adapter alone and ``base`` names the model it adapts (the reference is the base)."""
         if self.peft is not None:
-            from asyncrl.backends.lora import adapter_state
-
-            return {"model": adapter_state(self.model), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            return {"model": lora.adapter_state(self.model), "optimizer": copy.deepcopy(self.optimizer.state_dict()),
                     "steps_done": self.steps_done, "base": self.model_cfg.hf_path or f"built-in (seed {self.seed})"}
         state = {
             "model": {k: v.detach().clone() for k, v in self.model.state_dict().items()},
@@ -351,9 +356,7 @@ class TorchPolicy(KeptVersions):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.peft is not None:
-            from asyncrl.backends.lora import load_adapter_state
-
-            load_adapter_state(self.model, state["model"])
+            lora.load_adapter_state(self.model, state["model"])
         else:
             self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])

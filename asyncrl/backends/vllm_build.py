@@ -6,6 +6,8 @@ loads, the ``vllm.LLM`` arguments a ``VLLMGenerationConfig`` stands for, and the
   ``MegatronPolicy`` start from with that seed, the policies' version 0).
 - The KV pool: ``gen_cfg.kv_cache_tokens`` sizes it from a token budget (vLLM's ``kv_cache_memory_bytes``,
   ``kv_cache_bytes``), otherwise ``gpu_memory_utilization`` does; ``max_num_seqs`` bounds sequences decoded at once.
+- ``model.lora``: LoRA on (``enable_lora``, ``max_lora_rank`` the adapter's rank rounded up to one vLLM takes,
+  ``max_loras`` from ``gen_cfg.max_loras``); the engine loads the base model, adapters come per weight version.
 - CUDA graphs unless ``enforce_eager``: vLLM then also compiles the model; ``build_timings`` reads the compile and
   graph-capture seconds from vLLM's own build log (they are kept nowhere else).
 - Shutting it down (``shutdown_llm``): the engine lives in the caller's process, so its memory comes back only once
@@ -49,6 +51,23 @@ def kv_cache_bytes(model_cfg: Any, hf_config: Any, tokens: int) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
     per_token = 2 * hf_config.num_hidden_layers * hf_config.num_key_value_heads * head_dim
     return int(tokens) * per_token * (2 if model_cfg.dtype == "bfloat16" else 4)
+
+
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.26's LoRAConfig.max_lora_rank choices
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds an adapter of ``rank``."""
+    for r in VLLM_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"model.lora.rank {rank}: vLLM serves adapters of rank <= {VLLM_RANKS[-1]}")
+
+
+def lora_engine_kwargs(lora_cfg: Any, max_loras: int) -> dict[str, Any]:
+    """The ``vllm.LLM`` arguments of an engine serving ``max_loras`` adapters of ``lora_cfg``'s rank at once."""
+    return {"enable_lora": True, "max_lora_rank": vllm_lora_rank(lora_cfg.rank), "max_loras": max_loras,
+            "max_cpu_loras": max_loras + 1}  # + the newest while the oldest still finishes
 
 
 class _BuildTimings(logging.Handler):
@@ -103,6 +122,8 @@ def build_llm(vllm: Any, model_cfg: Any, gen_cfg: Any, seed: int, tokenizer: Any
             model_cfg, AutoConfig.from_pretrained(model_dir), gen_cfg.kv_cache_tokens)
     if gen_cfg.max_num_seqs is not None:
         kwargs["max_num_seqs"] = gen_cfg.max_num_seqs
+    if model_cfg.lora is not None:  # the base model, and one adapter per weight version (vllm_lora.py)
+        kwargs.update(lora_engine_kwargs(model_cfg.lora, gen_cfg.max_loras))
     kwargs.update(gen_cfg.llm_kwargs)
     timings = _BuildTimings()
     vllm_logger = logging.getLogger("vllm")

@@ -28,6 +28,10 @@ class Group:
     submitted_version: int
     seq: int  # submission order (a drain runs the groups submitted before it)
     start_version: int | None = None
+    # A LoRA run's adapter (``vllm_lora.Entry``, None: the base model), fixed once (``pinned``): at submit under
+    # ``drain``, when it enters the engine under ``inflight``; every request of the group carries it.
+    adapter: Any = None
+    pinned: bool = False
 
 
 def eos_token_id(model_cfg: Any, tokenizer: Any) -> int | None:

@@ -83,3 +83,50 @@ def load_in_place(llm: Any, weights: Mapping[str, torch.Tensor], weight_load: st
             llm.reset_prefix_cache()
             t2 = time.perf_counter()
     return t1 - t0, t2 - t1
+
+
+class LoadsWeights:
+    """The weight-loading half of ``VLLMGenerator`` (a mixin; the engine, its locks and version are the
+    generator's): staged sets (``stage_weights``), the swap between two engine steps, the in-place load and its
+    ``sync_parts`` records. The module docstring says when each happens and what holds."""
+
+    def stage_weights(self, weights: Mapping[str, torch.Tensor], version: int, fill: Any = None) -> None:
+        """Stage ``weights`` as ``version`` without waiting for the engine: ``fill()`` (if given) writes them
+        first, under the staging lock (the collective sync receives into ``weights`` there). ``version`` says so at
+        once; they are swapped in between two engine steps (module docstring). ``weights`` must stay untouched by
+        the caller until the next ``stage_weights`` call: they are read at the swap."""
+        with self._staging:
+            t0 = time.perf_counter()
+            if fill is not None:
+                fill()
+            t1 = time.perf_counter()
+            self._staged = Staged(weights, int(version), t1, t1 - t0)
+        if self._thread is not None:  # the engine thread swaps them in (at once if idle); the sender goes on
+            with self._changed:
+                self._changed.notify_all()
+
+    def sync_parts(self) -> list[dict[str, float]]:
+        """One record per weight load, oldest first: ``version``, ``receive_s`` (writing the staged buffers: the
+        transfer, for a collective sync), ``swap_wait_s`` (staged until swapped in: the steps it waited for),
+        ``load_s`` (into the engine, device synchronised) and ``reset_s`` (prefix-cache reset; 0 when off)."""
+        return list(self._sync_parts)
+
+    def _swap_staged(self) -> None:
+        """Load the staged weights, if any; the caller holds ``_engine``."""
+        with self._staging:
+            if self._staged is None:
+                return
+            staged = self._staged
+            try:
+                self._load(staged.weights, staged.version,
+                           {"receive_s": staged.receive_s, "swap_wait_s": time.perf_counter() - staged.staged_at})
+            finally:
+                self._staged = None  # after _version moved, so ``version`` never reads an older one meanwhile
+
+    def _load(self, weights: Mapping[str, torch.Tensor], version: int, parts: dict[str, float]) -> None:
+        load_s, reset_s = load_in_place(self.llm, weights, self.weight_load, self.device,
+                                        self.gen_cfg.enable_prefix_caching, type(self).__name__)
+        self.last_sync_seconds = load_s + reset_s
+        self._sync_parts.append({"version": int(version), **parts, "load_s": load_s, "reset_s": reset_s})
+        with self._state:
+            self._version = int(version)

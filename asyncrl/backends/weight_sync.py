@@ -69,7 +69,10 @@ def collective_backend(cfg: Any) -> str:
 
 
 def build_weight_sync(cfg: Any, policy: Any, generator: Any):
-    """The callable ``sync(version)`` the controller uses, as ``cfg.generation.weight_sync`` says."""
+    """The callable ``sync(version)`` the controller uses, as ``cfg.generation.weight_sync`` says (a LoRA run on
+    vLLM: the adapter alone, ``AdapterWeightSync``)."""
+    if serves_adapters(cfg):
+        return AdapterWeightSync(policy, generator)
     if cfg.generation.weight_sync == "driver":
         return DriverWeightSync(policy, generator)
     if not (isinstance(policy, RemoteBackend) and isinstance(generator, RemoteBackend)):
@@ -80,16 +83,47 @@ def build_weight_sync(cfg: Any, policy: Any, generator: Any):
     return CollectiveWeightSync(policy, generator, collective_backend(cfg), cfg.trainer.device, cfg.generation.device)
 
 
+def serves_adapters(cfg: Any) -> bool:
+    """Whether the generator takes the LoRA adapter itself (``model.lora`` with vLLM) rather than merged weights."""
+    return cfg.model.lora is not None and cfg.generation.backend == "vllm"
+
+
+def payload_bytes(tensors: Any) -> int:
+    """Bytes of a dict of tensors (arrays: their ``nbytes``; anything else counts 0): what a sync moved."""
+    return sum(int(getattr(t, "nbytes", 0)) for t in tensors.values())
+
+
 class DriverWeightSync:
-    """``generator.load_weights(policy.export_weights(), version)``, from the calling process."""
+    """``generator.load_weights(policy.export_weights(), version)``, from the calling process. ``last_bytes``: the
+    payload of the last sync (the ``sync_bytes`` metric)."""
 
     mode = "driver"
 
     def __init__(self, policy: Any, generator: Any) -> None:
         self.policy, self.generator = policy, generator
+        self.last_bytes = 0
 
     def __call__(self, version: int) -> None:
-        self.generator.load_weights(self.policy.export_weights(), version)
+        weights = self.policy.export_weights()
+        self.last_bytes = payload_bytes(weights)
+        self.generator.load_weights(weights, version)
+
+
+class AdapterWeightSync:
+    """A LoRA run on vLLM: ``generator.load_adapter(policy.export_adapter(), version)``, from the calling process.
+    Only the adapter travels (``last_bytes``: its tensors' bytes, not the model's); the generator registers it as
+    version ``version``'s adapter beside the older ones its groups still use (``asyncrl/backends/vllm_lora.py``)."""
+
+    mode = "adapter"
+
+    def __init__(self, policy: Any, generator: Any) -> None:
+        self.policy, self.generator = policy, generator
+        self.last_bytes = 0
+
+    def __call__(self, version: int) -> None:
+        adapter = self.policy.export_adapter()
+        self.last_bytes = adapter.nbytes
+        self.generator.load_adapter(adapter, version)
 
 
 class CollectiveWeightSync:
@@ -111,7 +145,7 @@ class CollectiveWeightSync:
             generator.apply_remote(_connect, RECEIVER, port, meta, backend, generator_device, timeout_s),
         ])
         self.meta = meta
-        self.syncs, self.bytes_sent = 0, 0
+        self.syncs, self.bytes_sent, self.last_bytes = 0, 0, 0
         self.last_send_s = self.last_receive_s = float("nan")
 
     def __call__(self, version: int) -> None:
@@ -123,6 +157,7 @@ class CollectiveWeightSync:
         self.last_receive_s = ray.get(receive)
         self.syncs += 1
         self.bytes_sent += nbytes
+        self.last_bytes = nbytes
 
     def __repr__(self) -> str:
         return f"CollectiveWeightSync({self.backend}, {len(self.meta)} tensors, {self.syncs} syncs)"

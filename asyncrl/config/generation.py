@@ -94,6 +94,9 @@ class VLLMGenerationConfig(_LongTail):
         "groups x group_size x (prompt + max_new_tokens) tokens")
     max_num_seqs: int | None = Field(
         None, ge=1, description="sequences vLLM decodes at once (None: vLLM's default, 256 on this GPU class)")
+    max_loras: int = Field(
+        4, ge=1, description="with model.lora: vLLM adapters served at once, one per weight version a group in "
+        "flight uses (at least the sampler's window W + 1); vLLM's max_loras and max_cpu_loras")
     llm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra keyword arguments for vllm.LLM (e.g. logprobs_mode)")
 

@@ -4,6 +4,8 @@ the buffer's size.
 Invariants:
 - A sampler that may train on stale data needs an importance-sampling correction in the loss.
 - The buffer holds at least the sampler's required capacity for ``groups_per_step``, or the run deadlocks.
+- ``model.lora`` on vLLM: the generator holds one adapter per weight version a group in flight uses, so
+  ``generation.max_loras`` >= the sampler's window W + 1 (``check_lora_adapters``).
 - Both are facts of the sampler's class and knobs, asked without building a sampler or a buffer (a custom
   target's class is imported, as validating its config already did); the controller builds the one sampler.
 - Each rule raises one ``ValueError`` naming both sides; none changes the configuration.
@@ -28,6 +30,23 @@ def check_sampler_config(cfg: Any) -> None:
     """The sampler of ``cfg`` (asyncrl.config.Config) against the rest of ``cfg``."""
     cls, knobs = sampler_class(cfg.sampler), sampler_knobs(cfg.sampler)
     _check_fit(cls.trains_on_policy(knobs), cls.capacity_needed(knobs, cfg.groups_per_step), cls.describe(knobs), cfg)
+    check_lora_adapters(cfg)
+
+
+def check_lora_adapters(cfg: Any) -> None:
+    """``model.lora`` with vLLM (one adapter per weight version, ``asyncrl/backends/vllm_lora.py``): the generator in
+    the controller's process, the adapter sent by the driver, and room for the window's versions."""
+    if cfg.model.lora is None or cfg.generation.backend != "vllm":
+        return
+    gen = cfg.generation
+    if gen.placement != "local" or gen.replicas > 1 or gen.weight_sync != "driver":
+        raise ValueError(f"model.lora with generation.backend 'vllm' sends the adapter to one engine in the "
+                         f"controller's process: set generation.placement 'local', replicas 1, weight_sync 'driver' "
+                         f"(got {gen.placement!r}, {gen.replicas}, {gen.weight_sync!r})")
+    window = sampler_class(cfg.sampler).window_of(sampler_knobs(cfg.sampler))
+    if window is not None and gen.max_loras < window + 1:
+        raise ValueError(f"generation.max_loras {gen.max_loras} < the sampler's window {window} + 1: groups in flight "
+                         f"may use {window + 1} weight versions, one adapter each; set max_loras >= {window + 1}")
 
 
 def required_buffer_capacity(sampler_config: Any, groups_per_step: int) -> int | None:

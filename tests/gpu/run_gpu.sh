@@ -16,6 +16,7 @@
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
 #   all      tests then bench
 #   notebook notebooks/gpu_quickstart.ipynb (or $NOTEBOOK) through nbclient (tests/gpu/run_notebook.py; NB_WHEELS from tests/gpu/stage_notebook.sh go into $SITE if needed): <name>.summary.json, the executed notebook, notebook.log; ~2-3 min on an H100
+#   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -72,7 +73,11 @@ for part in $PARTS; do
     python3 tests/gpu/run_notebook.py "${NOTEBOOK:-notebooks/gpu_quickstart.ipynb}" --out "$OUT" >"$OUT/notebook.log" 2>&1
     r=$?
     grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank" "$OUT/notebook.log" | cut -c1-300 | tail -n 40 ;;
-  *) echo "unknown part $part: tests, trl, asyncrl, bench, notebook or all"; exit 2 ;;
+  lora)
+    python3 benchmarks/bench_lora_gpu.py --preset gpu_lora_8b --steps "${LORA_STEPS:-4}" --warmup 3 --out "$OUT" \
+      2>&1 | tee "$OUT/call_lora.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 60
+    r=${PIPESTATUS[0]} ;;
+  *) echo "unknown part $part (the parts: this file's header)"; exit 2 ;;
   esac
   echo "=== $part: rc=$r, $((SECONDS - t)) s"
   [ "$r" = 0 ] || rc=$r
