@@ -176,6 +176,15 @@ def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 30
     return info
 
 
+def ensure_tool_model_dir(path: str | Path, **kwargs) -> dict:
+    """The directory at ``path`` if an earlier build left it whole (its ``tool_model.json``), else built there now
+    (``build_tool_model_dir(path, **kwargs)``); its ``info`` with ``reused`` saying which."""
+    done = Path(path) / "tool_model.json"
+    if done.exists() and (Path(path) / "config.json").exists():
+        return {**json.loads(done.read_text()), "reused": True}
+    return {**build_tool_model_dir(path, **kwargs), "reused": False}
+
+
 def probe_tool_calls(model, tok, schemas: list[dict], rows: list[dict], device) -> float:
     """The share of sampled first turns (temperature 1, at most 96 tokens) of ``rows``' prompts that parse as a
     ``calculate`` call."""

@@ -219,3 +219,55 @@ def test_the_gpu_preset_validates_and_names_the_tool_task():
                                      add_generation_prompt=True)
     turns = cfg.environment.max_turns * cfg.generation.max_new_tokens
     assert len(tok.encode(prompt, add_special_tokens=False)) + turns + 2 * 32 <= cfg.model.max_position_embeddings
+
+
+def test_the_agents_gpu_bench_reads_vllm_s_prefix_cache_counters_and_derives_its_ratios(tmp_path):
+    """benchmarks/bench_agents_gpu.py's bookkeeping without a GPU: vLLM's counters (or none when its stats are
+    off), each pass's hit rate, the ratios in meta.json, and the run directory."""
+    import json
+    from types import SimpleNamespace
+
+    import pandas as pd
+
+    bench = pytest.importorskip("bench_agents_gpu")
+    from record import load, save
+
+    counters = {"vllm:prefix_cache_queries": 1000, "vllm:prefix_cache_hits": 600}
+
+    class LLM:
+        def get_metrics(self):
+            return [SimpleNamespace(name=k, value=v, labels={}) for k, v in counters.items()] + [
+                SimpleNamespace(name="vllm:num_requests_running", value=3, labels={})]
+
+    class Off:
+        def get_metrics(self):
+            raise AssertionError("Stat logging disabled")
+
+    before = bench.prefix_cache_counts(SimpleNamespace(llm=LLM()))
+    counters.update({"vllm:prefix_cache_queries": 3000, "vllm:prefix_cache_hits": 2100})
+    delta = bench.cache_delta(before, bench.prefix_cache_counts(SimpleNamespace(llm=LLM())))
+    assert delta == {"prefix_cache_queries": 2000, "prefix_cache_hits": 1500, "prefix_cache_hit_rate": 0.75}
+    assert bench.prefix_cache_counts(SimpleNamespace(llm=Off())) is None
+    assert bench.prefix_cache_counts(SimpleNamespace()) is None  # no vLLM engine (the torch generator)
+    assert bench.cache_delta(None, None)["prefix_cache_hit_rate"] != bench.cache_delta(None, None)["prefix_cache_hit_rate"]
+    multi = GroupRollouts(1, [1], [[5, 6, 7, 8], [5, 6]], [[0.0] * 4, [0.0] * 2], 0, 0, trained_mask=[[1, 0, 0, 1], [1, 1]],
+                          turns=[{"turns": 2, "tool_calls": 1, "env_tokens": 2}, {"turns": 1, "tool_calls": 0,
+                                                                               "env_tokens": 0}])
+    single = GroupRollouts(2, [1], [[5, 6, 7], [5]], [[0.0] * 3, [0.0]], 0, 0)
+    rows = [bench.generator_row("multi_turn", [multi], 2.0, 10.0, delta),
+            bench.generator_row("single_turn", [single], 1.0, 8.0, bench.cache_delta(before, before)),
+            {"part": "controller", "mode": "sync", "steps": 6, "steps_per_s": 0.5},
+            {"part": "controller", "mode": "async", "steps": 6, "steps_per_s": 0.6}]
+    assert rows[0]["sampled_tokens"] == 4 and rows[0]["tokens_per_s"] == 2.0 and rows[0]["turns_mean"] == 1.5
+    assert rows[1]["sampled_tokens"] == 4 and rows[1]["tokens_per_s"] == 4.0 and rows[1]["tool_calls_mean"] == 0
+    frame = pd.DataFrame(rows)
+    results = bench.results_of(frame)
+    assert results["multi_over_single_tokens_per_s"] == 0.5 and results["async_over_sync_steps_per_s"] == 1.2
+    assert results["multi_over_single_engine_tokens_per_s"] == 1.25 and results["prefix_cache_hit_rate_multi_turn"] == 0.75
+    assert results["prefix_cache_hit_rate_sync"] is None  # no counts there: null, not NaN, in meta.json
+    assert "multi_turn" in bench.table(frame) and "steps_per_s" in bench.table(frame)
+    out = save("bench_agents_gpu", frame, results, out=tmp_path / "run")
+    saved, back = load(out)
+    assert saved["bench"] == "bench_agents_gpu" and saved["results"] == json.loads(json.dumps(results))
+    assert list(back["mode"]) == ["multi_turn", "single_turn", "sync", "async"]
+    assert sorted(p.name for p in out.iterdir()) == ["meta.json", "rows.csv"]

@@ -15,6 +15,7 @@
 #   bench    trl then asyncrl in one call (~10 min on an H100: over a 10-minute call's limit; there, two calls:
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
 #   all      tests then bench
+#   agents   benchmarks/bench_agents_gpu.py (the countdown tool task: multi- vs single-turn tokens/s, prefix-cache hits, async/sync) into OUT_DIR: ~4 min on an H100
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -63,6 +64,10 @@ for part in $PARTS; do
     r=${PIPESTATUS[0]}
     if [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
       cp "$BENCH_DIR"/{meta.json,rows.csv,steps.csv,trl.json,asyncrl.json} "$OUT/" 2>/dev/null; fi ;;
+  agents)
+    python3 benchmarks/bench_agents_gpu.py --out "$OUT" --model-dir "${TOOL_MODEL_DIR:-/tmp/countdown-tools}" 2>&1 | \
+      tee "$OUT/bench_agents_gpu.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 40
+    r=${PIPESTATUS[0]} ;;
   *) echo "unknown part $part: tests, trl, asyncrl, bench or all"; exit 2 ;;
   esac
   echo "=== $part: rc=$r, $((SECONDS - t)) s"
