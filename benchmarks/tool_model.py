@@ -160,6 +160,7 @@ def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 30
         losses.append(float(loss.detach()))
     train_s = time.perf_counter() - t0
     rate = probe_tool_calls(model, tok, schemas, data[rows:], device) if probe else float("nan")
+    del optimizer, schedule  # the GPU memory goes back before the engines are built (vLLM checks what is free)
     model = model.to(torch.bfloat16 if cuda else torch.float32)
     model.config.dtype = model.dtype
     path = Path(path)
@@ -173,6 +174,12 @@ def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 30
             "sft_s": round(train_s, 2), "probe_prompts": probe, "probe_tool_call_rate": rate,
             "build_s": round(time.perf_counter() - t0, 2)}
     (path / "tool_model.json").write_text(json.dumps(info, indent=1) + "\n")
+    del model
+    if cuda:
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
     return info
 
 
