@@ -128,6 +128,25 @@ def test_transcripts_are_laid_out_token_for_token_as_the_turns_module_lays_a_tra
     assert group.turns[0]["tool_calls"] == 2 and group.turns[0]["turns"] == 3
 
 
+def assert_observations_masked(batches, groups) -> int:
+    """Every row of the train ``batches`` is a trajectory of ``groups`` (the ``GroupRollouts`` the generator
+    returned): loss mask 0 over its prompt, then exactly its ``trained_mask`` (0 at the tool results), and a
+    generation logprob of 0 at the tool results. Returns the tool-result tokens the batches held."""
+    layout = {tuple(g.prompt_ids + c): (len(g.prompt_ids), m) for g in groups
+              for c, m in zip(g.completion_ids, g.trained_mask)}
+    seen = 0
+    for b in batches:
+        for row in range(b.input_ids.shape[0]):
+            n = int(b.attention_mask[row].sum())
+            start, mask = layout[tuple(b.input_ids[row, :n].tolist())]
+            assert float(b.loss_mask[row, :start].sum()) == 0
+            assert b.loss_mask[row, start:n].tolist() == [float(x) for x in mask]
+            context = [start + i for i, x in enumerate(mask) if not x]
+            assert all(float(b.gen_logprobs[row, i]) == 0.0 for i in context)
+            seen += len(context)
+    return seen
+
+
 class CountdownScript:
     """A generation backend that plays the countdown tool task by rule: its first turn calls ``calculate`` with
     the sum of the prompt's numbers, its next turn answers that sum (right only when it is the target)."""
@@ -181,9 +200,10 @@ def test_the_tool_task_trains_through_the_torch_engine_with_tool_calls_counted_a
     policy, generator, tok = build_backends(cfg)
     generator.close()
     ctrl = Controller(cfg, build_task(cfg.task), policy, CountdownScript(tok), tok)
-    seen = []
-    train = ctrl.policy.train_microbatches
+    seen, groups = [], []
+    train, poll = ctrl.policy.train_microbatches, ctrl.generator.poll
     ctrl.policy.train_microbatches = lambda batch: (seen.append(batch), train(batch))[1]
+    ctrl.generator.poll = lambda *a, **k: (lambda out: (groups.extend(out), out)[1])(poll(*a, **k))
     while ctrl.trainer_version < 2:
         ctrl.tick()
     rows = ctrl.completions
@@ -195,10 +215,7 @@ def test_the_tool_task_trains_through_the_torch_engine_with_tool_calls_counted_a
         nums = [int(n) for n in re.search(r"<answer>([\d + ]+)</answer>", text).group(1).split(" + ")]
         assert r.reward == countdown_score(f"<answer>{' + '.join(map(str, nums))}</answer>", nums,
                                            targets[r.prompt_id]) == float(sum(nums) == targets[r.prompt_id])
-    assert seen and all(((b.attention_mask > 0) & (b.loss_mask == 0)).sum() > 0 for b in seen)
-    for batch in seen:  # the tool results (context inside a completion) carry no logprob and no loss
-        inside = (batch.attention_mask > 0) & (batch.loss_mask == 0)
-        assert (batch.gen_logprobs[inside] == 0).all()
+    assert seen and assert_observations_masked(seen, groups) == sum(rows.env_tokens)  # every trained row checked
     ctrl.close()
 
 
