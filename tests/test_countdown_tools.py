@@ -229,9 +229,11 @@ def test_the_gpu_preset_validates_and_names_the_tool_task():
     shape = tool_model.SHAPES["small"]
     assert cfg.model.max_position_embeddings == shape["max_position_embeddings"]
     assert cfg.model.vocab_size == shape["vocab_size"]
-    # a prompt with the tools and the hint, then max_turns turns of max_new_tokens, fit the context
+    # a prompt with the tools and the hint, then max_turns turns of max_new_tokens with short tool results between
+    # them (a number, ~20 tokens as rendered), fit the context; an error message fits max_env_tokens whole
     row = {"nums": [99, 98, 97, 96], "target": 100}
     tok = tool_model.tool_tokenizer()
+    assert len(tok.encode("\ntool: " + evaluate("(1).real") + "\nassistant: ")) < cfg.environment.max_env_tokens
     prompt = tok.apply_chat_template(tool_model.prompt_messages(row), tools=tool_model.tools(), tokenize=False,
                                      add_generation_prompt=True)
     turns = cfg.environment.max_turns * cfg.generation.max_new_tokens
