@@ -112,8 +112,9 @@ def encode(tok, prompt: list[dict], after: list[dict], schemas: list[dict]) -> t
 
 def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 300, batch: int = 32,
                          lr: float = 1e-3, device: str | None = None, seed: int = 0, rows: int = 1000,
-                         probe: int = 32) -> dict:
-    """Write the warm-started chat model directory at ``path`` (module docstring); returns its ``info``."""
+                         probe: int = 32, log_every: int = 50) -> dict:
+    """Write the warm-started chat model directory at ``path`` (module docstring); returns its ``info``. Prints the
+    loss every ``log_every`` steps (0: silent)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
 
@@ -158,6 +159,9 @@ def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 30
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
+        if log_every and (step + 1) % log_every == 0:
+            print(f"  tool model: SFT step {step + 1}/{steps}, loss {losses[-1]:.3f}, "
+                  f"{time.perf_counter() - t0:.1f} s", flush=True)
     train_s = time.perf_counter() - t0
     rate = probe_tool_calls(model, tok, schemas, data[rows:], device) if probe else float("nan")
     del optimizer, schedule  # the GPU memory goes back before the engines are built (vLLM checks what is free)
