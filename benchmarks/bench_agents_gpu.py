@@ -205,7 +205,7 @@ def main() -> int:
     parser.add_argument("--name", default=None)
     parser.add_argument("--model-dir", default="/tmp/countdown-tools", help="the chat model directory: reused if an "
                         "earlier build left it whole, else built there (benchmarks/tool_model.py)")
-    parser.add_argument("--sft-steps", type=int, default=300)
+    parser.add_argument("--sft-steps", type=int, default=500)
     parser.add_argument("--groups", type=int, default=16, help="groups of each generator pass (default 16)")
     parser.add_argument("--warmup", type=int, default=2, help="warm-up steps of each controller run (default 2)")
     parser.add_argument("--steps", type=int, default=6, help="timed steps of each controller run (default 6)")

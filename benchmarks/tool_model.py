@@ -2,7 +2,7 @@
 ``tests/gpu/test_agents_gpu.py`` and ``benchmarks/bench_agents_gpu.py`` run, and what ``model.hf_path`` names.
 
     from tool_model import build_tool_model_dir
-    info = build_tool_model_dir("/tmp/countdown-tools")            # ~23M parameters, ~300 SFT steps on a GPU
+    info = build_tool_model_dir("/tmp/countdown-tools")            # ~23M parameters, 500 SFT steps, ~30 s on a GPU
     python benchmarks/tool_model.py /tmp/countdown-tools [--shape tiny] [--steps N]
 
 The directory, as the other benchmarks build theirs (``bench_trl_gpu.build_model_dir``): a Qwen2-shaped model
@@ -110,7 +110,7 @@ def encode(tok, prompt: list[dict], after: list[dict], schemas: list[dict]) -> t
     return ids, mask
 
 
-def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 300, batch: int = 32,
+def build_tool_model_dir(path: str | Path, shape: str = "small", steps: int = 500, batch: int = 32,
                          lr: float = 1e-3, device: str | None = None, seed: int = 0, rows: int = 1000,
                          probe: int = 32, log_every: int = 50) -> dict:
     """Write the warm-started chat model directory at ``path`` (module docstring); returns its ``info``. Prints the
@@ -226,7 +226,7 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("path")
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES))
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--device", default=None)
     args = parser.parse_args()
     print(json.dumps(build_tool_model_dir(args.path, args.shape, args.steps, device=args.device), indent=1))
