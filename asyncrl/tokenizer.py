@@ -30,6 +30,19 @@ CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 )
 
+# A chat template that renders tools and Hermes/Qwen tool calls for the byte tokenizer (the countdown tool task's chat
+# model directory, benchmarks/tool_model.py): the tools as one line each, then one line per message as above; an
+# assistant turn ends with ``<eos>``, the token the model samples to end it, so a trajectory's sampled tokens are
+# exactly what the template renders (asyncrl/turns.py) and past turns render as they were.
+TOOL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}{{ 'tools:' }}{% for t in tools %}{{ ' ' + t.function.name + '(' + "
+    "(t.function.parameters.properties | list | join(', ')) + '): ' + t.function.description }}{% endfor %}"
+    "{{ '\\ncall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\\n' }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}"
+    "{{ 'assistant: ' + message['content'] + eos_token + '\\n' }}"
+    "{% else %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
 
 ENDOFTEXT = "<|endoftext|>"
 

@@ -17,6 +17,7 @@
 #   all      tests then bench
 #   notebook notebooks/gpu_quickstart.ipynb (or $NOTEBOOK) through nbclient (tests/gpu/run_notebook.py; NB_WHEELS from tests/gpu/stage_notebook.sh go into $SITE if needed): <name>.summary.json, the executed notebook, notebook.log; ~2-3 min on an H100
 #   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
+#   agents   benchmarks/bench_agents_gpu.py (the countdown tool task: multi- vs single-turn tokens/s, prefix-cache hits, async/sync) into OUT_DIR: ~4 min on an H100
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -76,6 +77,10 @@ for part in $PARTS; do
   lora)
     python3 benchmarks/bench_lora_gpu.py --preset gpu_lora_8b --steps "${LORA_STEPS:-4}" --warmup 3 --out "$OUT" \
       2>&1 | tee "$OUT/call_lora.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 60
+    r=${PIPESTATUS[0]} ;;
+  agents)
+    python3 benchmarks/bench_agents_gpu.py --out "$OUT" --model-dir "${TOOL_MODEL_DIR:-/tmp/countdown-tools}" 2>&1 | \
+      tee "$OUT/bench_agents_gpu.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 40
     r=${PIPESTATUS[0]} ;;
   *) echo "unknown part $part (the parts: this file's header)"; exit 2 ;;
   esac
