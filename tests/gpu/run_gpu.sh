@@ -45,7 +45,7 @@ for part in $PARTS; do
   t=$SECONDS
   case "$part" in
   tests)
-    ASYNCRL_GPU_RESULTS="$OUT" python3 -m pytest -o addopts="" -p no:cacheprovider -q -rs -s -W ignore tests/gpu \
+    ASYNCRL_GPU_RESULTS="$OUT" ASYNCRL_TOOL_MODEL_DIR="${TOOL_MODEL_DIR:-/tmp/countdown-tools}" python3 -m pytest -o addopts="" -p no:cacheprovider -q -rs -s -W ignore tests/gpu \
       >"$OUT/pytest_gpu.log" 2>&1
     r=$?
     grep -E "^RESULT gpu_memory|passed|failed|^E  |Error|SKIPPED|Free memory on device" "$OUT/pytest_gpu.log" | cut -c1-300 | tail -n 40 ;;
