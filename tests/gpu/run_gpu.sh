@@ -19,6 +19,7 @@
 #   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
 #   agents   benchmarks/bench_agents_gpu.py (the countdown tool task: multi- vs single-turn tokens/s, prefix-cache hits, async/sync) into OUT_DIR: ~4 min on an H100
 #
+# GPU_TESTS (the tests part): the files to run instead of all of tests/gpu, in one process all the same.
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
 # 5.2.0, multiprocess 0.70.19, xxhash 4.1.0 beside the vLLM image: /work/shared/gpu/README.md);
@@ -45,7 +46,7 @@ for part in $PARTS; do
   t=$SECONDS
   case "$part" in
   tests)
-    ASYNCRL_GPU_RESULTS="$OUT" ASYNCRL_TOOL_MODEL_DIR="${TOOL_MODEL_DIR:-/tmp/countdown-tools}" python3 -m pytest -o addopts="" -p no:cacheprovider -q -rs -s -W ignore tests/gpu \
+    ASYNCRL_GPU_RESULTS="$OUT" ASYNCRL_TOOL_MODEL_DIR="${TOOL_MODEL_DIR:-/tmp/countdown-tools}" python3 -m pytest -o addopts="" -p no:cacheprovider -q -rs -s -W ignore ${GPU_TESTS:-tests/gpu} \
       >"$OUT/pytest_gpu.log" 2>&1
     r=$?
     grep -E "^RESULT gpu_memory|passed|failed|^E  |Error|SKIPPED|Free memory on device" "$OUT/pytest_gpu.log" | cut -c1-300 | tail -n 40 ;;
