@@ -34,8 +34,7 @@
   back once a chunk; ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
 - The forward (``megatron_forward``): the last hidden states, never the full-vocabulary logits (token logprobs
   and entropy from ``logprobs.chunked_logprobs``, ``logprob_chunk_tokens`` positions at a time, only where the
-  loss mask is); on CUDA FlexAttention under a document mask (``trainer.attention``) and a fused SwiGLU;
-  ``trainer.compile`` compiles each transformer layer (or its parts) in place.
+  loss mask is); on CUDA FlexAttention under a document mask (``trainer.attention``), a fused SwiGLU, ``trainer.compile``.
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
@@ -204,8 +203,7 @@ class MegatronPolicy(KeptVersions):
         )
         # Torch's norm fallback keeps fp32 parameters: cast the whole model (FACTS: megatron-core on GPU).
         model = model.to(device=self.device, dtype=self.dtype)
-        # trainer.compile: in place, before DDP wraps the model (names and parameters unchanged)
-        self.compiled = compile_layers(model, self.trainer_cfg.compile, self.attention, self.device)
+        self.compiled = compile_layers(model, self.trainer_cfg.compile, self.attention, self.device)  # in place
         for name, p in model.named_parameters():
             dim = partition_dim(name)
             if dim is not None and not getattr(p, "tensor_model_parallel", False):
