@@ -15,6 +15,7 @@
 #   bench    trl then asyncrl in one call (~10 min on an H100: over a 10-minute call's limit; there, two calls:
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
 #   all      tests then bench
+#   mfu      benchmarks/bench_mfu_gpu.py (Megatron step variants at the 0.5B shape; $MFU_ARGS passed on) into OUT_DIR/mfu: ~4.5 min
 #
 # Environment: SITE=DIR puts a `pip install --target DIR` folder first on PYTHONPATH (kept: PYTHONPATH=$SITE:$PWD);
 # TRL_WHEELS=DIR installs the wheels in DIR into $SITE first when trl is not importable (trl 1.16.0, datasets
@@ -63,6 +64,11 @@ for part in $PARTS; do
     r=${PIPESTATUS[0]}
     if [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
       cp "$BENCH_DIR"/{meta.json,rows.csv,steps.csv,trl.json,asyncrl.json} "$OUT/" 2>/dev/null; fi ;;
+  mfu)
+    mkdir -p "$OUT/mfu"
+    python3 benchmarks/bench_mfu_gpu.py ${MFU_ARGS:-} --out "$OUT/mfu" 2>&1 | tee "$OUT/mfu/run.log" | \
+      grep -v -E "^(INFO|WARNING|DEBUG) |Warning|warnings.warn|^USDT|^\[rank" | tail -n 70
+    r=${PIPESTATUS[0]} ;;
   *) echo "unknown part $part: tests, trl, asyncrl, bench or all"; exit 2 ;;
   esac
   echo "=== $part: rc=$r, $((SECONDS - t)) s"
