@@ -177,6 +177,7 @@ def compile_layers(model, how: str, attention: str, device: torch.device) -> lis
     if attention == "flex":
         _flex_fn(device)
     _raise_recompile_limit()
+    _quiet_default_group()
     names = []
     for i, layer in enumerate(model.decoder.layers):
         parts = [("", layer)] if how == "layers" else [(f".{n}", getattr(layer, n)) for n in MODULES]
@@ -184,6 +185,35 @@ def compile_layers(model, how: str, attention: str, device: torch.device) -> lis
             module.compile(dynamic=True)
             names.append(f"decoder.layers.{i}{suffix}")
     return names
+
+
+def _quiet_default_group() -> None:
+    """megatron-core's ``RowParallelLinear`` (attention's output projection, the MLP's second) passes ``tp_group``
+    None at every call, and ``get_tensor_model_parallel_group_if_none`` answers None with a deprecation
+    ``warnings.warn``, a call dynamo cannot trace: every compiled layer would break its graph there twice (seen
+    tracing 0.19.2's layers). Under compilation the same default group comes back without the warning; eager
+    calls go to megatron-core's function unchanged. Installed once, in the modules that call it in a layer."""
+    import importlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    for name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings"):
+        module = importlib.import_module(name)
+        original = getattr(module, "get_tensor_model_parallel_group_if_none", None)
+        if original is None or getattr(original, "quiet_under_compile", False):
+            continue
+
+        def quiet(tp_group, is_expert=False, check_initialized=True, _original=original):
+            if (tp_group is None and torch.compiler.is_compiling() and dist.is_initialized()
+                    and parallel_state.is_initialized()):
+                get = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                       else parallel_state.get_tensor_model_parallel_group)
+                return get(check_initialized=check_initialized)
+            return _original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+        quiet.quiet_under_compile = True
+        setattr(module, "get_tensor_model_parallel_group_if_none", quiet)
 
 
 # ---- hidden states and the positions that predict a token -------------------------------------------------------
