@@ -294,6 +294,14 @@ def profile(bench: Bench, policy) -> pd.DataFrame:
             what = kind(k.name)
             rows.append({"kernel": k.name[:160], "kind": what, "region": where, "category": category(where, what),
                          "us": float(k.duration)})
+    if cuda:  # GPU work no CPU op claimed (none expected): counted, so gpu_busy is not understated
+        from torch.autograd import DeviceType
+
+        device = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+        missing = device - sum(r["us"] for r in rows)
+        if missing > 0.005 * device:
+            rows.append({"kernel": "(GPU work without a CPU op)", "kind": "other", "region": "unattributed",
+                         "category": "unattributed", "us": float(missing)})
     return pd.DataFrame(rows, columns=["kernel", "kind", "region", "category", "us"])
 
 
@@ -307,6 +315,21 @@ def release() -> None:
     sync()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def memory(policy) -> dict:
+    """What stays allocated between steps (weights, gradients, master weights, Adam's moments, the reserve), what a
+    step adds at its peak (a pass's activations and the output layer's chunk), and what the trainer's estimate
+    (``megatron_forward.activation_bytes``, an upper bound) plans for a pass of the budget: the budget's headroom."""
+    from asyncrl.backends.megatron_forward import activation_bytes, output_layer_bytes
+
+    gib = 2**30
+    static = torch.cuda.memory_allocated() / gib
+    per = activation_bytes(policy.spec, policy.dtype, policy.attention, policy.spec.max_position_embeddings)
+    planned = (per * (policy._budget or 0) + output_layer_bytes(policy.spec, policy.dtype,
+                                                                policy.trainer_cfg.logprob_chunk_tokens)) / gib
+    return {"static_gib": static, "step_extra_gib": torch.cuda.max_memory_allocated() / gib - static,
+            "estimated_extra_gib": planned}
 
 
 def run_variant(bench: Bench, variant: str, warmup: int, steps: int, limit: float, do_profile: bool):
@@ -335,6 +358,7 @@ def run_variant(bench: Bench, variant: str, warmup: int, steps: int, limit: floa
                 times.append(time.perf_counter() - t)
                 flops += metrics.get("train_flops", 0.0)
             rate = throughput({"train_flops": flops, "peak_flops": policy.peak_flops}, sum(times))
+            row.update(memory(policy) if cuda else {})
             row.update({"step_s": sum(times) / len(times), "step_s_min": min(times), "step_s_max": max(times),
                         "train_tflops": rate["train_tflops"], "mfu": rate["mfu"],
                         "train_tokens": flops / steps / 6.0 / policy.full_parameters,
@@ -449,7 +473,7 @@ def main() -> int:
                "profile_ms_by_category": by_cat, "wall_s": time.perf_counter() - start}
     out = save("bench_mfu_gpu", table, results, before=before, out=args.out, name=args.name,
                files={"categories.csv": cats, "kernels.csv": top})
-    cols = [c for c in ("variant", "status", "step_s", "train_tflops", "mfu", "speedup", "peak_allocated_gib",
+    cols = [c for c in ("variant", "status", "step_s", "train_tflops", "mfu", "speedup", "peak_allocated_gib", "step_extra_gib",
                         "micro_batch_tokens", "gpu_busy", "warmup_s", "error") if c in table]
     say("\n" + table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", max_colwidth=90))
     if len(cats):
