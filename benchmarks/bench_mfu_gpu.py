@@ -88,7 +88,8 @@ def deadline(seconds: float):
         raise VariantTimeout(f"out of time after {seconds:.0f} s")
 
     old = signal.signal(signal.SIGALRM, ring)
-    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01))
+    # repeating: an alarm that lands in a finaliser is swallowed there ("Exception ignored"), the next one is not
+    signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.01), 2.0)
     try:
         yield
     finally:
@@ -168,9 +169,22 @@ class Bench:
     """Builds and times variants of asyncrl's Megatron trainer, sharing the initial weights and one process."""
 
     def __init__(self, shape: str, dry: bool = False):
+        # every module a build imports, imported here, outside any variant's deadline: an alarm in the middle of
+        # an import would leave it half made for every variant after
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.transformer.transformer_config  # noqa: F401
+        import torch._dynamo  # noqa: F401
+        import torch.profiler  # noqa: F401
+        from megatron.core.models.gpt import GPTModel  # noqa: F401
+
         import asyncrl.backends.megatron as M
 
         self.M, self.cfg = M, load_config("gpu_real_shape", **(DRY if dry else {}))
+        from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
+
+        init_parallel(1, 1, resolve_device(self.cfg.trainer.device), 0)  # the process group, before any deadline
         vocab = self.cfg.model.vocab_size
         self.batch = (trl_batch(vocab, 16, 4) if dry else trl_batch(vocab)) if shape == "trl" else real_batch()
         self._weights: dict = {}

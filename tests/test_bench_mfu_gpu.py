@@ -70,3 +70,19 @@ def test_the_cpu_dry_run_writes_a_row_a_variant_each_failing_alone(tmp_path):
     assert set(cats.variant) == {"default", "micro_batch_tokens=64"}
     assert {"optimizer (grad scale, norm, Adam)", "logprob/softmax"} <= set(cats.category)
     assert (tmp_path / "kernels.csv").exists()
+
+
+def test_a_variant_out_of_time_is_its_row_and_the_next_one_runs():
+    """The deadline interrupts a variant mid-step (on a GPU: mid-compilation); its policy is released and the
+    next variant builds and runs in the same process."""
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import bench_mfu_gpu as b; bench = b.Bench('trl', True);"
+            "late, _ = b.run_variant(bench, 'default', 2, 4, 0.5, False);"
+            "after, _ = b.run_variant(bench, 'default', 1, 1, 120, False);"
+            "print('ROWS', late['status'], late['error'], '|', after['status'], after['step_s'] > 0)")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next((x for x in done.stdout.splitlines() if x.startswith("ROWS")), done.stdout[-2000:])
+    assert line == "ROWS timeout VariantTimeout: out of time after 0 s | ok True"
