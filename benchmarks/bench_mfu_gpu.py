@@ -388,12 +388,18 @@ def run_variant(bench: Bench, variant: str, warmup: int, steps: int, limit: floa
                 except Exception as e:  # noqa: BLE001  the timing stands without its profile
                     row["profile_error"] = f"{type(e).__name__}: {e}"[:240]
     except (Exception, VariantTimeout) as e:  # one variant's failure is its row, never the sweep's end
-        row["status"] = "timeout" if isinstance(e, VariantTimeout) else "failed"
-        row["error"] = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # one line
-        say(f"  {variant}: {row['error']}")
+        error = " ".join(f"{type(e).__name__}: {e}".split())[:300]  # one line
+        if isinstance(e, VariantTimeout) and "step_s" in row:  # timed already: only its profile ran out of time
+            row["profile_error"] = error
+        else:
+            row["status"] = "timeout" if isinstance(e, VariantTimeout) else "failed"
+            row["error"] = error
+        say(f"  {variant}: {error}")
         traceback.clear_frames(e.__traceback__)
-        if not isinstance(e, torch.cuda.OutOfMemoryError):  # a half-made compilation must not be reused (an
-            torch._dynamo.reset()                           # OOM leaves dynamo's caches sound: keep them)
+        # a half-made compilation must not be reused; a build that failed compiled nothing, and an OOM leaves
+        # dynamo's caches sound (a reset costs the next variant FlexAttention's compilation again)
+        if policy is not None and not isinstance(e, torch.cuda.OutOfMemoryError):
+            torch._dynamo.reset()
         del e
     finally:
         if policy is not None:
