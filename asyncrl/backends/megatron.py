@@ -34,7 +34,7 @@
   back once a chunk; ``train_tokens`` / ``train_padded_tokens`` / ``train_flops`` count the work.
 - The forward (``megatron_forward``): the last hidden states, never the full-vocabulary logits (token logprobs
   and entropy from ``logprobs.chunked_logprobs``, ``logprob_chunk_tokens`` positions at a time, only where the
-  loss mask is); on CUDA FlexAttention under a document mask (``trainer.attention``) and a fused SwiGLU.
+  loss mask is); on CUDA FlexAttention under a document mask (``trainer.attention``), a fused SwiGLU, ``trainer.compile``.
 - Colocated with vLLM in one process (two pump threads): every method that runs GPU work holds the process's lock
   for the device (``device_lock``), so the two engines' kernels, allocations and NCCL calls never interleave.
 
@@ -59,8 +59,8 @@ from asyncrl.backends.data_parallel import DataParallel
 from asyncrl.backends.device_lock import holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.lr_schedule import set_lr
-from asyncrl.backends.megatron_forward import (attention_kind, final_hidden, layer_spec, output_weight, pass_mask,
-                                               resolve_budget)
+from asyncrl.backends.megatron_forward import (attention_kind, compile_layers, final_hidden, layer_spec, output_weight,
+                                               pass_mask, resolve_budget)
 from asyncrl.backends.megatron_parallel import init_parallel, resolve_device
 from asyncrl.backends.megatron_step import megatron_optimizer_step
 from asyncrl.backends.megatron_weights import ArchSpec, hf_to_megatron, megatron_to_hf, partition_dim, shard_for_tp, unshard_from_tp
@@ -203,6 +203,7 @@ class MegatronPolicy(KeptVersions):
         )
         # Torch's norm fallback keeps fp32 parameters: cast the whole model (FACTS: megatron-core on GPU).
         model = model.to(device=self.device, dtype=self.dtype)
+        self.compiled = compile_layers(model, self.trainer_cfg.compile, self.attention, self.device)  # in place
         for name, p in model.named_parameters():
             dim = partition_dim(name)
             if dim is not None and not getattr(p, "tensor_model_parallel", False):

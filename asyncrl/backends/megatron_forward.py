@@ -17,6 +17,9 @@ pass of it needs.
   the same masks, so they compute the same function (tests/gpu/test_flex_attention.py on a GPU; the CPU tests run
   the unfused path and the flex one in eager mode). On CUDA the kernel is ``torch.compile``'d once, with dynamic
   shapes (a pass's rows and width change every step).
+- **Compiled layers** (``trainer.compile``, ``compile_layers``): off by default; ``layers`` compiles each transformer
+  layer in place, so what eager PyTorch runs as separate kernels (RMSNorm, the rotary ``cat`` and multiplies, the
+  residual adds, casts) fuses into a few, in the backward too. Same function, up to float reassociation.
 - **Memory** (``activation_bytes``, ``fit_micro_batch_tokens``): what a pass of P positions keeps for its backward
   is counted from the architecture (per layer and position: the norms', projections' and MLP's saved inputs, plus
   ``heads x W`` scores per position unfused) plus one output-layer chunk's workspace; at the first step the budget
@@ -34,7 +37,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_kind", "layer_spec", "block_mask", "pass_mask", "final_hidden", "output_weight",
+__all__ = ["attention_kind", "layer_spec", "block_mask", "pass_mask", "compile_layers", "final_hidden", "output_weight",
            "activation_bytes", "fit_micro_batch_tokens", "resolve_budget"]
 
 SAFETY = 0.85  # of the free memory a budget may plan on: the allocator's fragmentation and what is not counted
@@ -72,15 +75,19 @@ def _flex_fn(device: torch.device):
         if device.type == "cuda":
             # one compiled kernel family for every pass shape; past dynamo's recompile limit (8: dtypes, grad and
             # no-grad, a row count of 1) a call would fall back to eager flex, which materialises the scores
-            import torch._dynamo.config as dynamo
-
-            for name in ("recompile_limit", "cache_size_limit"):
-                if hasattr(dynamo, name):
-                    setattr(dynamo, name, max(getattr(dynamo, name), 64))
+            _raise_recompile_limit()
             _FLEX[key] = torch.compile(flex_attention, dynamic=True)
         else:
             _FLEX[key] = flex_attention
     return _FLEX[key]
+
+
+def _raise_recompile_limit(limit: int = 64) -> None:
+    import torch._dynamo.config as dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(dynamo, name):
+            setattr(dynamo, name, max(getattr(dynamo, name), limit))
 
 
 def _flex_core_attention():
@@ -151,6 +158,66 @@ def pass_mask(attention: str, mb, rows: int, width: int, device: torch.device, c
         causal = torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), 1)
         cache[width] = causal.view(1, 1, width, width)
     return cache[width]
+
+
+# ---- torch.compile of the layers (trainer.compile) -----------------------------------------------------------------
+
+COMPILE = ("none", "layers", "modules")
+MODULES = ("input_layernorm", "self_attention", "pre_mlp_layernorm", "mlp")  # what 'modules' compiles in a layer
+
+
+def compile_layers(model, how: str, attention: str, device: torch.device) -> list[str]:
+    """``trainer.compile``: ``torch.compile`` each transformer layer of ``model`` whole (``layers``: its RMSNorms,
+    rotary embedding, residual adds and casts fused with their neighbours, forward and backward; the GEMMs stay
+    cuBLAS's) or each layer's norms, attention and MLP separately (``modules``: the layer's own code, with its
+    context managers, stays eager; no residual adds fused), or nothing (``none``). In place
+    (``nn.Module.compile``): parameter names and the modules' tree are unchanged, so the weights' mapping, the
+    optimizer, checkpoints and the export see the same model. Dynamic shapes: a pass's rows and width change every
+    step. The compiled FlexAttention is made first, so a traced layer inlines it. Returns the names compiled."""
+    if how not in COMPILE:
+        raise ValueError(f"trainer.compile {how!r}: allowed {', '.join(map(repr, COMPILE))}")
+    if how == "none":
+        return []
+    if attention == "flex":
+        _flex_fn(device)
+    _raise_recompile_limit()
+    _quiet_default_group()
+    names = []
+    for i, layer in enumerate(model.decoder.layers):
+        parts = [("", layer)] if how == "layers" else [(f".{n}", getattr(layer, n)) for n in MODULES]
+        for suffix, module in parts:
+            module.compile(dynamic=True)
+            names.append(f"decoder.layers.{i}{suffix}")
+    return names
+
+
+def _quiet_default_group() -> None:
+    """megatron-core's ``RowParallelLinear`` (attention's output projection, the MLP's second) passes ``tp_group``
+    None at every call, and ``get_tensor_model_parallel_group_if_none`` answers None with a deprecation
+    ``warnings.warn``, a call dynamo cannot trace: every compiled layer would break its graph there twice (seen
+    tracing 0.19.2's layers). Under compilation the same default group comes back without the warning; eager
+    calls go to megatron-core's function unchanged. Installed once, in the modules that call it in a layer."""
+    import importlib
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    for name in ("megatron.core.tensor_parallel.layers", "megatron.core.tensor_parallel.mappings"):
+        module = importlib.import_module(name)
+        original = getattr(module, "get_tensor_model_parallel_group_if_none", None)
+        if original is None or getattr(original, "quiet_under_compile", False):
+            continue
+
+        def quiet(tp_group, is_expert=False, check_initialized=True, _original=original):
+            if (tp_group is None and torch.compiler.is_compiling() and dist.is_initialized()
+                    and parallel_state.is_initialized()):
+                get = (parallel_state.get_expert_tensor_parallel_group if is_expert
+                       else parallel_state.get_tensor_model_parallel_group)
+                return get(check_initialized=check_initialized)
+            return _original(tp_group, is_expert=is_expert, check_initialized=check_initialized)
+
+        quiet.quiet_under_compile = True
+        setattr(module, "get_tensor_model_parallel_group_if_none", quiet)
 
 
 # ---- hidden states and the positions that predict a token -------------------------------------------------------

@@ -127,6 +127,11 @@ class MegatronTrainerConfig(_MicroBatched):
         "auto", description="'flex': FlexAttention, a fused kernel under a document-masked causal block mask "
         "(packed sequences); 'unfused': Megatron's local matmul-softmax-matmul over a [rows, heads, W, W] score "
         "matrix; 'auto': flex on CUDA, unfused elsewhere (asyncrl/backends/megatron_forward.py)")
+    compile: Literal["none", "layers", "modules"] = Field(
+        "none", description="torch.compile in the training model: 'layers' each transformer layer whole (RMSNorm, "
+        "rotary, residual adds and casts fused, forward and backward), 'modules' each layer's norms, attention and "
+        "MLP apart; 'none': eager, FlexAttention and the SwiGLU compiled alone. Meant for CUDA; the first step "
+        "compiles (tens of seconds, once a process). benchmarks/bench_mfu_gpu.py measures what it pays")
 
     @model_validator(mode="after")
     def _megatron_optimizer_needs_cuda(self) -> "MegatronTrainerConfig":  # it takes only torch.cuda parameters
