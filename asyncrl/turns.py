@@ -39,6 +39,8 @@ from asyncrl.environments import EnvironmentKind, parse_tool_calls
 from asyncrl.environments.host import EnvironmentHost
 from asyncrl.environments.trajectory import Group, Trajectory, reward_batch
 
+ENVIRONMENT_REWARD = "environment"  # reward/environment: the environment's part of a trajectory's reward
+
 
 class TurnGenerator:
     """Multi-turn groups over ``inner`` (see the module's invariants). ``kind``: the environment class's
@@ -128,7 +130,7 @@ class TurnGenerator:
                 if g.gid in self.groups:
                     requests += self._next_turn(g)
         self._drop(stopped)
-        out = [self._rollouts(g, scored[g.gid]) for g in finished]
+        out = [self._rollouts(g, *scored[g.gid]) for g in finished]
         self._drop(finished)
         if requests:
             self.inner.submit(requests)
@@ -265,6 +267,10 @@ class TurnGenerator:
         return self.tokenizer.apply_chat_template(messages, tools=list(self.kind.tools) or None, tokenize=False,
                                                   add_generation_prompt=True, chat_template=self.chat_template)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text, special tokens kept (what ``completion`` holds: the tokens exactly)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def _encode(self, text: str, prompt: bool = False) -> list[int]:
         """Ids of ``text``: a raw prompt with ``<bos>`` (``asyncrl.chat.prompt_ids``), anything else without."""
         return list(self.tokenizer.encode(text) if prompt else self.tokenizer.encode(text, add_special_tokens=False))
@@ -285,6 +291,8 @@ class TurnGenerator:
                     t.logprobs += lps
                     t.versions += [out.gen_start_version] * len(ids)
                     t.turn_versions.append(out.gen_start_version)
+                    t.turn_texts.append({"role": "assistant", "text": self._decode(ids),
+                                         "version": out.gen_start_version})
                     t.finish = out.finish_reasons[0] if out.finish_reasons else ""
                     events.append((g.gid, i, len(t.turn_versions), out.gen_start_version))
                 g.turn = max(len(t.turn_versions) for t in g.trajectories)
@@ -375,11 +383,13 @@ class TurnGenerator:
                 return
             obs = rendered[len(t.text):]
         ids = self._encode(obs)[:self.max_env_tokens]
-        t.text += self.tokenizer.decode(ids, skip_special_tokens=False) if len(ids) == self.max_env_tokens else obs
+        t.text += self._decode(ids) if len(ids) == self.max_env_tokens else obs
         t.ids += ids
         t.mask += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
         t.env_tokens += len(ids)
+        t.turn_texts.append({"role": "user" if self.kind.kind == "text" else "tool", "text": self._decode(ids),
+                             "version": None})
         if self.max_prefix is not None and len(g.prompt_ids) + len(t.ids) > self.max_prefix:
             t.done, t.finish = True, "length"  # no room for another turn in the model's context: it ends here
 
@@ -429,13 +439,20 @@ class TurnGenerator:
         if keys:
             self.host.drop(keys)
 
-    def _score(self, groups: list[Group]) -> dict[int, list[float]]:
+    @property
+    def reward_names(self) -> list[str]:
+        """The parts of a trajectory's reward, ``reward/<name>`` in the metrics and the completions log: the
+        environment's (``ENVIRONMENT_REWARD``), then each reward function's."""
+        return [ENVIRONMENT_REWARD, *(self.functions.names if self.functions is not None else [])]
+
+    def _score(self, groups: list[Group]) -> dict[int, tuple[list[float], dict[str, list]]]:
         """Each finished group's rewards: the environment's (``get_reward``, or the sum of ``step``'s), plus the
-        run's reward functions (weighted), which get ``environments=`` and the conversation. A failure gives the
-        group up (``_fail``); the groups scored are returned."""
-        out: dict[int, list[float]] = {}
+        run's reward functions (weighted), which get ``environments=`` and the conversation; and the parts
+        (``reward_names``: the environment's, each function's values). A failure gives the group up (``_fail``);
+        the groups scored are returned."""
+        out: dict[int, tuple[list[float], dict[str, list]]] = {}
         for g in groups:
-            extra = [0.0] * g.n
+            extra, parts = [0.0] * g.n, {}
             if self.kind.kind == "tool":
                 got = self.host.run([((g.gid, i), "reward", ()) for i in range(g.n)])
                 bad = next((o.problem for o in got if not o.ok), None)
@@ -451,22 +468,24 @@ class TurnGenerator:
                 bad = o.problem if not o.ok else next((why for kind, why, _ in results if kind != "ok"), None)
                 if bad is None:
                     extra = self.functions.combine([values for _, values, _ in results])
+                    parts = self.functions.parts([values for _, values, _ in results])
             if bad is not None:
                 with self._lock:
                     self._fail(g, bad)
                 continue
-            out[g.gid] = [t.reward + x for t, x in zip(g.trajectories, extra)]
+            out[g.gid] = ([t.reward + x for t, x in zip(g.trajectories, extra)],
+                          {ENVIRONMENT_REWARD: [t.reward for t in g.trajectories], **parts})
         return out
 
-    def _rollouts(self, g: Group, rewards: list[float]) -> GroupRollouts:
-        """The finished group as the pump commits it (rewards: ``_score``'s)."""
+    def _rollouts(self, g: Group, rewards: list[float], parts: dict[str, list]) -> GroupRollouts:
+        """The finished group as the pump commits it (rewards and their parts: ``_score``'s)."""
         ts = g.trajectories
         versions = [v for t in ts for v in t.turn_versions]
         return GroupRollouts(
             group_id=g.gid, prompt_ids=g.prompt_ids, completion_ids=[t.ids for t in ts],
             logprobs=[t.logprobs for t in ts], gen_start_version=min(versions), gen_end_version=max(versions),
             finish_reasons=[t.finish for t in ts], rewards=list(rewards),
-            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in ts],
-            token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts],
+            texts=[self._decode(t.ids) for t in ts],
+            token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts], reward_parts=parts,
             turns=[{"turns": len(t.turn_versions), "tool_calls": t.tool_calls, "env_tokens": t.env_tokens,
-                    "turn_versions": list(t.turn_versions)} for t in ts])
+                    "turn_versions": list(t.turn_versions), "turn_texts": [dict(x) for x in t.turn_texts]} for t in ts])
