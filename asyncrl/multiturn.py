@@ -62,6 +62,8 @@ def attach(pump: Any, generator: Any, train: Any = None) -> None:
     (``reward/environment`` and each reward function's)."""
     if isinstance(generator, TurnGenerator) or getattr(generator, "plays_turns", False) is True:
         TurnHooks(pump, generator, train)
+    if isinstance(generator, TurnGenerator):  # an asynchronous sampler's run lets trajectories go on freely
+        generator.free_turns = pump.sampler.admits_ahead and generator.host.n > 0
     if isinstance(generator, TurnGenerator) and train is not None:
         train.function_rewards = FunctionRewards(generator.reward_names)
 

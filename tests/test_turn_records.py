@@ -168,3 +168,55 @@ def test_explain_lists_each_in_flight_turn_s_version_in_order():
             seen = seen or pending.loc[gid, "turn"] >= 2
     assert seen  # a group in flight at its second turn: [0, 0], not the distinct {0}
     ctrl.close()
+
+
+class Delayed:
+    """A text environment whose every reply takes the row's ``delay`` seconds."""
+
+    def reset(self, delay: float = 0.0, **row):
+        self.delay = float(delay)
+
+    def step(self, action):
+        import time
+
+        time.sleep(self.delay)
+        return " ok ", 0.0, False
+
+
+def test_a_running_pump_s_trajectories_go_on_without_waiting_for_a_slower_environment_call():
+    """Free turns: with an asynchronous sampler a running pump's poll (a timeout) does not wait for the slowest
+    environment call of a turn; a stepped poll (no timeout) still does (what keeps stepped runs deterministic)."""
+    import time
+
+    from asyncrl.data import GenerationRequest
+    from asyncrl.environments import describe_class
+    from asyncrl.prompts import Prompt
+    from asyncrl.tokenizer import build_tokenizer
+    from asyncrl.turns import TurnGenerator
+    from tests.test_environments import Scripted
+
+    tok = build_tokenizer()
+    prompts = {0: Prompt("slow:", id="train/0", columns={"delay": 1.5}),
+               1: Prompt("fast:", id="train/1", columns={"delay": 0.0})}
+    for free in (True, False):
+        turns = TurnGenerator(Scripted(tok, ["a"] * 100), describe_class(Delayed), 3, 2, 20.0, 8, tok,
+                              lambda gid: prompts[gid])
+        seen = []
+        turns.bind(lambda gid, i, turn, version, done: seen.append((gid, turn)), lambda gid, turn: False,
+                   lambda gid, why: pytest.fail(why))
+        turns.free_turns = free
+        turns.submit([GenerationRequest(0, tok.encode("slow:"), 2), GenerationRequest(1, tok.encode("fast:"), 2)])
+        out = turns.poll(0.05 if free else 0.0)  # the workers start, the first turns are generated
+        start = time.monotonic()
+        while not out:
+            out += turns.poll(0.05 if free else 0.0)
+        elapsed = time.monotonic() - start
+        if free:  # group 1 (its own worker) played its 3 turns while group 0's first replies were being made
+            assert [g.group_id for g in out] == [1] and elapsed < 1.4
+            assert {t for gid, t in seen if gid == 0} <= {1}
+        else:  # lockstep: every turn waits for the slow replies
+            assert sorted(g.group_id for g in out) == [0, 1] and elapsed >= 2 * 1.5
+        while len(out) < 2:
+            out += turns.poll(0.05 if free else 0.0)
+        assert all(t["turns"] == 3 for g in out for t in g.turns)
+        turns.close()
