@@ -128,7 +128,7 @@ class Controller(FixedParts, TurnsView):  # policy, generator, task, sampler, bu
         self._train = TrainPump(cfg, self._state, self.buffer, self.sampler, policy, generator, task, tokenizer,
                                 self._rollout, self.faults, self.clock.now, self._save_periodic,
                                 self.reward_functions)
-        attach(self._rollout, generator)
+        attach(self._rollout, generator, self._train)
         self.sync_weights(0)
 
     def encode(self, prompt) -> list[int]:

@@ -436,7 +436,8 @@ def data_changed(saved: dict | None, task: Any) -> str | None:
     return None
 
 
-TRL_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric"}
+TRL_ARGUMENTS = {"prompts", "completions", "completion_ids", "trainer_state", "log_extra", "log_metric",
+                 "environments"}  # environments: what an environment run passes (TRL's keyword), not a column
 
 
 def required_columns(func: Callable) -> list[tuple[str, ...]]:

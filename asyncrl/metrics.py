@@ -126,7 +126,8 @@ STEP_METRICS: tuple[Metric, ...] = (
     LAG_MEAN,
     Metric("lag_max", "max", "largest staleness of a group trained this step", empty=math.nan),
     Metric("groups_evicted", "sum", "groups the sampler evicted during this step"),
-    Metric("groups_aborted", "sum", "in-flight groups aborted after this step's weight sync"),
+    Metric("groups_aborted", "sum", "in-flight groups aborted during this step: after its weight sync, or at a "
+           "multi-turn group's turn boundary"),
     Metric("chunks", "sum", "chunks (select calls that returned groups) this step trained"),
     Metric("groups", "sum", "prompt groups trained this step (groups_per_step once the step is finished)"),
     COMPLETIONS := Metric("completions", "sum", "completions trained this step"),

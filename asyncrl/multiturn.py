@@ -12,6 +12,7 @@ from typing import Any
 import pandas as pd
 
 from asyncrl.environments import check_template, describe_class, factory_spec, load_factory
+from asyncrl.metrics import FunctionRewards
 from asyncrl.turn_hooks import TurnHooks
 from asyncrl.turns import TurnGenerator
 
@@ -54,11 +55,17 @@ def with_environment(cfg: Any, generator: Any, tokenizer: Any, environment_facto
     return turns, cfg
 
 
-def attach(pump: Any, generator: Any) -> None:
+def attach(pump: Any, generator: Any, train: Any = None) -> None:
     """Bind a ``TurnGenerator`` (or a generator that plays turns itself: the simulated one with a ``turns``
-    model) to the pump that polls it (nothing for any other generator)."""
+    model) to the pump that polls it and the train pump that counts its aborts (nothing for any other generator).
+    A ``TurnGenerator``'s groups carry their reward's parts: the train pump's ``reward/<name>`` are those
+    (``reward/environment`` and each reward function's)."""
     if isinstance(generator, TurnGenerator) or getattr(generator, "plays_turns", False) is True:
-        TurnHooks(pump, generator)
+        TurnHooks(pump, generator, train)
+    if isinstance(generator, TurnGenerator):  # an asynchronous sampler's run lets trajectories go on freely
+        generator.free_turns = pump.sampler.admits_ahead and generator.host.n > 0
+    if isinstance(generator, TurnGenerator) and train is not None:
+        train.function_rewards = FunctionRewards(generator.reward_names)
 
 
 TRAJECTORY_COLUMNS = ["group_id", "trajectory", "state", "turn", "turn_versions", "weight_version", "tool_calls",

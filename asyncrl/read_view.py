@@ -60,7 +60,8 @@ def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: in
     """``explain()``: the sampler's verdict for every buffered group as the next train tick at ``trainer_version``
     would see it (this step's chunk bounds); with generation replicas, also which replica generated each group
     (empty while it is pending); with multi-turn groups in flight, ``turn`` (the turn the furthest of its
-    trajectories reached) and ``turn_versions`` (the weight versions its turns so far were generated with).
+    trajectories reached) and ``turn_versions`` (the weight version of each of its turns so far, in order: those of
+    the trajectory that reached ``turn``, the first of them on a tie).
     ``sampler``: anything with the sampler's ``explain(T, min_groups, max_groups)``.
     ``completions(group_id)``: the rows the completions log holds for a group, the ``completions`` column (what
     ``completions(group_id)`` of the view reads)."""
@@ -74,12 +75,19 @@ def verdicts(cfg, sampler, buffer, trainer_version: int, step_groups_trained: in
     if any(buffer[gid].turns for gid in frame.group_id):  # multi-turn groups in flight: the turn each has reached
         turns = [buffer[gid].turns or {} for gid in frame.group_id]
         frame["turn"] = pd.array([max((len(v) for v, _ in t.values()), default=None) for t in turns], dtype="Int64")
-        frame["turn_versions"] = [sorted({x for v, _ in t.values() for x in v}) or None for t in turns]
+        frame["turn_versions"] = [_turn_versions(t) for t in turns]
     if completions is not None:
         frame["completions"] = pd.array([completions(gid) if buffer[gid].ready else 0 for gid in frame.group_id],
                                         dtype="Int64")  # a pending group has none yet (a view's, logged later)
     frame.attrs["trainer_version"] = trainer_version
     return frame
+
+
+def _turn_versions(turns: dict) -> list[int] | None:
+    """One turn version per turn of a multi-turn group in flight (``slot.turns``: trajectory -> (its turns'
+    versions, done)), in order: the furthest trajectory's (the first of them on a tie); None before any turn."""
+    furthest = max((versions for _, (versions, _) in sorted(turns.items())), key=len, default=None)
+    return list(furthest) if furthest else None
 
 
 def snapshot(*, cfg, sampler, buffer, trainer_version: int, generation_version: int, capacity: int,

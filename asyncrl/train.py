@@ -307,6 +307,12 @@ class TrainPump:
                                            f"mean@{n}": ev[f"mean@{n}"], f"pass@{n}": ev[f"pass@{n}"]})
         return ev
 
+    def count_aborted(self) -> None:
+        """A group aborted in flight between weight syncs (a multi-turn group stopped at a turn boundary,
+        ``asyncrl/turn_hooks.py``): counted in the step's ``groups_aborted`` as a sync's aborts are. Under the
+        run state's lock."""
+        self.step.add({"groups_aborted": 1})
+
     def measure_beside(self, running: Callable[[], bool]) -> None:
         """A run's: the gap pass's thread, while ``running()``, if this policy's ``logprobs_at`` allows one."""
         if self.gap is not None:

@@ -6,7 +6,8 @@ Invariants:
 - Every finished model turn is a ``turn`` trace row: the group, ``detail`` ``"trajectory I turn K"``, the version
   that generated it (``weight_version``, ``gen_start_version``/``gen_end_version``).
 - At every turn boundary the sampler is asked ``should_abort_inflight(slot version, T)``, as after a weight sync;
-  a doomed group is released and recorded as ``abort``, its reason saying the turn it reached.
+  a doomed group is released and recorded as ``abort``, its reason saying the turn it reached, and counted in the
+  step's ``groups_aborted`` as a weight sync's abort is (once: released, no sync sees it again).
 - A group whose trajectory failed for good (an environment's exception, timeout, wrong type, dead worker, or a
   template that re-renders earlier turns) is a ``fault`` and regenerated through the pump's re-dispatch budget
   (``faults.max_dispatch_attempts``), then skipped: never committed with a reward of 0, so never in a baseline.
@@ -20,10 +21,11 @@ from asyncrl.trace import ABORT, TURN
 
 
 class TurnHooks:
-    """Binds ``turns`` (a ``TurnGenerator``) to ``pump`` (the ``RolloutPump`` that polls it)."""
+    """Binds ``turns`` (a ``TurnGenerator``) to ``pump`` (the ``RolloutPump`` that polls it) and ``train`` (the
+    ``TrainPump`` whose step counts the groups stopped at a turn boundary in ``groups_aborted``; None: none)."""
 
-    def __init__(self, pump: Any, turns: Any):
-        self.pump = pump
+    def __init__(self, pump: Any, turns: Any, train: Any = None):
+        self.pump, self.train = pump, train
         turns.bind(self.on_turn, self.at_boundary, self.on_failed)
 
     def on_turn(self, gid: int, trajectory: int, turn: int, version: int, done: bool) -> None:
@@ -49,6 +51,8 @@ class TurnHooks:
             pump.release(gid)
             s.record(ABORT, gid, slot.weight_version, slot.target_step, T - slot.weight_version, "",
                      f"{reason}; stopped at a turn boundary after turn {turn}")
+            if self.train is not None:  # released here, so a weight sync's abort never sees it: counted once
+                self.train.count_aborted()
             return True
 
     def on_failed(self, gid: int, why: str) -> None:

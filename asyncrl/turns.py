@@ -15,7 +15,9 @@ Invariants:
   Only sampled tokens have ``trained_mask`` 1 and a logprob; ``token_versions`` lists their versions.
 - A poll advances every trajectory by at most one turn: it generates the turns requested at the previous poll
   (one ``submit`` to the inner generator for all of them: one batched decode on the torch engine, in a fixed
-  order), calls the environments, and requests the next turns. A stepped run is deterministic for a seed.
+  order), calls the environments, and requests the next turns. A stepped run is deterministic for a seed. An
+  asynchronous sampler's running pump lets trajectories go on as their environment answers
+  (``asyncrl/environments/free_turns.py``).
 - Each turn is generated at the inner generator's version then (``turn_versions``); a group's
   ``gen_start_version`` is its first turn's, ``gen_end_version`` its last's.
 - One environment instance per trajectory (``asyncrl.environments.host``), made and reset when the group starts,
@@ -23,8 +25,7 @@ Invariants:
   or no observation; tool: a turn without a tool call) or after ``max_turns`` model turns; the group is returned
   when all its trajectories are done, with the environment's rewards (``get_reward`` or the sum of ``step``'s).
 - Threads: the pump polls on its thread while the train pump may abort on another; ``_lock`` guards the groups
-  and is never held while generating, calling an environment or calling back into the pump (which takes the
-  run state's lock).
+  and is never held while generating, calling an environment or calling back into the pump (its state's lock).
 """
 
 from __future__ import annotations
@@ -36,11 +37,14 @@ from typing import Any
 
 from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.environments import EnvironmentKind, parse_tool_calls
+from asyncrl.environments.free_turns import FreeTurns
 from asyncrl.environments.host import EnvironmentHost
 from asyncrl.environments.trajectory import Group, Trajectory, reward_batch
 
+ENVIRONMENT_REWARD = "environment"  # reward/environment: the environment's part of a trajectory's reward
 
-class TurnGenerator:
+
+class TurnGenerator(FreeTurns):
     """Multi-turn groups over ``inner`` (see the module's invariants). ``kind``: the environment class's
     (``asyncrl.environments.describe_class``); ``prompt_of(gid)``: the group's ``Prompt``; ``chat_template``: the
     run's ``model.chat_template`` (None: the tokenizer's own; a tokenizer without one gets raw text)."""
@@ -65,6 +69,7 @@ class TurnGenerator:
         self.on_turn: Callable[..., None] = lambda gid, i, turn, version, done: None
         self.at_boundary: Callable[[int, int], bool] = lambda gid, turn: False
         self.on_failed: Callable[[int, str], None] = lambda gid, why: None
+        FreeTurns.__init__(self)
 
     def bind(self, on_turn: Callable[..., None], at_boundary: Callable[[int, int], bool],
              on_failed: Callable[[int, str], None]) -> None:
@@ -98,7 +103,11 @@ class TurnGenerator:
         return [g.gid for g in gone]
 
     def poll(self, timeout: float | None = 0.0) -> list[GroupRollouts]:
-        """One turn of every trajectory in flight (module invariants); the groups all of whose trajectories ended."""
+        """One turn of every trajectory in flight (module invariants); the groups all of whose trajectories ended
+        (a running pump's poll, ``timeout`` > 0, with ``free_turns``: ``_poll_free``)."""
+        if self.free_turns and timeout:
+            return self._poll_free(timeout)
+        settled = self._settle()  # what a running pump's polls left with the environment, before lockstep turns
         self._flush_drops()
         with self._lock:
             new = [g for g in self.groups.values() if not g.started]
@@ -109,26 +118,27 @@ class TurnGenerator:
         for gid, i, turn, version in events:  # after the environment: whether the trajectory ended is known
             g = next((g for g in turned if g.gid == gid), None)
             self.on_turn(gid, i, turn, version, g is None or g.trajectories[i].done or gid not in self.groups)
-        finished, requests = [], []
-        with self._lock:
-            for g in turned:
-                if g.gid not in self.groups:
-                    continue  # aborted meanwhile
-                if all(t.done for t in g.trajectories) and not g.waiting:
-                    finished.append(g)
+        with self._lock:  # (a group aborted meanwhile is no longer in ``groups``)
+            finished = [g for g in turned if g.gid in self.groups and all(t.done for t in g.trajectories)
+                        and not g.waiting]
+        return settled + self._end_turns(turned, finished, [(g, None) for g in sorted(turned, key=lambda g: g.gid)])
+
+    def _end_turns(self, turned: list[Group], finished: list[Group], going: list[tuple[Group, Any]]) -> list:
+        """The end of a poll: score the ``finished`` groups, stop the other ``turned`` ones the sampler stops at
+        this boundary, request the next turns of ``going`` (``(group, which trajectories)``, in order); the groups
+        returned."""
         scored = self._score(finished)
         finished = [g for g in finished if g.gid in scored]
         stopped = [g for g in turned if g not in finished and g.gid in self.groups and self.at_boundary(g.gid, g.turn)]
+        requests = []
         with self._lock:
-            for g in stopped:
+            for g in stopped + finished:
                 self.groups.pop(g.gid, None)
-            for g in finished:
-                self.groups.pop(g.gid, None)
-            for g in sorted(turned, key=lambda g: g.gid):
+            for g, which in going:
                 if g.gid in self.groups:
-                    requests += self._next_turn(g)
+                    requests += self._next_turn(g, which)
         self._drop(stopped)
-        out = [self._rollouts(g, scored[g.gid]) for g in finished]
+        out = [self._rollouts(g, *scored[g.gid]) for g in finished]
         self._drop(finished)
         if requests:
             self.inner.submit(requests)
@@ -200,8 +210,7 @@ class TurnGenerator:
         return [g.trajectories[0].ids for g in episodes]
 
     def generate_sampled(self, *args, **kwargs) -> list:
-        """Sampled evaluation plays no environment yet: one line, rather than single-turn answers graded as
-        episodes."""
+        """Sampled evaluation plays no environment yet: one line, not single-turn answers graded as episodes."""
         raise ValueError("evaluate(temperature > 0) of a run with an environment is not supported yet; evaluate "
                          "greedy (temperature 0): one episode a prompt")
 
@@ -218,15 +227,20 @@ class TurnGenerator:
     # --- turns --------------------------------------------------------------------------------------------------
     def _start(self, groups: list[Group]) -> None:
         """Make and reset each trajectory's environment; render the prompt; request every first turn."""
-        if not groups:
-            return
         prompts = {g.gid: self.prompt_of(g.gid) for g in groups}
-        calls = [((g.gid, i), "make", (dict(prompts[g.gid].columns or {}),)) for g in groups for i in range(g.n)]
-        outcomes = iter(self.host.run(calls))
+        outcomes = iter(self.host.run(self._make_calls(groups, prompts)) if groups else [])
+        self._begin([(g, prompts[g.gid], [next(outcomes) for _ in range(g.n)]) for g in groups])
+
+    @staticmethod
+    def _make_calls(groups: list[Group], prompts: dict) -> list[tuple]:
+        return [((g.gid, i), "make", (dict(prompts[g.gid].columns or {}),)) for g in groups for i in range(g.n)]
+
+    def _begin(self, made: list[tuple[Group, Any, list]]) -> None:
+        """Each ``(group, prompt, its make outcomes)``: its prompt rendered, its first turn requested (one request
+        for all its trajectories); a failed make gives the group up."""
         requests = []
         with self._lock:
-            for g in groups:
-                results = [next(outcomes) for _ in range(g.n)]
+            for g, prompt, results in made:
                 if g.gid not in self.groups:
                     continue
                 bad = next((o.problem for o in results if not o.ok), None)
@@ -236,8 +250,8 @@ class TurnGenerator:
                 if bad is not None:
                     self._fail(g, bad)
                     continue
-                g.chat = self._chat(prompts[g.gid])
-                text, messages = self._prompt(prompts[g.gid], extra.pop(), g.chat)
+                g.chat = self._chat(prompt)
+                text, messages = self._prompt(prompt, extra.pop(), g.chat)
                 g.prompt_ids = self._encode(text, prompt=not g.chat)
                 g.trajectories = [Trajectory(messages=[dict(m) for m in messages], text=text) for _ in range(g.n)]
                 g.started = True
@@ -265,6 +279,10 @@ class TurnGenerator:
         return self.tokenizer.apply_chat_template(messages, tools=list(self.kind.tools) or None, tokenize=False,
                                                   add_generation_prompt=True, chat_template=self.chat_template)
 
+    def _decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text, special tokens kept (what ``completion`` holds: the tokens exactly)."""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
     def _encode(self, text: str, prompt: bool = False) -> list[int]:
         """Ids of ``text``: a raw prompt with ``<bos>`` (``asyncrl.chat.prompt_ids``), anything else without."""
         return list(self.tokenizer.encode(text) if prompt else self.tokenizer.encode(text, add_special_tokens=False))
@@ -285,6 +303,8 @@ class TurnGenerator:
                     t.logprobs += lps
                     t.versions += [out.gen_start_version] * len(ids)
                     t.turn_versions.append(out.gen_start_version)
+                    t.turn_texts.append({"role": "assistant", "text": self._decode(ids),
+                                         "version": out.gen_start_version})
                     t.finish = out.finish_reasons[0] if out.finish_reasons else ""
                     events.append((g.gid, i, len(t.turn_versions), out.gen_start_version))
                 g.turn = max(len(t.turn_versions) for t in g.trajectories)
@@ -294,35 +314,42 @@ class TurnGenerator:
 
     def _environment(self, groups: list[Group]) -> None:
         """The environment's reply to every trajectory's latest turn (one batch of calls for all of them)."""
-        calls, where = [], []
-        for g in groups:
-            for i, t in enumerate(g.trajectories):
-                if t.done:
-                    continue
-                action = self._turn_text(t)
-                if self.kind.kind == "text":
-                    calls.append(((g.gid, i), "step", (action,)))
-                    where.append((g, i, None))
-                    continue
-                parsed = parse_tool_calls(action)
-                if not parsed or len(t.turn_versions) >= self.max_turns:
-                    t.done = True
-                    if g.chat:  # the conversation ends with the model's last turn
-                        t.messages.append({"role": "assistant", "content": action})
-                    continue
-                for call in parsed:
-                    if isinstance(call, str):
-                        calls.append(((g.gid, i), "drop?", ()))
-                        where.append((g, i, call))
-                    else:
-                        calls.append(((g.gid, i), "tool", call))
-                        where.append((g, i, call[0]))
-        real = [(c, w) for c, w in zip(calls, where) if c[1] != "drop?"]
-        outcomes = iter(self.host.run([c for c, _ in real]))
-        replies: dict[tuple[int, int], list] = {}
+        calls, where = self._env_calls([(g, i) for g in groups for i, t in enumerate(g.trajectories) if not t.done])
+        outcomes, replies = iter(self.host.run([c for c in calls if c[1] != "drop?"])), {}
         for call, (g, i, name) in zip(calls, where):
-            o = next(outcomes) if call[1] != "drop?" else None
-            replies.setdefault((g.gid, i), []).append((g, name, o))
+            replies.setdefault((g.gid, i), []).append((g, name, next(outcomes) if call[1] != "drop?" else None))
+        self._replies(replies)
+
+    def _env_calls(self, trajectories: list[tuple[Group, int]]) -> tuple[list[tuple], list[tuple]]:
+        """The calls answering each trajectory's latest turn, ``(key, op, args)`` (``drop?``: a malformed tool call,
+        answered by its parse error), each with ``(group, trajectory, tool name)``; a tool trajectory whose turn
+        called no tool (or reached ``max_turns``) ends here, with none."""
+        calls, where = [], []
+        for g, i in trajectories:
+            t = g.trajectories[i]
+            action = self._turn_text(t)
+            if self.kind.kind == "text":
+                calls.append(((g.gid, i), "step", (action,)))
+                where.append((g, i, None))
+                continue
+            parsed = parse_tool_calls(action)
+            if not parsed or len(t.turn_versions) >= self.max_turns:
+                t.done = True
+                if g.chat:  # the conversation ends with the model's last turn
+                    t.messages.append({"role": "assistant", "content": action})
+                continue
+            for call in parsed:
+                if isinstance(call, str):
+                    calls.append(((g.gid, i), "drop?", ()))
+                    where.append((g, i, call))
+                else:
+                    calls.append(((g.gid, i), "tool", call))
+                    where.append((g, i, call[0]))
+        return calls, where
+
+    def _replies(self, replies: dict[tuple[int, int], list]) -> None:
+        """Apply each trajectory's answers ``[(group, tool name, outcome or None)]``: a failed one gives its group
+        up, the rest are observed (groups no longer in flight are left alone)."""
         with self._lock:
             for (gid, i), answers in replies.items():
                 g = answers[0][0]
@@ -375,11 +402,13 @@ class TurnGenerator:
                 return
             obs = rendered[len(t.text):]
         ids = self._encode(obs)[:self.max_env_tokens]
-        t.text += self.tokenizer.decode(ids, skip_special_tokens=False) if len(ids) == self.max_env_tokens else obs
+        t.text += self._decode(ids) if len(ids) == self.max_env_tokens else obs
         t.ids += ids
         t.mask += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
         t.env_tokens += len(ids)
+        t.turn_texts.append({"role": "user" if self.kind.kind == "text" else "tool", "text": self._decode(ids),
+                             "version": None})
         if self.max_prefix is not None and len(g.prompt_ids) + len(t.ids) > self.max_prefix:
             t.done, t.finish = True, "length"  # no room for another turn in the model's context: it ends here
 
@@ -392,11 +421,11 @@ class TurnGenerator:
             n += 1
         return n
 
-    def _next_turn(self, g: Group) -> list[GenerationRequest]:
-        """One request per live trajectory (its whole token prefix), in trajectory order."""
+    def _next_turn(self, g: Group, which: Any = None) -> list[GenerationRequest]:
+        """One request per live trajectory (of ``which``; None: all), its whole token prefix, in trajectory order."""
         out = []
         for i, t in enumerate(g.trajectories):
-            if not t.done:
+            if not t.done and (which is None or i in which):
                 rid = next(self._ids)
                 g.waiting[rid] = [i]
                 out.append(GenerationRequest(rid, g.prompt_ids + t.ids, 1))
@@ -418,24 +447,30 @@ class TurnGenerator:
             self._drop([g])
 
     def _drop(self, groups: list[Group]) -> None:
-        """Forget the groups' instances at the next poll, on the polling thread (an abort comes from the train
-        pump's thread, under the run's lock: it never waits for an environment call)."""
+        """Forget the groups' instances at the next poll, on the polling thread (an abort, from the train pump's
+        thread under the run's lock, never waits for an environment call)."""
         with self._lock:
             self._dropped += [(g.gid, i) for g in groups for i in range(g.n)]
 
-    def _flush_drops(self) -> None:
+    def _flush_drops(self, wait: bool = True) -> None:
         with self._lock:
             keys, self._dropped = self._dropped, []
         if keys:
-            self.host.drop(keys)
+            self.host.drop(keys, wait)
 
-    def _score(self, groups: list[Group]) -> dict[int, list[float]]:
+    @property
+    def reward_names(self) -> list[str]:
+        """The parts of a trajectory's reward (``reward/<name>``): the environment's, then each function's."""
+        return [ENVIRONMENT_REWARD, *(self.functions.names if self.functions is not None else [])]
+
+    def _score(self, groups: list[Group]) -> dict[int, tuple[list[float], dict[str, list]]]:
         """Each finished group's rewards: the environment's (``get_reward``, or the sum of ``step``'s), plus the
-        run's reward functions (weighted), which get ``environments=`` and the conversation. A failure gives the
-        group up (``_fail``); the groups scored are returned."""
-        out: dict[int, list[float]] = {}
+        run's reward functions (weighted), which get ``environments=`` and the conversation; and the parts
+        (``reward_names``: the environment's, each function's values). A failure gives the group up (``_fail``);
+        the groups scored are returned."""
+        out: dict[int, tuple[list[float], dict[str, list]]] = {}
         for g in groups:
-            extra = [0.0] * g.n
+            extra, parts = [0.0] * g.n, {}
             if self.kind.kind == "tool":
                 got = self.host.run([((g.gid, i), "reward", ()) for i in range(g.n)])
                 bad = next((o.problem for o in got if not o.ok), None)
@@ -451,22 +486,24 @@ class TurnGenerator:
                 bad = o.problem if not o.ok else next((why for kind, why, _ in results if kind != "ok"), None)
                 if bad is None:
                     extra = self.functions.combine([values for _, values, _ in results])
+                    parts = self.functions.parts([values for _, values, _ in results])
             if bad is not None:
                 with self._lock:
                     self._fail(g, bad)
                 continue
-            out[g.gid] = [t.reward + x for t, x in zip(g.trajectories, extra)]
+            out[g.gid] = ([t.reward + x for t, x in zip(g.trajectories, extra)],
+                          {ENVIRONMENT_REWARD: [t.reward for t in g.trajectories], **parts})
         return out
 
-    def _rollouts(self, g: Group, rewards: list[float]) -> GroupRollouts:
-        """The finished group as the pump commits it (rewards: ``_score``'s)."""
+    def _rollouts(self, g: Group, rewards: list[float], parts: dict[str, list]) -> GroupRollouts:
+        """The finished group as the pump commits it (rewards and their parts: ``_score``'s)."""
         ts = g.trajectories
         versions = [v for t in ts for v in t.turn_versions]
         return GroupRollouts(
             group_id=g.gid, prompt_ids=g.prompt_ids, completion_ids=[t.ids for t in ts],
             logprobs=[t.logprobs for t in ts], gen_start_version=min(versions), gen_end_version=max(versions),
             finish_reasons=[t.finish for t in ts], rewards=list(rewards),
-            texts=[self.tokenizer.decode(t.ids, skip_special_tokens=False) for t in ts],
-            token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts],
+            texts=[self._decode(t.ids) for t in ts],
+            token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts], reward_parts=parts,
             turns=[{"turns": len(t.turn_versions), "tool_calls": t.tool_calls, "env_tokens": t.env_tokens,
-                    "turn_versions": list(t.turn_versions)} for t in ts])
+                    "turn_versions": list(t.turn_versions), "turn_texts": [dict(x) for x in t.turn_texts]} for t in ts])

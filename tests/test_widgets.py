@@ -422,10 +422,25 @@ def test_the_conversation_view_lists_each_turn_with_the_version_that_generated_i
     assert groups.set_index("group_id").loc[0, "state"] == "trained"  # trained by step 0: from the log
 
 
+class _BeforeTurnTexts:
+    """A controller read as a recording made before completions rows carried ``turn_texts`` (cut only by a
+    ``replies`` pattern)."""
+
+    def __init__(self, ctrl):
+        self.ctrl = ctrl
+
+    @property
+    def completions(self):
+        return self.ctrl.completions.drop(columns=["turn_texts"])
+
+    def trajectories(self):
+        return self.ctrl.trajectories()
+
+
 def test_a_transcript_that_cannot_be_cut_into_its_turns_is_shown_whole_with_its_versions():
     ctrl = _guess_letter()
     play(ctrl, "rrr")
-    table = widgets.conversation_table(ctrl, 0)  # no replies pattern: not cut
+    table = widgets.conversation_table(_BeforeTurnTexts(ctrl), 0)  # no turn_texts, no replies pattern: not cut
     whole = table[table.role == "conversation"]
     assert len(whole) == 2 and whole.version.tolist() == [[0, 0, 0]] * 2
     with pytest.raises(KeyError, match="group 99"):

@@ -296,8 +296,9 @@ class ConversationView(W.VBox):
     """A multi-turn group's conversations turn by turn (``plots.conversation_html``): pick a group in flight,
     buffered or trained (in the completions log); each trajectory's prompt, then its model turns tinted by the
     weight version that generated them (a legend names them) and the environment's replies in grey, untrained.
-    ``replies``: a regular expression of the environment's replies that cuts a logged transcript into turns
-    (``plots.GUESS_LETTER_REPLIES`` for guess_letter; see ``asyncrl/plots/conversation.py``)."""
+    A logged row is cut into turns by its ``turn_texts``; ``replies``, a regular expression of the environment's
+    replies, cuts those of a recording made before rows carried them (``plots.GUESS_LETTER_REPLIES`` for
+    guess_letter; see ``asyncrl/plots/conversation.py``)."""
 
     def __init__(self, ctrl, replies: str | None = None):
         self.ctrl, self.replies = ctrl, replies

@@ -128,15 +128,17 @@ class TurnsModel:
 
     def _turn_rollouts(self, f: Any) -> GroupRollouts:
         """A multi-turn group: each trajectory's turns (``x`` tokens, eos ending its last) with ``env_tokens``
-        observation tokens (``o``) after every turn but the last; per-turn versions and logprobs."""
+        observation tokens (``o``) after every turn but the last; per-turn versions and logprobs, and the turns'
+        texts (``turn_texts``, as ``asyncrl/turns.py`` logs them: joined, the completion's text)."""
         versions = self._turn_versions(f)
         ids, lps, masks, tversions, turns, reasons = [], [], [], [], [], []
         for k, x in enumerate(f.turn_lengths):
             env = self.observation_tokens(f.request.group_id, k)
-            i_, l_, m_, v_ = [], [], [], []
+            i_, l_, m_, v_, t_ = [], [], [], [], []
             for j, n in enumerate(x):
                 last = j == len(x) - 1
                 i_ += [ord("x")] * (n - 1) + [self.eos_id if last else ord("x")]
+                t_.append({"role": "assistant", "text": "x" * (n - 1 if last else n), "version": versions[j]})
                 l_ += [LOG_HALF - DRIFT * versions[j]] * n
                 m_ += [1] * n
                 v_ += [versions[j]] * n
@@ -144,12 +146,13 @@ class TurnsModel:
                     i_ += [ord("o")] * env
                     l_ += [0.0] * env
                     m_ += [0] * env
+                    t_.append({"role": "user", "text": "o" * env, "version": None})
             ids.append(i_)
             lps.append(l_)
             masks.append(m_)
             tversions.append(v_)
             turns.append({"turns": len(x), "tool_calls": 0, "env_tokens": env * (len(x) - 1),
-                          "turn_versions": versions[:len(x)]})
+                          "turn_versions": versions[:len(x)], "turn_texts": t_})
             reasons.append("length" if x[-1] == self.max_new_tokens else "stop")
         used = versions[:max(len(x) for x in f.turn_lengths)]
         return GroupRollouts(f.request.group_id, list(f.request.prompt_ids), ids, lps, min(used), max(used),

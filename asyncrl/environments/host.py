@@ -7,7 +7,8 @@ loads the environment class from a cloudpickle payload, so a class defined in a 
 Invariants:
 - A trajectory's instance lives in one worker (``key -> worker``, by its group: a group's instances together), and a
   worker answers its calls one at a time, in order: a timeout or a death is the fault of the call it was running.
-- ``run(calls)`` answers every call with an ``Outcome``: ``ok`` with the value, or a ``problem`` naming the
+- ``run(calls)`` answers every call with an ``Outcome`` (``start`` sends them and ``collect`` takes the answers
+  as they come, so a caller need not wait for the slowest; a deadline is checked whenever either runs): ``ok`` with the value, or a ``problem`` naming the
   environment, the call and why (an exception, a value of the wrong type, past ``timeout_s``, the worker died).
   A worker past its deadline is killed; a dead one is replaced; the instances it held are gone, so every later
   call on them is a problem too ("lost"). Nothing here retries: the turns module gives the trajectory up and the
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_any
@@ -38,6 +40,10 @@ sys.path[:] = path
 from asyncrl.environments.host import serve
 serve(conn, payload)
 """
+
+
+PIPELINED = ("step", "tool")  # a turn's calls: small, so a worker's pipe holds several (``EnvironmentHost._pump``)
+PIPELINE = 8
 
 
 @dataclass
@@ -166,6 +172,14 @@ class EnvironmentHost:
         self.owner: dict = {}  # key -> worker index
         self._lock = threading.RLock()
         self.workers: list[_Worker] = []
+        # Calls in the workers (``start``/``collect``; ``run`` is both): each a ticket; per worker the tickets
+        # waiting (in order) and the one running with its deadline; the answers not yet collected.
+        self._next = 0
+        self._calls: dict[int, tuple] = {}
+        self._queues: dict[int, deque] = {}
+        self._running: dict[int, tuple[int, float]] = {}
+        self._done: dict[int, Outcome] = {}
+        self._discard: set[int] = set()  # answers nobody collects (drops not waited for)
         if workers:
             import cloudpickle
 
@@ -176,50 +190,93 @@ class EnvironmentHost:
         """Each ``(key, op, args)`` answered, in order per worker, calls on different workers at once. One caller
         at a time (an evaluation on the train pump's thread waits for the rollout pump's calls)."""
         with self._lock:
-            return self._run(calls)
+            tickets = self._start(calls)
+            while any(t not in self._done for t in tickets):
+                self._pump(None)
+            return [self._done.pop(t) for t in tickets]
 
-    def _run(self, calls: list[tuple[Any, str, tuple]]) -> list[Outcome]:
-        if not self.n:
-            return [apply(self.cls, self.instances, key, op, args, self.functions) for key, op, args in calls]
-        out: list[Outcome | None] = [None] * len(calls)
-        queues: dict[int, list[int]] = {}
-        for i, (key, op, _) in enumerate(calls):
+    def start(self, calls: list[tuple[Any, str, tuple]]) -> list[int]:
+        """Send calls without waiting for them: a ticket each, for ``collect`` (with 0 workers: answered here)."""
+        with self._lock:
+            return self._start(calls)
+
+    def collect(self, tickets: set[int], timeout: float = 0.0) -> dict[int, Outcome]:
+        """The calls of ``tickets`` answered by now, waiting up to ``timeout`` seconds for a first one (a call past
+        its deadline is answered as ``run`` answers it)."""
+        with self._lock:
+            if not any(t in self._done for t in tickets) and any(t in self._calls for t in tickets):
+                self._pump(timeout)
+            self._pump(0.0)
+            return {t: self._done.pop(t) for t in list(tickets) if t in self._done}
+
+    def _start(self, calls: list[tuple[Any, str, tuple]]) -> list[int]:
+        tickets = list(range(self._next, self._next + len(calls)))
+        self._next += len(calls)
+        for t, (key, op, args) in zip(tickets, calls):
+            if not self.n:
+                self._done[t] = apply(self.cls, self.instances, key, op, args, self.functions)
+                continue
             if op == "make" or key not in self.owner:
                 self.owner[key] = key[0] % self.n  # a group's trajectories together (its reward functions' view)
-            queues.setdefault(self.owner[key], []).append(i)
-        running: dict[int, tuple[int, float]] = {}  # worker -> (call, deadline)
-        while queues or running:
-            for w in list(queues):
-                if w not in running and self._ready(w):
-                    i = queues[w].pop(0)
-                    if not queues[w]:
-                        del queues[w]
-                    try:
-                        self.workers[w].conn.send(calls[i])
-                        running[w] = (i, time.monotonic() + self.timeout_s)
-                    except Exception as exc:  # e.g. the arguments cannot be pickled
-                        out[i] = Outcome(False, problem=f"an environment call cannot be sent: {_describe(exc)}")
-            if not running:
-                continue
-            by_conn = {self.workers[w].conn: w for w in running}
-            wait = max(0.0, min(d for _, d in running.values()) - time.monotonic())
-            for conn in wait_any(list(by_conn), wait):
-                w = by_conn[conn]
-                i, _ = running.pop(w)
+            self._calls[t] = (key, op, args)
+            self._queues.setdefault(self.owner[key], deque()).append(t)
+        return tickets
+
+    def _pump(self, timeout: float | None) -> None:
+        """Send each worker its next calls (a turn's ``step``/``tool`` calls queue up to ``PIPELINE`` deep in its
+        pipe, so it goes from one to the next without waiting for this caller; any other call goes alone); take the
+        answers that come within ``timeout`` (None: until the next deadline or answer); the call a worker is
+        running past its deadline (counted from when it came to the head of that worker's line) stops it."""
+        now = time.monotonic()
+        for w in list(self._queues):
+            sent = self._running.setdefault(w, deque())
+            while w in self._queues and self._ready(w) and self._fits(sent, self._calls[self._queues[w][0]][1]):
+                t = self._queues[w].popleft()
+                if not self._queues[w]:
+                    del self._queues[w]
                 try:
-                    out[i] = conn.recv()
-                except (EOFError, OSError):
-                    why = self._replace(w)
-                    out[i] = Outcome(False, problem=f"the environment worker died ({why}) during "
-                                     f"{self.cls.__qualname__}.{calls[i][1]}; it was replaced")
-            now = time.monotonic()
-            for w, (i, deadline) in list(running.items()):
-                if now >= deadline:
-                    del running[w]
-                    self._replace(w)
-                    out[i] = Outcome(False, problem=f"{self.cls.__qualname__}.{calls[i][1]} ran past "
-                                     f"environment.timeout_s={self.timeout_s:g} s; its worker was stopped and replaced")
-        return out  # type: ignore[return-value]
+                    self.workers[w].conn.send(self._calls[t])
+                    sent.append([t, now + self.timeout_s if not sent else None, self._calls[t][1]])
+                except Exception as exc:  # e.g. the arguments cannot be pickled
+                    self._answer(t, Outcome(False, problem=f"an environment call cannot be sent: {_describe(exc)}"))
+        busy = {w: sent for w, sent in self._running.items() if sent}
+        if not busy:
+            return
+        by_conn = {self.workers[w].conn: w for w in busy}
+        wait = max(0.0, min(sent[0][1] for sent in busy.values()) - time.monotonic())
+        for conn in wait_any(list(by_conn), wait if timeout is None else min(wait, timeout)):
+            w = by_conn[conn]
+            try:
+                while busy[w] and conn.poll():
+                    outcome = conn.recv()  # first: a dead worker's EOF is the fault of the call at the head
+                    self._answer(busy[w].popleft()[0], outcome)
+                    if busy[w]:
+                        busy[w][0][1] = time.monotonic() + self.timeout_s  # the next one is running now
+            except (EOFError, OSError):
+                t = busy[w].popleft()[0]
+                why = self._replace(w)
+                self._answer(t, Outcome(False, problem=f"the environment worker died ({why}) during "
+                                        f"{self.cls.__qualname__}.{self._calls[t][1]}; it was replaced"))
+        now = time.monotonic()
+        for w, sent in busy.items():
+            if sent and now >= sent[0][1]:
+                t = sent.popleft()[0]
+                self._replace(w)
+                self._answer(t, Outcome(False, problem=f"{self.cls.__qualname__}.{self._calls[t][1]} ran past "
+                                        f"environment.timeout_s={self.timeout_s:g} s; its worker was stopped and "
+                                        "replaced"))
+
+    @staticmethod
+    def _fits(sent: deque, op: str) -> bool:
+        """May a call ``op`` go to a worker that is running ``sent`` now (see ``_pump``)."""
+        return not sent or (op in PIPELINED and len(sent) < PIPELINE and all(x[2] in PIPELINED for x in sent))
+
+    def _answer(self, ticket: int, outcome: Outcome) -> None:
+        self._calls.pop(ticket, None)
+        if ticket in self._discard:
+            self._discard.discard(ticket)
+        else:
+            self._done[ticket] = outcome
 
     def _ready(self, w: int) -> bool:
         """Wait for worker ``w`` to have loaded the class (a failure to load is one line: nothing could run)."""
@@ -234,22 +291,30 @@ class EnvironmentHost:
         return True
 
     def _replace(self, w: int) -> str:
-        """Stop worker ``w`` and start another; the instances it held are lost (their keys forget the worker)."""
+        """Stop worker ``w`` and start another; the instances it held are lost (their keys forget the worker); the
+        calls sent to it behind the one it was running go to the new one (as lost instances' calls, they fail)."""
+        rest = self._running.get(w, deque())
+        if rest:
+            self._queues[w] = deque([x[0] for x in rest] + list(self._queues.get(w, ())))
+            rest.clear()
         why = self.workers[w].stop()
         self.workers[w] = _Worker(self.payload)
         for key in [k for k, owner in self.owner.items() if owner == w]:
             del self.owner[key]
         return why
 
-    def drop(self, keys: list) -> None:
-        """Forget the instances of ``keys`` (finished, given up or aborted trajectories)."""
+    def drop(self, keys: list, wait: bool = True) -> None:
+        """Forget the instances of ``keys`` (finished, given up or aborted trajectories); ``wait`` False: the drops
+        are sent and their answers ignored (a worker takes them after the calls sent before)."""
         with self._lock:
-            self._drop(keys)
-
-    def _drop(self, keys: list) -> None:
-        live = [k for k in keys if (k in self.instances if not self.n else k in self.owner)]
-        if live:
-            self._run([(k, "drop", ()) for k in live])
+            live = [k for k in keys if (k in self.instances if not self.n else k in self.owner)]
+            if live and (wait or not self.n):
+                self.run([(k, "drop", ()) for k in live])
+            elif live:
+                self._discard.update(self._start([(k, "drop", ()) for k in live]))
+                self._pump(0.0)
+            for k in live:
+                self.owner.pop(k, None)
         for k in live:
             self.owner.pop(k, None)
 

@@ -16,6 +16,10 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)  # of the sampled tokens
     turn_versions: list[int] = field(default_factory=list)
+    # after the prompt, one entry per model turn and per observation, in order: {"role": "assistant" (a model turn)
+    # | "user" (a text environment's reply) | "tool" (a turn's tool results), "text": its tokens decoded,
+    # "version": the model turn's weight version (None for an observation)}; the texts joined are the completion
+    turn_texts: list[dict] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # the conversation (a chat template renders it)
     text: str = ""  # the prompt's and every token's text held so far (the prefix check)
     reward: float = 0.0

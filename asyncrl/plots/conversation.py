@@ -9,9 +9,10 @@ What each segment holds:
 - a ``conversation`` segment, when a completion's text cannot be cut into turns (see ``split_turns``): the whole
   transcript after the prompt, its turns' versions listed.
 
-Cutting a transcript into turns: a row that carries ``turn_texts`` (the turns' texts, model and environment
-alternating) is cut there; otherwise ``replies`` (a regular expression matching the environment's replies, e.g.
-``guess_letter``'s ``GUESS_LETTER_REPLIES``) cuts it. A group still in flight has versions but no text yet: its
+Cutting a transcript into turns: a row that carries ``turn_texts`` (what ``asyncrl/turns.py`` logs: one
+``{"role", "text", "version"}`` per model turn (``assistant``) and observation, in order; or plain texts, model
+and environment alternating) is cut there; otherwise (a recording made before rows carried them) ``replies`` (a
+regular expression matching the environment's replies, e.g. ``guess_letter``'s ``GUESS_LETTER_REPLIES``) cuts it. A group still in flight has versions but no text yet: its
 turns are listed with their versions and the text arrives when the group commits.
 """
 
@@ -78,13 +79,17 @@ def conversation_groups(source) -> pd.DataFrame:
     return frame.reset_index(drop=True)
 
 
-def split_turns(text: str, turns: int, turn_texts: Sequence[str] | None = None,
+def split_turns(text: str, turns: int, turn_texts: Sequence[str | dict] | None = None,
                 replies: str | None = None) -> list[tuple[str, str]] | None:
-    """``(role, text)`` segments of a transcript after the prompt: model and environment alternating, ``turns``
-    model turns (``turn_texts`` when the row has them, else cut at ``replies``); None when it cannot be cut so that
-    it has exactly ``turns`` model turns."""
-    if turn_texts is not None and len(turn_texts):
-        return [("model" if i % 2 == 0 else "environment", str(t)) for i, t in enumerate(turn_texts)]
+    """``(role, text)`` segments of a transcript after the prompt: model and environment, ``turns`` model turns
+    (``turn_texts`` when the row has them: entries with a ``role``, ``assistant`` being the model's, or texts
+    alternating; else cut at ``replies``); None when it cannot be cut so that it has exactly ``turns`` model
+    turns."""
+    if isinstance(turn_texts, (list, tuple)) and len(turn_texts):  # (a frame's missing value is NaN: not a list)
+        segments = [("model" if t.get("role") == "assistant" else "environment", str(t.get("text", "")))
+                    if isinstance(t, dict) else ("model" if i % 2 == 0 else "environment", str(t))
+                    for i, t in enumerate(turn_texts)]
+        return segments if sum(role == "model" for role, _ in segments) == turns else None
     if replies is None:
         return None
     pieces = re.split(f"({replies})", text)

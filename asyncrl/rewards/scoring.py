@@ -224,8 +224,8 @@ class GroupScorer:
         to the log at the next ``flush`` (the pump commits under the run state's lock, and writes the file outside
         it)."""
         with self.lock:
-            parts = self._parts.pop(group_id, None)
-            group.reward_parts = parts
+            parts = self._parts.pop(group_id, None)  # a group its backend scored keeps the parts it came with
+            group.reward_parts = parts = parts if parts is not None else group.reward_parts
             if group.texts is not None and self.log.wants(weight_version):
                 self._rows += group_rows(group_id, prompt, weight_version, group, parts)
 
