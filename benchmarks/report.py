@@ -1544,7 +1544,7 @@ REPORTS.update({
 
 
 # --- bench_agents (issue 46) -------------------------------------------------------------------------------------
-AGENTS = "2026-12-05-g4x4-w4"
+AGENTS = "2026-12-05-g4x4-w4-free"
 
 
 def agents_table(name: str = AGENTS) -> str:
@@ -1571,7 +1571,7 @@ def agents_number(what: str, name: str = AGENTS) -> Callable[[], str]:
     return make
 
 
-AGENTS_W8 = "2026-12-05-g4x4-w8"
+AGENTS_W8 = "2026-12-05-g4x4-w8-free"
 
 
 def agents_workers(name: str = AGENTS_W8) -> str:
