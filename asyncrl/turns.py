@@ -39,7 +39,7 @@ from asyncrl.data import GenerationRequest, GroupRollouts
 from asyncrl.environments import EnvironmentKind, parse_tool_calls
 from asyncrl.environments.free_turns import FreeTurns
 from asyncrl.environments.host import EnvironmentHost
-from asyncrl.environments.trajectory import Group, Trajectory, reward_batch
+from asyncrl.environments.trajectory import Group, Trajectory, cut_contents, reward_batch
 
 ENVIRONMENT_REWARD = "environment"  # reward/environment: the environment's part of a trajectory's reward
 
@@ -384,12 +384,14 @@ class TurnGenerator(FreeTurns):
                 if g.gid < 0 and obs is not None and not g.chat:  # an evaluation's transcript ends with the last
                     t.ids += self._encode(obs)[:self.max_env_tokens]  # reply (``correct``): the task grades it
                 return
-            if g.chat:
-                t.messages.append({"role": "user", "content": obs})
+            if g.chat:  # its content cut to max_env_tokens, then rendered (the rendering is never cut)
+                (content,) = cut_contents(self.tokenizer, [obs], self.max_env_tokens)
+                t.messages.append({"role": "user", "content": content})
         else:
-            t.tool_calls += len(answers)
-            for _, name, o in answers:
-                content = o.value if o is not None else name  # a malformed call: the parse error
+            t.tool_calls += len(answers)  # every call the model wrote, answered or refused (TRL's tool_call_count)
+            contents = cut_contents(self.tokenizer, [o.value if o is not None else name for _, name, o in answers],
+                                    self.max_env_tokens)  # a malformed call's content: its parse error
+            for (_, name, o), content in zip(answers, contents):
                 t.messages.append({"role": "tool", "name": name if o is not None else "error", "content": content})
         if g.chat:
             rendered = self._render(t.messages)
@@ -401,8 +403,11 @@ class TurnGenerator(FreeTurns):
                            "does not start with the tokens already held), so the trajectory's tokens would drift")
                 return
             obs = rendered[len(t.text):]
-        ids = self._encode(obs)[:self.max_env_tokens]
-        t.text += self._decode(ids) if len(ids) == self.max_env_tokens else obs
+        ids = self._encode(obs)
+        if not g.chat and len(ids) > self.max_env_tokens:  # raw text: all content, cut in tokens
+            ids = ids[:self.max_env_tokens]
+            obs = self._decode(ids)
+        t.text += obs
         t.ids += ids
         t.mask += [0] * len(ids)
         t.logprobs += [0.0] * len(ids)
@@ -413,13 +418,8 @@ class TurnGenerator(FreeTurns):
             t.done, t.finish = True, "length"  # no room for another turn in the model's context: it ends here
 
     @staticmethod
-    def _last_turn_length(t: Trajectory) -> int:
-        n = 0
-        for m in reversed(t.mask):
-            if m == 0:
-                break
-            n += 1
-        return n
+    def _last_turn_length(t: Trajectory) -> int:  # the sampled tokens at the end
+        return next((n for n, m in enumerate(reversed(t.mask)) if m == 0), len(t.mask))
 
     def _next_turn(self, g: Group, which: Any = None) -> list[GenerationRequest]:
         """One request per live trajectory (of ``which``; None: all), its whole token prefix, in trajectory order."""

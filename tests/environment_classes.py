@@ -91,3 +91,24 @@ class Echo:
 
     def get_reward(self) -> float:
         return float(len(self.said))
+
+
+class Guarded(Calculator):
+    """A Calculator whose non-tools show in its reward when a model's tool call ran them: ``reset`` (a second time),
+    ``get_reward``, a private method or ``__init__``."""
+
+    def reset(self, **row):
+        self.resets, self.rewarded, self.poked = getattr(self, "resets", 0) + 1, 0, 0
+        return super().reset(**row)
+
+    def __init__(self):
+        self.inits = getattr(self, "inits", 0) + 1
+
+    def _poke(self) -> str:
+        self.poked = 1
+        return "poked"
+
+    def get_reward(self) -> float:
+        self.rewarded += 1
+        return float(self.used) + 100.0 * (self.resets - 1) + 1000.0 * self.poked + 10.0 * (self.inits - 1) \
+            + 10000.0 * (self.rewarded - 1)

@@ -411,3 +411,102 @@ def test_trl_environment_classes_run_unchanged_a_row_less_reset_and_a_tool_named
         out = turns.poll() + turns.poll()
         assert result in out[0].texts[0] and out[0].turns[0]["tool_calls"] == 1
         turns.close()
+
+
+def _play(turns, gid=0, n=1, free=False, prompt_ids=(1,)):
+    """Submit one group and poll (free turns: a running pump's polls) until it is returned."""
+    from asyncrl.data import GenerationRequest
+
+    turns.free_turns = free
+    turns.submit([GenerationRequest(gid, list(prompt_ids), n)])
+    out = []
+    for _ in range(200):
+        out += turns.poll(0.05 if free else 0.0)
+        if out:
+            return out
+    pytest.fail("the group never came back")
+
+
+@pytest.mark.parametrize("workers,free", [(0, False), (1, False), (1, True)])
+def test_a_model_calls_only_the_tools_the_environment_advertises_anything_else_is_an_error_it_reads(workers, free):
+    from tests.environment_classes import Guarded
+
+    tok = build_tokenizer()
+    kind = describe_class(Guarded)
+    assert kind.names == ("add",)  # what the template renders: reset, get_reward, private methods are no tools
+    names = ["reset", "get_reward", "_poke", "__init__", "__class__", "used", "step", "nope"]
+    calls = [f'{{"name": "{name}", "arguments": {{}}}}' for name in names]
+    calls += ['{"name": "add", "arguments": [2, 3]}', '{"name": "add", "arguments": "\\"2, 3\\""}',
+              '{"name": "add", "arguments": {"a": 2, "b": 3}}']
+    inner = Scripted(tok, ["".join(f"<tool_call>{c}</tool_call>" for c in calls), "done"])
+    prompt = Prompt("add 2 and 3", id="train/0")
+    turns = TurnGenerator(inner, kind, 3, workers, 10.0, 4096, tok, lambda gid: prompt, TOOL_TEMPLATE)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    (group,) = _play(turns, free=free)
+    turns.close()
+    assert group.rewards == [1.0]  # only the real tool ran: no second reset, no get_reward, _poke or __init__
+    text = group.texts[0]
+    for name in names:
+        assert f"tool: error: unknown tool '{name}' (tools: add)\n" in text
+    assert "tool: error: the arguments of tool call 'add' must be a JSON object, got list\n" in text
+    assert "tool: error: the arguments of tool call 'add' must be a JSON object, got str\n" in text
+    assert "tool: 5\n" in text and "poked" not in text
+    assert group.turns[0]["tool_calls"] == len(calls)  # every call the model wrote counts, refused ones too (TRL)
+
+
+def test_the_host_runs_no_method_but_an_advertised_tool_and_no_arguments_but_a_json_object():
+    from asyncrl.environments.host import apply
+    from tests.environment_classes import Guarded
+
+    instances: dict = {}
+    assert apply(Guarded, instances, 0, "make", ({},)).ok
+    for method, kwargs in (("reset", {}), ("get_reward", {}), ("_poke", {}), ("__class__", {}), ("used", {}),
+                           (None, {}), ("add", [2, 3]), ("add", "2, 3"), ("add", None)):
+        got = apply(Guarded, instances, 0, "tool", (method, kwargs))
+        assert got.ok and got.value.startswith("error: "), (method, kwargs, got)
+    assert apply(Guarded, instances, 0, "tool", ("add", {"a": 2, "b": 3})).value == "5"
+    assert apply(Guarded, instances, 0, "reward", ()).value == 1.0  # nothing but add ran
+    env = instances[0]
+    assert (env.resets, env.poked, env.inits) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("workers,free", [(0, False), (1, True)])
+def test_a_long_observation_is_cut_in_its_content_and_the_conversation_goes_on(workers, free):
+    """max_env_tokens cuts a chat observation's content, then the template renders it: the template's text after
+    the message (the next ``assistant:`` header) stays whole, so the next turn continues the held tokens."""
+    tok = build_tokenizer()
+    inner = Scripted(tok, ["a"] * 6)
+    prompt = Prompt("q:", id="train/0", messages=[{"role": "user", "content": "q:"}])
+    turns = TurnGenerator(inner, describe_class(Echo), 3, workers, 10.0, 6, tok, lambda gid: prompt, TOOL_TEMPLATE)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    (group,) = _play(turns, n=2, free=free, prompt_ids=tok.encode("x"))
+    turns.close()
+    for ids, meta in zip(group.completion_ids, group.turns):
+        assert meta["turns"] == 3  # max_turns ended it, not a prefix-check failure
+        replies = [x["text"] for x in meta["turn_texts"] if x["role"] == "user"]
+        assert replies == ["\nuser:  xx…\nassistant: "] * 2  # 6 content tokens, the header whole
+        content = replies[0][len("\nuser: "):-len("\nassistant: ")]
+        assert len(tok.encode(content, add_special_tokens=False)) == 6
+    assert group.rewards == [1.5, 1.5]  # step ran after each of the 3 turns
+    for sent in inner.sent[1:]:  # each later turn: the held tokens exactly, as rendered
+        assert any(sent == group.prompt_ids + c[:len(sent) - len(group.prompt_ids)] for c in group.completion_ids)
+
+
+def test_a_turn_s_tool_results_share_max_env_tokens_of_content():
+    from tests.environment_classes import Echo as EchoTool
+
+    tok = build_tokenizer()
+    call = '<tool_call>{"name": "step", "arguments": {"message": "abcdefghijklmnop"}}</tool_call>'
+    inner = Scripted(tok, [call * 2, "done"])
+    turns = TurnGenerator(inner, describe_class(EchoTool), 3, 0, 10.0, 10, tok,
+                          lambda gid: Prompt("echo", id="train/0"), TOOL_TEMPLATE)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    (group,) = _play(turns)
+    (tools,) = [x["text"] for x in group.turns[0]["turn_texts"] if x["role"] == "tool"]
+    assert tools == "\ntool: abcdefg…\ntool: \nassistant: "  # 10 content tokens for the turn, the wrapping whole
+    assert group.turns[0]["tool_calls"] == 2 and group.rewards == [2.0]
+    from asyncrl.environments.trajectory import cut_contents
+
+    assert cut_contents(tok, ["abc", "defghijklm", "nop"], 9) == ["abc", "def…", ""]  # 3 + 6 (3, a 3-byte marker) + 0
+    assert cut_contents(tok, ["abcdefgh"], 3) == ["abc"]  # no room for the marker and a token more: cut bare
+    assert cut_contents(tok, ["short"], 5) == ["short"]

@@ -38,8 +38,11 @@ class EnvironmentConfig(StrictModel):
                          "process, unguarded: no timeout, a crash is the run's)")
     timeout_s: float = Field(30.0, gt=0, description="a call to an environment (reset, step, a tool, get_reward) "
                              "running longer is a fault: its worker is stopped and replaced")
-    max_env_tokens: int = Field(256, ge=1, description="tokens of one observation (or a turn's tool results) at "
-                                "most; longer ones are cut to this many")
+    max_env_tokens: int = Field(256, ge=1, description="content tokens of one observation at most (a text "
+                                "environment's reply, or a turn's tool results together, in order): longer content "
+                                "is cut, ending in '…' when that fits, before the chat template renders it (the "
+                                "template's wrapping, e.g. the role header and the next generation prompt, is not "
+                                "counted); raw text (no chat template): the observation's tokens are cut")
 
 
 def load_factory(spec: str) -> type:
@@ -135,7 +138,9 @@ def tool_call_format(template: str | None) -> str | None:
 
 def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
     """The tool calls in a model turn, in order: ``(name, arguments)``, or a string saying why one is malformed
-    (its result tells the model so, as a tool message)."""
+    (its result tells the model so, as a tool message): not JSON, no ``name``, or ``arguments`` not a JSON object
+    (missing or null: no arguments). Whether the name is one of the environment's tools is the host's to check
+    (``asyncrl.environments.host.refuse_tool_call``), where the call would run."""
     calls: list[tuple[str, dict] | str] = []
     for body in TOOL_CALL.findall(text):
         try:
@@ -146,13 +151,17 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict] | str]:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             calls.append("error: a tool call needs a \"name\" and \"arguments\"")
             continue
-        args = call.get("arguments", {})
-        if isinstance(args, str):
+        args = call.get("arguments")
+        if isinstance(args, str):  # arguments encoded as a JSON string (OpenAI's wire format)
             try:
                 args = json.loads(args)
             except json.JSONDecodeError:
                 pass
-        calls.append((call["name"], args if isinstance(args, dict) else {}))
+        if args is not None and not isinstance(args, dict):
+            calls.append(f"error: the arguments of tool call {call['name']!r} must be a JSON object, got "
+                         f"{type(args).__name__}")
+            continue
+        calls.append((call["name"], args or {}))
     return calls
 
 

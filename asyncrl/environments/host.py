@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import subprocess
@@ -29,6 +30,8 @@ from dataclasses import dataclass
 from multiprocessing import Pipe
 from multiprocessing.connection import wait as wait_any
 from typing import Any
+
+from asyncrl.environments import is_text_environment, tool_names
 
 BOOT = """
 import signal, sys
@@ -69,6 +72,25 @@ def _accepted(fn: Any, row: dict) -> dict:
     return {k: v for k, v in row.items() if k in {p.name for p in params}}
 
 
+@functools.lru_cache(maxsize=64)
+def callable_tools(cls: type) -> tuple[str, ...]:
+    """The methods a model may call on ``cls``: the tools it advertises (``tool_names``, the schemas the chat
+    template renders); none for a text environment."""
+    return () if is_text_environment(cls) else tuple(tool_names(cls))
+
+
+def refuse_tool_call(cls: type, method: Any, kwargs: Any) -> str:
+    """Why a model's tool call is not run (an ``error:`` observation, as TRL answers an unknown tool), or "": a
+    name that is not one of the class's tools (``reset``, ``get_reward``, a private method or an attribute are
+    none), or arguments that are not a JSON object."""
+    tools = callable_tools(cls)
+    if not isinstance(method, str) or method not in tools:
+        return f"error: unknown tool {method!r} (tools: {', '.join(tools)})"
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        return f"error: the arguments of {method!r} must be a JSON object, got {type(kwargs).__name__}"
+    return ""
+
+
 def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions: Any = None) -> Outcome:
     """One call on the instance of ``key``: ``make`` (a new instance, reset with the row), ``step``, ``tool``
     (a method by name, keyword arguments), ``reward`` (``get_reward``), ``score`` (the run's reward functions on a
@@ -104,6 +126,9 @@ def apply(cls: type, instances: dict, key: Any, op: str, args: tuple, functions:
             return Outcome(True, (out[0], float(out[1]), bool(out[2])))
         if op == "tool":
             method, kwargs = args
+            refused = refuse_tool_call(cls, method, kwargs)
+            if refused:  # never executed: the model reads why (it counts as a tool call that errored)
+                return Outcome(True, refused)
             try:
                 return Outcome(True, str(getattr(env, method)(**kwargs)))
             except Exception as exc:  # a tool's error is the model's to read, as TRL returns it

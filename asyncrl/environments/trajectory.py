@@ -1,5 +1,6 @@
 """A multi-turn group as ``asyncrl/turns.py`` holds it while its trajectories play, and as the run's reward
-functions get it when they end (TRL's keywords, the conversation after the prompt as each completion)."""
+functions get it when they end (TRL's keywords, the conversation after the prompt as each completion); and how an
+observation's content is cut to ``environment.max_env_tokens`` (``cut_contents``)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,36 @@ class Group:
     turn: int = 0  # model turns generated so far (of the longest trajectory)
     waiting: dict[int, list[int]] = field(default_factory=dict)  # inner request id -> trajectory indices
     chat: bool = False  # rendered by the chat template (else raw text)
+
+
+CUT_MARKER = "…"  # ends an observation's content that was cut (when it fits in the budget)
+
+
+def cut_contents(tokenizer: Any, texts: list[str], limit: int) -> list[str]:
+    """A turn's observation contents (a text environment's reply, or the turn's tool results, in order) cut to
+    ``limit`` content tokens together (the template's wrapping is not counted): each text keeps what the earlier
+    ones left, cut in tokens, decoded back and ended by ``CUT_MARKER`` when the budget left holds the marker and a
+    token more. Cutting the content, not the rendering, keeps the template's text after the message (the next
+    turn's header) whole, so the tokens held stay a prefix of the next rendering. Each returned text encodes to at
+    most its share (re-encoded, a decoded cut can differ: it is shortened until it fits)."""
+    out, left = [], limit
+    for text in texts:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if len(ids) <= left:
+            out.append(text)
+            left -= len(ids)
+            continue
+        marker = CUT_MARKER if len(tokenizer.encode(CUT_MARKER, add_special_tokens=False)) < left else ""
+        keep = left - len(tokenizer.encode(marker, add_special_tokens=False)) if marker else left
+        cut = ""
+        while keep > 0:
+            cut = tokenizer.decode(ids[:keep], skip_special_tokens=False).rstrip("\ufffd") + marker
+            if len(tokenizer.encode(cut, add_special_tokens=False)) <= left:
+                break
+            keep, cut = keep - 1, ""
+        out.append(cut)
+        left -= len(tokenizer.encode(cut, add_special_tokens=False))
+    return out
 
 
 def reward_batch(prompt: Any, g: Group, tokenizer: Any) -> RewardBatch:
