@@ -61,7 +61,7 @@ from asyncrl.algorithms import gap_contributions
 from asyncrl.backends.base import Capabilities
 from asyncrl.config import SimulatedGeneration, SimulatedGenerationConfig, SimulatedTrainerConfig, SimulatedTraining
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
-from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock
+from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock, busy_seconds
 from asyncrl.backends.simulated_turns import DRIFT, LOG_HALF, TurnsModel, draw_env_seconds
 from asyncrl.metrics import GAP_METRICS, Accumulator
 
@@ -98,9 +98,7 @@ class _Flight:
     turn_starts: list[float] | None = None
     turn_ends: list[float] | None = None
     reported: int = 0
-    # Free turns (``TurnsModel._project_free``): per trajectory, each call's seconds and each turn's projected
-    # (began, call arrives, call starts, call ends); turns reported so far per trajectory.
-    free: bool = False
+    free: bool = False  # free turns (``TurnsModel._plan_free`` says what the next three hold)
     env: list[list[float]] | None = None
     times: list[list[tuple[float, float, float, float]]] | None = None
     reported_turns: list[int] | None = None
@@ -128,8 +126,7 @@ class SimulatedGenerator(TurnsModel):
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
         self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
-        self._stops: list[list[tuple[float, float]]] = [[] for _ in range(self.replicas)]  # pauses, loads
-        self._worker_busy: dict[int, float] = {}  # free turns: each environment worker's call running until then
+        self._stops, self._worker_busy = self.free_turn_state()
         self._lock = threading.Condition()  # Controller.run calls in from two pumps; a wall-clock poll waits on it
 
     @property
@@ -167,10 +164,7 @@ class SimulatedGenerator(TurnsModel):
                     turn_lengths, env, rewards = self.draw_turns(req, p)
                     f = _Flight(req, self._version, 0.0, [sum(x) for x in turn_lengths], rewards, replica,
                                 turn_lengths=turn_lengths)
-                    if self._plays_free():
-                        self._plan_free(f, env)
-                    else:
-                        self._plan_turns(f, env)
+                    (self._plan_free if self._plays_free() else self._plan_turns)(f, env)
                 self.drawn[0] += 1
                 self.drawn[1] += f.seconds
                 self._flights[req.group_id] = f
@@ -361,21 +355,8 @@ class SimulatedGenerator(TurnsModel):
     def busy_s(self, start: float, end: float) -> list[float]:
         """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""
         with self._lock:
-            spans: list[list[tuple[float, float]]] = [[] for _ in range(self.replicas)]
-            for a, b, r in self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]:
-                if b > start and a < end:
-                    spans[r].append((max(a, start), min(b, end)))
-            out = []
-            for mine in spans:
-                total, cur_a, cur_b = 0.0, None, None
-                for a, b in sorted(mine):
-                    if cur_b is None or a > cur_b:
-                        total += 0.0 if cur_b is None else cur_b - cur_a
-                        cur_a, cur_b = a, b
-                    else:
-                        cur_b = max(cur_b, b)
-                out.append(total + (0.0 if cur_b is None else cur_b - cur_a))
-            return out
+            spans = self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]
+            return busy_seconds(spans, self.replicas, start, end)
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         with self._lock:
@@ -423,7 +404,7 @@ class SimulatedGenerator(TurnsModel):
         with self._lock:
             self._version, self.progress = int(state["version"]), float(state["progress"])
             self._replicas = [Replica([(-math.inf, self._version)]) for _ in range(self.replicas)]
-            self._stops, self._worker_busy = [[] for _ in range(self.replicas)], {}
+            self._stops, self._worker_busy = self.free_turn_state()
             self.rng.setstate(state["rng"])
             if "now" in state and isinstance(self.clock, SimClock):
                 self.clock.now = float(state["now"])

@@ -114,9 +114,15 @@ class TurnsModel:
             f.turn_ends.append(t)
         f.seconds = t
 
+    def free_turn_state(self) -> tuple[list[list[tuple[float, float]]], dict[int, float]]:
+        """Empty ``(_stops, _worker_busy)``: per replica its pauses and weight loads (free-turn decodes skip them),
+        per environment worker when the call it runs ends."""
+        return [[] for _ in range(self.replicas)], {}
+
     def _plan_free(self, f: Any, env: list[list[float]]) -> None:
-        """A free-turn group (the module docstring): its calls' seconds kept for ``_project_free``; its seconds
-        (what it would take alone) for the generator's tallies."""
+        """A free-turn group (the module docstring): ``f.env`` its calls' seconds (per trajectory, per turn),
+        ``f.times`` each turn's projected ``(began, call arrives, call starts, call ends)``, ``f.reported_turns``
+        the turns reported per trajectory; its seconds (what it would take alone) for the generator's tallies."""
         m = self.model
         f.free, f.env, f.times = True, env, [[] for _ in f.turn_lengths]
         f.reported_turns = [0] * len(f.turn_lengths)
