@@ -236,3 +236,28 @@ def test_free_turns_are_deterministic_and_stepped_ticks_stay_lockstep():
         return ctrl.trace
 
     pd.testing.assert_frame_equal(stepped(0), stepped(8))
+
+
+def test_free_turns_ask_the_sampler_at_each_trajectory_boundary_and_stop_the_group_there():
+    windowed = {"name": "windowed", "max_staleness_versions": 2}
+    ctrl = Controller.from_config(load_config("what_if", sampler=windowed,
+                                              generation={"turns": {**TURNS, "workers": 4}}))
+    asked: list[int] = []
+    plain = ctrl.sampler.should_abort_inflight
+
+    def should_abort_inflight(weight_version: int, T: int) -> bool:  # also stops every 7th group it is asked about
+        asked.append(T)
+        return plain(weight_version, T) or len(asked) % 7 == 0
+
+    ctrl.sampler.should_abort_inflight = should_abort_inflight
+    sim = Simulation(ctrl)
+    sim.run(8)
+    trace = sim.trace
+    stopped = trace[(trace.event == "abort") & trace.reason.str.contains("stopped at a turn boundary")]
+    assert len(stopped) > 0 and stopped.sim_time_s.notna().all()
+    assert not set(trace[trace.event == "commit"].group_id.astype(int)) & set(stopped.group_id.astype(int))
+    turns = trace[trace.event == "turn"]
+    for gid, reason, when in zip(stopped.group_id.astype(int), stopped.reason, stopped.sim_time_s):
+        mine = turns[turns.group_id == gid]
+        assert (mine.sim_time_s <= when).all()  # no turn of it ended after it was stopped
+        assert mine.detail.str.extract(r"turn (\d+)")[0].astype(int).max() == int(reason.rsplit("after turn ", 1)[1])

@@ -232,7 +232,8 @@ class TurnsModel:
             for i in played:
                 self.on_turn(gid, i, j + 1, versions[i][j], len(f.turn_lengths[i]) == j + 1)
             going = j < len(f.turn_ends) - 1 if which is None else when < f.finish
-            if going and self.at_boundary(gid, j + 1):
+            reached = j + 1 if which is None else max(sum(t[3] <= when for t in times) for times in f.times)
+            if going and self.at_boundary(gid, reached):  # the turn the group reached: its furthest trajectory's
                 stopped.add(gid)
         return stopped
 
