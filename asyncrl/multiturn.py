@@ -64,6 +64,8 @@ def attach(pump: Any, generator: Any, train: Any = None) -> None:
         TurnHooks(pump, generator, train)
     if isinstance(generator, TurnGenerator):  # an asynchronous sampler's run lets trajectories go on freely
         generator.free_turns = pump.sampler.admits_ahead and generator.host.n > 0
+    elif getattr(generator, "plays_turns", False) is True:  # the simulated generator models it (``turns.workers``)
+        generator.free_turns = pump.sampler.admits_ahead
     if isinstance(generator, TurnGenerator) and train is not None:
         train.function_rewards = FunctionRewards(generator.reward_names)
 

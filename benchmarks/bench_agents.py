@@ -99,7 +99,8 @@ def simulate(recorded, real: dict, sampler: dict, steps: int) -> dict:
         latency.update(env_latency_s=LATENCY["env_latency_s"] * found["env_call_s"] / call_mean(),
                        env_latency_max_s=LATENCY["env_latency_max_s"] * found["env_call_s"] / call_mean())
     generation["turns"] = {"max_turns": recorded.cfg.environment.max_turns, **latency,
-                           "mean_turns": real["turns_mean"], "env_tokens": round(real["env_tokens_per_obs"])}
+                           "mean_turns": real["turns_mean"], "env_tokens": round(real["env_tokens_per_obs"]),
+                           "workers": recorded.cfg.environment.workers}  # free turns under the async sampler
     cfg = _config(recorded.cfg, sampler, generation, training)
     ctrl = Controller.from_config(cfg)
     sim = Simulation(ctrl)

@@ -4,12 +4,15 @@ boundaries, and replays of multi-turn recordings (simulated and a real ``guess_l
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pandas as pd
 import pytest
 
 import asyncrl
 from asyncrl import Controller, cli, load_config
+from asyncrl.backends.simulated import SimulatedGenerator
+from asyncrl.data import GenerationRequest
 from asyncrl.replay.recorded import schedule
 from asyncrl.simulate import Simulation
 from tests.test_replay import record, trained
@@ -143,3 +146,118 @@ def test_a_recorded_guess_letter_run_replays_under_another_sampler(tmp_path):
     assert served.turns.between(1, 3).all() and set(served.turns) <= set(recorded.turns)
     assert (served.turn_versions.map(len) == served.turns).all()
     assert other.drawn_fraction < 0.5
+
+
+# --- free turns: an asynchronous sampler's trajectories go on as their environment answers -------------------------
+
+SLOW = {"max_turns": 3, "env_latency_s": 0.2, "env_latency_tail": "pareto", "env_latency_alpha": 1.5,
+        "env_latency_max_s": 5.0}  # a slow, long-tailed environment: its waits are the run's time
+SYNC = {"name": "in_order", "max_lookahead_versions": 0}
+
+
+class FixedTurns(SimulatedGenerator):
+    """Every trajectory plays two one-token turns, each environment call takes 1 s."""
+
+    def draw_turns(self, request, success):
+        return [[1, 1] for _ in range(request.n)], [[1.0, 1.0] for _ in range(request.n)], [0.0] * request.n
+
+
+def played(workers: int, free: bool = True) -> tuple[dict, list]:
+    """Two groups of one trajectory on the simulated clock (decoding 0.1 s a turn): when each group finished and
+    the turn events ``(time, group, turn)``, walking the generator's events as ``asyncrl.simulate`` does."""
+    cfg = load_config("what_if", generation={"prefill_s": 0.0, "decode_s_per_token": 0.1, "concurrency": None,
+                                             "turns": {"max_turns": 2, "env_latency_s": 1.0, "workers": workers}})
+    gen = FixedTurns(cfg.model, cfg.generation, 0, SimpleNamespace(eos_token_id=0))
+    gen.free_turns, gen.clock.stepping, gen.timed_updates = free, False, True
+    turns = []
+    gen.bind(lambda gid, i, turn, version, done: turns.append((round(gen.clock.now, 9), gid, turn)),
+             lambda gid, turn: False, lambda gid, why: None)
+    gen.submit([GenerationRequest(0, [1], 1), GenerationRequest(1, [1], 1)])
+    finished = {}
+    while (t := gen.next_event_time()) is not None:
+        gen.clock.now = t
+        finished.update({r.group_id: round(t, 9) for r in gen.poll()})
+    return finished, turns
+
+
+def test_free_turns_queue_calls_on_the_workers_as_worked_out_by_hand():
+    # 2 workers: each group's calls have a worker of their own; each trajectory decodes (0.1 s), waits 1 s, again
+    finished, turns = played(2)
+    assert finished == {0: 2.2, 1: 2.2}
+    assert turns == [(1.1, 0, 1), (1.1, 1, 1), (2.2, 0, 2), (2.2, 1, 2)]
+    # 1 worker: both first calls arrive at 0.1, group 0's runs first (0.1-1.1), group 1's waits (1.1-2.1); group 0's
+    # second turn decodes 1.1-1.2 and its call waits for the worker (2.1-3.1); group 1's decodes 2.1-2.2, calls 3.1-4.1
+    finished, turns = played(1)
+    assert finished == {0: 3.1, 1: 4.1}
+    assert turns == [(1.1, 0, 1), (2.1, 1, 1), (3.1, 0, 2), (4.1, 1, 2)]
+    # lockstep (a synchronous sampler's, or no workers): each group plays its turns on its own, as before
+    assert played(1, free=False)[0] == played(0)[0] == {0: 2.2, 1: 2.2}
+
+
+def steps_per_s(sampler: dict, workers: int, steps: int = 16) -> tuple[float, Simulation]:
+    cfg = load_config("what_if", sampler=sampler, groups_per_step=4, group_size=4,
+                      generation={"turns": {**SLOW, "workers": workers}, "prefill_s": 0.0, "decode_s_per_token": 0.001,
+                                  "max_new_tokens": 16},
+                      trainer={"train_s_per_token": 0.0, "train_s_per_step": 0.01, "sync_s": 0.0})
+    sim = Simulation(Controller.from_config(cfg))
+    m = sim.run(steps)
+    return len(m) / float(m.step_time_s.sum()), sim
+
+
+def test_free_turns_hide_a_slow_environment_as_far_as_the_workers_allow():
+    sync = {w: steps_per_s(SYNC, w)[0] for w in (0, 4, 8)}
+    assert sync[0] == sync[4] == sync[8]  # a synchronous sampler's turns stay lockstep, whatever the workers
+    fast, sim = steps_per_s(FIFO, 8)
+    # 8 workers: the two versions' groups the sampler keeps in flight (8) each have a worker and no trajectory
+    # waits for its siblings' calls: most of the environment's wait is hidden
+    assert fast / sync[8] >= 1.5
+    # 4 workers: the same calls queue on half the workers, so the worker pool bounds the speed-up
+    slow = steps_per_s(FIFO, 4)[0]
+    assert fast / slow >= 1.2
+    turns = sim.trace[sim.trace.event == "turn"]
+    assert turns.sim_time_s.is_monotonic_increasing
+    rows = sim.ctrl.completions
+    assert (rows.turn_versions.map(len) == rows.turns).all()
+    assert (rows.turn_versions.map(lambda v: len(set(v)) > 1)).any()  # trajectories span versions turn by turn
+
+
+def test_free_turns_are_deterministic_and_stepped_ticks_stay_lockstep():
+    a, b = (steps_per_s(FIFO, 4, steps=6)[1] for _ in range(2))
+    pd.testing.assert_frame_equal(a.trace, b.trace)
+    pd.testing.assert_frame_equal(a.metrics, b.metrics)
+
+    def stepped(workers: int) -> pd.DataFrame:  # rollout ticks by hand: the lockstep poll of a stepped run
+        ctrl = Controller.from_config(load_config("what_if", sampler=FIFO, generation={"turns": {**TURNS,
+                                                                                                 "workers": workers}}))
+        for _ in range(150):
+            ctrl.rollout_tick()
+            ctrl.train_tick()
+        assert ctrl.trainer_version >= 2
+        return ctrl.trace
+
+    pd.testing.assert_frame_equal(stepped(0), stepped(8))
+
+
+def test_free_turns_ask_the_sampler_at_each_trajectory_boundary_and_stop_the_group_there():
+    windowed = {"name": "windowed", "max_staleness_versions": 2}
+    ctrl = Controller.from_config(load_config("what_if", sampler=windowed,
+                                              generation={"turns": {**TURNS, "workers": 4}}))
+    asked: list[int] = []
+    plain = ctrl.sampler.should_abort_inflight
+
+    def should_abort_inflight(weight_version: int, T: int) -> bool:  # also stops every 7th group it is asked about
+        asked.append(T)
+        return plain(weight_version, T) or len(asked) % 7 == 0
+
+    ctrl.sampler.should_abort_inflight = should_abort_inflight
+    sim = Simulation(ctrl)
+    sim.run(8)
+    trace = sim.trace
+    stopped = trace[(trace.event == "abort") & trace.reason.str.contains("stopped at a turn boundary")]
+    assert len(stopped) > 0 and stopped.sim_time_s.notna().all()
+    assert not set(trace[trace.event == "commit"].group_id.astype(int)) & set(stopped.group_id.astype(int))
+    turns = trace[trace.event == "turn"]
+    for gid, reason, when in zip(stopped.group_id.astype(int), stopped.reason, stopped.sim_time_s):
+        mine = turns[turns.group_id == gid]
+        assert (mine.sim_time_s <= when).all()  # no turn of it ended after it was stopped
+        assert mine.detail.str.extract(r"turn (\d+)")[0].astype(int).max() == int(reason.rsplit("after turn ", 1)[1])

@@ -61,7 +61,7 @@ from asyncrl.algorithms import gap_contributions
 from asyncrl.backends.base import Capabilities
 from asyncrl.config import SimulatedGeneration, SimulatedGenerationConfig, SimulatedTrainerConfig, SimulatedTraining
 from asyncrl.data import GenerationRequest, GroupRollouts, TrainBatch
-from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock
+from asyncrl.backends.simulated_timeline import Replica, SimClock, WallClock, busy_seconds
 from asyncrl.backends.simulated_turns import DRIFT, LOG_HALF, TurnsModel, draw_env_seconds
 from asyncrl.metrics import GAP_METRICS, Accumulator
 
@@ -98,6 +98,10 @@ class _Flight:
     turn_starts: list[float] | None = None
     turn_ends: list[float] | None = None
     reported: int = 0
+    free: bool = False  # free turns (``TurnsModel._plan_free`` says what the next three hold)
+    env: list[list[float]] | None = None
+    times: list[list[tuple[float, float, float, float]]] | None = None
+    reported_turns: list[int] | None = None
 
     def at(self, offset: float) -> float:
         """When ``offset`` drawn seconds into the group happen, its pauses spread over its span."""
@@ -122,6 +126,7 @@ class SimulatedGenerator(TurnsModel):
         self._flights: dict[int, _Flight] = {}  # in submission order: the order the engines start them
         self.busy: list[tuple[float, float, int]] = []  # (start, end, replica) of decoded groups and weight loads
         self.drawn = [0, 0.0]  # groups submitted, and their drawn decoding seconds in total
+        self._stops, self._worker_busy = self.free_turn_state()
         self._lock = threading.Condition()  # Controller.run calls in from two pumps; a wall-clock poll waits on it
 
     @property
@@ -159,7 +164,7 @@ class SimulatedGenerator(TurnsModel):
                     turn_lengths, env, rewards = self.draw_turns(req, p)
                     f = _Flight(req, self._version, 0.0, [sum(x) for x in turn_lengths], rewards, replica,
                                 turn_lengths=turn_lengths)
-                    self._plan_turns(f, env)
+                    (self._plan_free if self._plays_free() else self._plan_turns)(f, env)
                 self.drawn[0] += 1
                 self.drawn[1] += f.seconds
                 self._flights[req.group_id] = f
@@ -173,7 +178,8 @@ class SimulatedGenerator(TurnsModel):
         now, slots = self.clock.now, self.model.concurrency
         mine: list[list[_Flight]] = [[] for _ in self._replicas]
         for f in self._flights.values():
-            mine[f.replica].append(f)
+            if not f.free:  # free-turn groups hold no slot: ``_project_free`` plans them
+                mine[f.replica].append(f)
         for rep, flights in zip(self._replicas, mine):
             started = [f for f in flights if f.start <= now < f.finish]  # a finished group holds no slot
             waiting = [f for f in flights if f.start > now]
@@ -197,6 +203,7 @@ class SimulatedGenerator(TurnsModel):
                     f.start, f.finish = (t, end) if wave else (math.inf, math.inf)
                 i += len(wave) or len(waiting)
                 t = end
+        self._project_free()
 
     def next_event_time(self) -> float | None:
         """When the next group finishes or a timed weight update begins (virtual seconds); None if neither. While
@@ -207,6 +214,7 @@ class SimulatedGenerator(TurnsModel):
             times += [f.at(f.turn_ends[f.reported]) for f in self._flights.values()
                       if f.turn_ends is not None and f.reported < len(f.turn_ends) - 1 and f.start < math.inf
                       and past < f.at(f.turn_ends[f.reported])]
+            times += [t for t in (self._next_turn_end(past),) if t < math.inf]
             times += [u[0] for rep in self._replicas for u in rep.pending]
             return min(times, default=None)
 
@@ -226,8 +234,9 @@ class SimulatedGenerator(TurnsModel):
         rep = self._replicas[r]
         rep.free_at = max(rep.free_at, at) + seconds
         self.busy.append((at, at + seconds, r))
+        self._stops[r].append((at, at + seconds))  # free-turn decodes skip it (``_project_free``)
         for f in self._flights.values():
-            if f.replica == r and f.start <= at < f.finish:
+            if f.replica == r and f.start <= at < f.finish and not f.free:
                 f.finish += seconds
 
     def receive(self, arrivals: Sequence[float], transfer_s: float) -> None:
@@ -264,8 +273,8 @@ class SimulatedGenerator(TurnsModel):
         by now counts even if it started after ``t`` (a drain that began a float's width before a group's planned
         start): loading under it would make it span versions, which ``drain`` never does."""
         rep, now = self._replicas[r], max(t, self.clock.now)
-        if rep.draining is None or any(f.replica == r and f.start <= now and t < f.finish
-                                       for f in self._flights.values()):
+        if rep.draining is None or any(f.replica == r and f.start <= now and t < f.finish and not f.free
+                                       for f in self._flights.values()):  # a free turn takes the next weights
             return
         (load, version), rep.draining = rep.draining, None
         self._stop(r, t, load)
@@ -296,6 +305,7 @@ class SimulatedGenerator(TurnsModel):
         if turns:  # the pump's callbacks take the run's lock: called with this one released (as TurnGenerator)
             stopped = self._report_turns(turns)
             with self._lock:
+                self._freeze([self._flights[g] for g in stopped if g in self._flights], now)
                 for g in stopped:
                     f = self._flights.pop(g, None)
                     if f is not None and f.start < now:
@@ -345,26 +355,14 @@ class SimulatedGenerator(TurnsModel):
     def busy_s(self, start: float, end: float) -> list[float]:
         """Seconds each replica was busy (a group decoding, or loading weights) between ``start`` and ``end``."""
         with self._lock:
-            spans: list[list[tuple[float, float]]] = [[] for _ in range(self.replicas)]
-            for a, b, r in self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]:
-                if b > start and a < end:
-                    spans[r].append((max(a, start), min(b, end)))
-            out = []
-            for mine in spans:
-                total, cur_a, cur_b = 0.0, None, None
-                for a, b in sorted(mine):
-                    if cur_b is None or a > cur_b:
-                        total += 0.0 if cur_b is None else cur_b - cur_a
-                        cur_a, cur_b = a, b
-                    else:
-                        cur_b = max(cur_b, b)
-                out.append(total + (0.0 if cur_b is None else cur_b - cur_a))
-            return out
+            spans = self.busy + [(f.start, f.finish, f.replica) for f in self._flights.values()]
+            return busy_seconds(spans, self.replicas, start, end)
 
     def abort(self, group_ids: Sequence[int]) -> list[int]:
         with self._lock:
             now = self.clock.now
             hit = [g for g in group_ids if g in self._flights and self._flights[g].finish > now]
+            self._freeze([self._flights[g] for g in hit], now)  # the workers still run their calls
             for g in hit:
                 f = self._flights.pop(g)
                 if f.start < now:
@@ -406,6 +404,7 @@ class SimulatedGenerator(TurnsModel):
         with self._lock:
             self._version, self.progress = int(state["version"]), float(state["progress"])
             self._replicas = [Replica([(-math.inf, self._version)]) for _ in range(self.replicas)]
+            self._stops, self._worker_busy = self.free_turn_state()
             self.rng.setstate(state["rng"])
             if "now" in state and isinstance(self.clock, SimClock):
                 self.clock.now = float(state["now"])

@@ -65,3 +65,23 @@ class Replica:
                 break
             when = w
         return when
+
+
+def busy_seconds(spans: Sequence[tuple[float, float, int]], replicas: int, start: float, end: float) -> list[float]:
+    """Seconds each of ``replicas`` was busy between ``start`` and ``end``: the union of its ``(from, to,
+    replica)`` spans (decoded groups, weight loads) there."""
+    mine: list[list[tuple[float, float]]] = [[] for _ in range(replicas)]
+    for a, b, r in spans:
+        if b > start and a < end:
+            mine[r].append((max(a, start), min(b, end)))
+    out = []
+    for intervals in mine:
+        total, cur_a, cur_b = 0.0, None, None
+        for a, b in sorted(intervals):
+            if cur_b is None or a > cur_b:
+                total += 0.0 if cur_b is None else cur_b - cur_a
+                cur_a, cur_b = a, b
+            else:
+                cur_b = max(cur_b, b)
+        out.append(total + (0.0 if cur_b is None else cur_b - cur_a))
+    return out

@@ -129,6 +129,9 @@ class SimulatedTurns(StrictModel):
         None, gt=0, description="a call's seconds are clipped to this (the environment's own cap); None: no cap")
     env_tokens: int = Field(2, ge=0, description="observation tokens after each model turn but the last "
                             "(context: untrained, like a real environment's)")
+    workers: int = Field(0, ge=0, description="environment workers (environment.workers): under an asynchronous "
+                         "sampler in asyncrl.simulate (free turns) each trajectory goes on when its call ends and a "
+                         "call waits for its group's worker (group id mod workers); 0: a group's turns in lockstep")
 
     @model_validator(mode="after")
     def _fits(self) -> "SimulatedTurns":

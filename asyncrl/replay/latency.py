@@ -20,7 +20,8 @@ recording has enough steps.
 
 A **multi-turn** recording (its completions have ``turns``) replays with a ``turns`` model: each group's recorded
 turns are served, and the generation seconds are split between decoding and the environment's calls by least
-squares (``_fit_turns``), the calls' seconds then drawn from a lognormal (``SIGMA``) with the fitted mean.
+squares (``_fit_turns``), the calls' seconds then drawn from a lognormal (``SIGMA``) with the fitted mean, on the
+recording's ``environment.workers`` (replayed under an asynchronous sampler, its trajectories play free turns).
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ def _fit_turns(run: RecordedRun, m, lockstep: bool, decode_s: float) -> tuple[fl
     else:
         y = (rows.gen_completions * rows.gen_len_mean / rows.gen_tokens_per_s).fillna(0).to_numpy(float)
     max_turns = getattr(getattr(cfg, "environment", None), "max_turns", None) or max(max(g.turns or (1,)) for g in run.groups)
-    turns = {"max_turns": int(max_turns), "env_latency_s": 0.0, "env_latency_sigma": SIGMA}
+    workers = getattr(getattr(cfg, "environment", None), "workers", 0) or 0  # its calls' workers: free turns
+    turns = {"max_turns": int(max_turns), "env_latency_s": 0.0, "env_latency_sigma": SIGMA, "workers": int(workers)}
     if len(steps) >= 3:
         (a, b), *_ = np.linalg.lstsq(x, y, rcond=None)
         if a > 0 and b > 0:
