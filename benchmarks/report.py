@@ -1544,7 +1544,7 @@ REPORTS.update({
 
 
 # --- bench_agents (issue 46) -------------------------------------------------------------------------------------
-AGENTS = "2026-12-05-g4x4-w4-free"
+AGENTS = "2026-12-05-g4x4-w4-free-sim"
 
 
 def agents_table(name: str = AGENTS) -> str:
@@ -1571,7 +1571,7 @@ def agents_number(what: str, name: str = AGENTS) -> Callable[[], str]:
     return make
 
 
-AGENTS_W8 = "2026-12-05-g4x4-w8-free"
+AGENTS_W8 = "2026-12-05-g4x4-w8-free-sim"
 
 
 def agents_workers(name: str = AGENTS_W8) -> str:
@@ -1584,7 +1584,16 @@ def agents_workers(name: str = AGENTS_W8) -> str:
             f"{r['sync_step_ms_median']:.0f} ms; {machine(meta)}; data `benchmarks/data/bench_agents/{name}`")
 
 
+def agents_short() -> str:
+    """One line for the README: the async speed-up with 8 and with 4 environment workers, and what simulate said."""
+    w8, w4 = (run("bench_agents", n)[0]["results"] for n in (AGENTS_W8, AGENTS))
+    return (f"{w8['speedup_real']:.2f}x the synchronous steps/s with {w8['settings']['workers']} environment workers "
+            f"and {w4['speedup_real']:.2f}x with {w4['settings']['workers']} (`asyncrl simulate` predicted "
+            f"{w8['speedup_simulate']:.2f}x and {w4['speedup_simulate']:.2f}x)")
+
+
 REPORTS.update({
+    "agents_short": agents_short,
     "agents_workers": agents_workers,
     "agents_table": agents_table,
     "agents_speedup": agents_number("speedup"),
