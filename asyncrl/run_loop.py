@@ -43,7 +43,7 @@ import torch
 
 from asyncrl.pump_threads import _libgomp_pause, release_idle_openmp_workers, torch_threads_per_pump  # noqa: F401
 from asyncrl.reports import TickReport
-from asyncrl.trace import TRACE_EVENTS, StepEvent, TraceRow
+from asyncrl.trace import SKIP, TRACE_EVENTS, StepEvent, TraceRow
 
 POLL_S = 0.05  # longest wait of an idle pump before it looks again (bounds how late a stop or pause lands)
 STOP_GRACE_S = 5.0  # after an error, how long the supervisor waits for a pump still inside a backend call
@@ -139,6 +139,9 @@ class RunHandle:
         self._subscription = None
         self._first_row = len(ctrl.metrics)
         self._progress_at = time.monotonic()  # last commit/select/evict/abort/step: the stall watchdog's clock
+        # groups given up since the watchdog's clock last moved, and the last one's reason: a part that fails every
+        # time (an environment's reset, a reward) stalls the run, and its stall message should name that failure
+        self._skipped: tuple[int, str] = (0, "")
         pumps = ({"lockstep": self._lockstep_pump} if ctrl.lockstep else
                  {"rollout": self._rollout_pump, "train": self._train_pump})
         self._torch_threads = torch_threads_per_pump(ctrl.cfg, len(pumps))  # read on the person's thread
@@ -168,6 +171,8 @@ class RunHandle:
         ours = threading.current_thread() in self._threads.values()
         with self._cv:
             self._unreported.append(row)
+            if row.event == SKIP:
+                self._skipped = (self._skipped[0] + 1, row.reason)
             if ours and isinstance(event, StepEvent):
                 self._steps.append(dict(event.metrics))
             if ours and self._match is not None and self.breakpoint is None and self._match(row):
@@ -269,6 +274,7 @@ class RunHandle:
         if (report.committed or report.selected or report.evicted or report.aborted or report.step_finished
                 or report.filtered):  # a uniform group came back: filter_uniform_groups judges that streak itself
             self._progress_at = time.monotonic()
+            self._skipped = (0, "")
         if report.step_finished:
             if (self.max_time_s is not None and time.monotonic() - self._started_at >= self.max_time_s
                     and self.ctrl.trainer_version < self.target):  # (the last step: the run completed)
@@ -318,7 +324,9 @@ class RunHandle:
     def _stall_message(self, stall_s: float) -> str:
         ctrl, now = self.ctrl, time.monotonic()
         lines = [f"stalled at T={ctrl.trainer_version}: no commit and no step for {stall_s:g} s (stall_timeout_s); "
-                 f"{len(ctrl.inflight)} groups in flight, {len(ctrl.buffer)} buffered (capacity {ctrl.capacity})"]
+                 f"{len(ctrl.inflight)} groups in flight, {len(ctrl.buffer)} buffered (capacity {ctrl.capacity})"
+                 + (f"; {self._skipped[0]} groups skipped since the last commit; the last: {self._skipped[1]}"
+                    if self._skipped[0] else "")]
         for name in self._pumps:
             what, since = self._doing[name]
             lines.append(f"  {name} pump: {what} (for {now - since:.1f} s)")

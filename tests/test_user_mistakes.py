@@ -185,3 +185,29 @@ def test_the_columns_a_reward_misses_are_listed_with_the_prompt_column(tmp_path)
                       task={"name": "dataset", "options": {"train": str(path), "prompt_key": "question"}})
     with pytest.raises(ValueError, match=re.escape("its columns are ['level', 'question']")):
         Controller.from_config(cfg, reward_funcs=[needs_solution])
+
+
+# ------------------------------------------------------------------------------------------------ environments
+class ResetRaises:
+    """A text environment whose every ``reset`` raises: every group is given up, none ever commits."""
+
+    def reset(self, **row):
+        raise RuntimeError("no such secret column")
+
+    def step(self, action: str):
+        return None, 0.0, True
+
+
+def test_a_run_whose_environment_always_fails_stalls_naming_the_environment_s_error():
+    """Every group skipped after its fault rows: the stall says so and names the last reason, so the user reads
+    the environment's error in the run's one line (not only a count of pending groups)."""
+    from asyncrl.run_loop import StallError
+
+    cfg = load_config("guess_letter", groups_per_step=2, group_size=2, eval_every=None, stall_timeout_s=3,
+                      environment={"workers": 1})
+    ctrl = Controller.from_config(cfg, environment_factory=ResetRaises)
+    with pytest.raises(StallError) as err:
+        ctrl.run(1, progress=False)
+    first = str(err.value).splitlines()[0]
+    assert re.search(r"\d+ groups skipped since the last commit; the last: environment: ResetRaises.reset raised "
+                     r"RuntimeError: no such secret column", first), first
