@@ -510,3 +510,20 @@ def test_a_turn_s_tool_results_share_max_env_tokens_of_content():
     assert cut_contents(tok, ["abc", "defghijklm", "nop"], 9) == ["abc", "def…", ""]  # 3 + 6 (3, a 3-byte marker) + 0
     assert cut_contents(tok, ["abcdefgh"], 3) == ["abc"]  # no room for the marker and a token more: cut bare
     assert cut_contents(tok, ["short"], 5) == ["short"]
+
+
+def test_a_cpu_user_s_tool_environment_runs_on_the_quickstart_model_with_the_tool_chat_template(tmp_path, capsys):
+    """docs/environments.md, "Tools on CPU": the one-line refusal names the template that renders tool calls for
+    the built-in byte tokenizer, and with it (a file for YAML/--set, the string in Python) the controller builds."""
+    from asyncrl.tokenizer import TOOL_CHAT_TEMPLATE
+
+    code = _cli(tmp_path / "run", "quickstart", "--steps", "1", "--set",
+                "environment.factory=tests.environment_classes:Calculator")
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "asyncrl.tokenizer.TOOL_CHAT_TEMPLATE" in err and len(err.splitlines()) == 1
+    cfg = load_config("quickstart", model={"chat_template": TOOL_CHAT_TEMPLATE, "max_position_embeddings": 256},
+                      groups_per_step=1, group_size=2, eval_every=None, environment={"workers": 0})
+    ctrl = Controller.from_config(cfg, environment_factory=Calculator)
+    ctrl.run(1, progress=False)
+    rows = ctrl.completions
+    assert len(rows) >= 2 and (rows.prompt_tokens > 50).all()  # the tool's schema rendered before the 4-byte prompt

@@ -177,7 +177,8 @@ def check_template(tokenizer: Any, chat_template: str | None, kind: EnvironmentK
     if kind.kind == "tool" and fmt is None:
         raise ValueError(f"model {model!r}: its chat template has no tool-call format, so a tool environment "
                          f"({kind.cls.__qualname__}) cannot run on it; use a chat model whose template renders tools "
-                         "(Qwen/Hermes <tool_call>) or set model.chat_template")
+                         "(Qwen/Hermes <tool_call>) or set model.chat_template to one that does (the built-in byte "
+                         "tokenizer's: asyncrl.tokenizer.TOOL_CHAT_TEMPLATE, or a file holding it)")
     if not template:
         return fmt
     reply = {"role": "tool", "content": "r"} if kind.kind == "tool" else {"role": "user", "content": "r"}
