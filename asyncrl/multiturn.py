@@ -97,5 +97,7 @@ class TurnsView:
                         rows.append({"group_id": slot.group_id, "trajectory": i,
                                      "state": "done" if done else "in flight", "turn": len(versions),
                                      "turn_versions": list(versions), "weight_version": slot.weight_version})
-        frame = pd.DataFrame(rows, columns=TRAJECTORY_COLUMNS)
+        # counts as nullable integers: an in-flight trajectory's <NA> must not turn the buffered ones' 6 into 6.0
+        frame = pd.DataFrame(rows, columns=TRAJECTORY_COLUMNS).astype(
+            {"turn": "Int64", "weight_version": "Int64", "tool_calls": "Int64", "env_tokens": "Int64"})
         return frame.sort_values(["group_id", "trajectory"], kind="stable").reset_index(drop=True)

@@ -220,3 +220,22 @@ def test_a_running_pump_s_trajectories_go_on_without_waiting_for_a_slower_enviro
             out += turns.poll(0.05 if free else 0.0)
         assert all(t["turns"] == 3 for g in out for t in g.turns)
         turns.close()
+
+
+def test_trajectories_counts_are_integers_with_na_where_a_trajectory_has_none_yet():
+    """A frame mixing buffered and in-flight trajectories: counts stay integers (``6``, not ``6.0``), ``<NA>`` for
+    an in-flight trajectory's tool calls, observation tokens and reward-less columns."""
+    ctrl = Controller.from_config(load_config("guess_letter", groups_per_step=2, group_size=2, eval_every=None))
+    frame = ctrl.trajectories()
+    for _ in range(6):
+        ctrl.rollout_tick()
+        frame = ctrl.trajectories()
+        if {"buffered", "in flight"} <= set(frame.state):
+            break
+    assert {"buffered", "in flight"} <= set(frame.state)
+    for column in ("turn", "weight_version", "tool_calls", "env_tokens"):
+        assert str(frame[column].dtype) == "Int64", (column, frame[column].dtype)
+    live = frame[frame.state == "in flight"]
+    assert live.tool_calls.isna().all() and live.env_tokens.isna().all() and live.reward.isna().all()
+    assert (frame[frame.state == "buffered"].env_tokens > 0).all()
+    ctrl.close()
