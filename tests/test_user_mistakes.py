@@ -211,3 +211,13 @@ def test_a_run_whose_environment_always_fails_stalls_naming_the_environment_s_er
     first = str(err.value).splitlines()[0]
     assert re.search(r"\d+ groups skipped since the last commit; the last: environment: ResetRaises.reset raised "
                      r"RuntimeError: no such secret column", first), first
+
+
+def test_an_environment_instance_or_a_factory_string_in_python_is_one_line_saying_what_to_pass():
+    cfg = load_config("quickstart", groups_per_step=2, group_size=2, eval_every=None)
+    with pytest.raises(ValueError, match=r"^environment_factory must be a class, got an instance of ResetRaises "
+                                         r"\(pass the class: one instance is made per trajectory\)$"):
+        Controller.from_config(cfg, environment_factory=ResetRaises())
+    with pytest.raises(ValueError, match=r"^environment_factory must be a class, got the string 'm:C' \(that form is "
+                                         r"the config's environment.factory\)$"):
+        Controller.from_config(cfg, environment_factory="m:C")

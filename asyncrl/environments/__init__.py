@@ -98,7 +98,9 @@ def tool_names(cls: type) -> list[str]:
 def describe_class(cls: type) -> EnvironmentKind:
     """The kind of ``cls`` and, for a tool environment, its tools' schemas; one line when a tool has no schema."""
     if not inspect.isclass(cls):
-        raise ValueError(f"environment_factory must be a class, got {type(cls).__name__}")
+        got = (f"the string {cls!r} (that form is the config's environment.factory)" if isinstance(cls, str) else
+               f"an instance of {type(cls).__qualname__} (pass the class: one instance is made per trajectory)")
+        raise ValueError(f"environment_factory must be a class, got {got}")
     if not callable(getattr(cls, "reset", None)):
         raise ValueError(f"environment {cls.__qualname__} has no reset(self, **row) method")
     if is_text_environment(cls):
