@@ -3,9 +3,12 @@
 A run directory holds it as ``completions.jsonl`` (append-only, one JSON object a line); a controller gives it as
 ``ctrl.completions`` (a DataFrame) and a recording as ``view.completions(group_id)``. A row: ``group_id``,
 ``prompt_id``, ``weight_version`` (the group's stamp: the weights it was generated with), ``completion_index``,
-``prompt`` (the rendered text the model was given), ``prompt_tokens`` and ``tokens`` (token counts),
-``completion`` (decoded without special tokens, as the reward functions read it), ``finish_reason``, ``reward``
-(the total) and ``reward/<name>`` for each reward function (null where it did not apply).
+``prompt`` (the rendered text the model was given; on an environment run with a chat template, the task's prompt
+as written, while ``prompt_tokens`` counts the rendered prompt with the tools and ``reset``'s text),
+``prompt_tokens`` and ``tokens`` (token counts; on a multi-turn run ``tokens`` counts everything after the prompt,
+the ``env_tokens`` of observations included), ``completion`` (decoded without special tokens, as the reward
+functions read it), ``finish_reason``, ``reward`` (the total) and ``reward/<name>`` for each reward function (null
+where it did not apply).
 
 Invariants:
 - Rows are written when their group is committed (scored and in the buffer), a group's rows in one ``write`` of
