@@ -3,12 +3,12 @@
 A run directory holds it as ``completions.jsonl`` (append-only, one JSON object a line); a controller gives it as
 ``ctrl.completions`` (a DataFrame) and a recording as ``view.completions(group_id)``. A row: ``group_id``,
 ``prompt_id``, ``weight_version`` (the group's stamp: the weights it was generated with), ``completion_index``,
-``prompt`` (the rendered text the model was given; on an environment run with a chat template, the task's prompt
-as written, while ``prompt_tokens`` counts the rendered prompt with the tools and ``reset``'s text),
-``prompt_tokens`` and ``tokens`` (token counts; on a multi-turn run ``tokens`` counts everything after the prompt,
-the ``env_tokens`` of observations included), ``completion`` (decoded without special tokens, as the reward
-functions read it), ``finish_reason``, ``reward`` (the total) and ``reward/<name>`` for each reward function (null
-where it did not apply).
+``prompt`` (the rendered text the model was given: a conversational prompt as its chat template rendered it; on an
+environment run, the rendering with the tools and ``reset``'s text, the ``GroupRollouts``' ``prompt_text``; its
+tokens are the ``prompt_tokens``), ``prompt_tokens`` and ``tokens`` (token counts; on a multi-turn run ``tokens``
+counts everything after the prompt, the ``env_tokens`` of observations included), ``completion`` (decoded without
+special tokens, as the reward functions read it), ``finish_reason``, ``reward`` (the total) and ``reward/<name>``
+for each reward function (null where it did not apply).
 
 Invariants:
 - Rows are written when their group is committed (scored and in the buffer), a group's rows in one ``write`` of
@@ -57,7 +57,9 @@ def group_rows(group_id: int, prompt: Any, weight_version: int, rollouts: Any,
     texts = rollouts.texts or [""] * len(rollouts.completion_ids)
     reasons = rollouts.finish_reasons or [""] * len(texts)
     prompt_id = getattr(prompt, "id", "")
-    prompt_text = prompt.text if hasattr(prompt, "text") else str(prompt)  # once a group: str() of a Prompt is slow
+    prompt_text = getattr(rollouts, "prompt_text", None)  # an environment run's rendering: what the model read
+    if prompt_text is None:
+        prompt_text = prompt.text if hasattr(prompt, "text") else str(prompt)  # once a group: str() of a Prompt is slow
     prompt_tokens = len(rollouts.prompt_ids)
     named = [(f"reward/{name}", values) for name, values in (parts or {}).items()]  # column names once a group
     rows = []

@@ -56,6 +56,10 @@ class GroupRollouts:
     # ``env_tokens``) and ``turn_versions`` (the version of each model turn).
     trained_mask: list[list[int]] | None = None
     turns: list[dict] | None = None
+    # The prompt's text as the model was given it, when the backend rendered it itself (an environment run: the chat
+    # template with the tools and ``reset``'s text, or the raw prompt with ``reset``'s text): its ``prompt_ids`` are
+    # that text encoded. None: the task's prompt text is (``asyncrl.chat.prompt_ids``).
+    prompt_text: str | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,10 +69,10 @@ class GroupRollouts:
         return sum(len(c) for c in self.completion_ids)
 
     def to_json(self) -> dict:
-        """What a checkpoint writes: every field, ``token_versions`` and ``reward_parts`` only when set (older
-        checkpoints stay byte for byte)."""
+        """What a checkpoint writes: every field, the optional ones (``token_versions``, ``reward_parts``,
+        ``trained_mask``, ``turns``, ``prompt_text``) only when set (older checkpoints stay byte for byte)."""
         out = asdict(self)
-        for name in ("token_versions", "reward_parts", "trained_mask", "turns"):
+        for name in ("token_versions", "reward_parts", "trained_mask", "turns", "prompt_text"):
             if out[name] is None:
                 del out[name]
         return out

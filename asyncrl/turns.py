@@ -252,7 +252,7 @@ class TurnGenerator(FreeTurns):
                     continue
                 g.chat = self._chat(prompt)
                 text, messages = self._prompt(prompt, extra.pop(), g.chat)
-                g.prompt_ids = self._encode(text, prompt=not g.chat)
+                g.prompt_text, g.prompt_ids = text, self._encode(text, prompt=not g.chat)
                 g.trajectories = [Trajectory(messages=[dict(m) for m in messages], text=text) for _ in range(g.n)]
                 g.started = True
                 rid = next(self._ids)
@@ -503,7 +503,7 @@ class TurnGenerator(FreeTurns):
             group_id=g.gid, prompt_ids=g.prompt_ids, completion_ids=[t.ids for t in ts],
             logprobs=[t.logprobs for t in ts], gen_start_version=min(versions), gen_end_version=max(versions),
             finish_reasons=[t.finish for t in ts], rewards=list(rewards),
-            texts=[self._decode(t.ids) for t in ts],
+            texts=[self._decode(t.ids) for t in ts], prompt_text=g.prompt_text,
             token_versions=[t.versions for t in ts], trained_mask=[t.mask for t in ts], reward_parts=parts,
             turns=[{"turns": len(t.turn_versions), "tool_calls": t.tool_calls, "env_tokens": t.env_tokens,
                     "turn_versions": list(t.turn_versions), "turn_texts": [dict(x) for x in t.turn_texts]} for t in ts])

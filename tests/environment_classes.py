@@ -112,3 +112,13 @@ class Guarded(Calculator):
         self.rewarded += 1
         return float(self.used) + 100.0 * (self.resets - 1) + 1000.0 * self.poked + 10.0 * (self.inits - 1) \
             + 10000.0 * (self.rewarded - 1)
+
+
+class HintedCalculator(Calculator):
+    """A Calculator whose ``reset`` returns a hint (appended to the prompt's last message)."""
+
+    HINT = "hint: add two numbers with the tool"
+
+    def reset(self, **row):
+        super().reset(**row)
+        return self.HINT

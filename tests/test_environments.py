@@ -368,6 +368,23 @@ def test_reset_extends_the_prompt_observations_are_cut_to_max_env_tokens_and_a_f
     assert group.rewards == [0.5 * group.turns[0]["turns"]] * 2  # the sum of step's rewards
 
 
+def test_a_raw_prompt_s_rows_hold_reset_s_text_as_the_model_read_it_and_a_checkpoint_keeps_it():
+    from asyncrl.completions import group_rows
+
+    tok = build_tokenizer()
+    prompt = Prompt("q:", id="train/0")
+    turns = TurnGenerator(Scripted(tok, ["a"] * 20), describe_class(Echo), 2, 0, 5.0, 6, tok, lambda gid: prompt)
+    turns.bind(lambda *e: None, lambda gid, turn: False, lambda gid, why: pytest.fail(why))
+    (group,) = _play(turns, n=2)
+    rows = group_rows(0, prompt, 0, group, None)
+    assert [r["prompt"] for r in rows] == ["q: (go)"] * 2  # every trajectory's row: the prompt reset extended
+    assert all(tok.encode(r["prompt"]) == group.prompt_ids and r["prompt_tokens"] == len(group.prompt_ids)
+               for r in rows)
+    assert GroupRollouts(**group.to_json()).prompt_text == "q: (go)"  # a resumed run logs it as the model read it
+    single = GroupRollouts(0, tok.encode("q:"), [[1]], [[0.0]], 0, 0, rewards=[0.0])
+    assert "prompt_text" not in single.to_json() and group_rows(0, prompt, 0, single, None)[0]["prompt"] == "q:"
+
+
 def test_turns_go_to_the_vllm_generator_as_token_prefixes():
     from asyncrl.data import GenerationRequest
     from tests.test_vllm_backend import make_gen

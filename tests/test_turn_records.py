@@ -239,3 +239,39 @@ def test_trajectories_counts_are_integers_with_na_where_a_trajectory_has_none_ye
     assert live.tool_calls.isna().all() and live.env_tokens.isna().all() and live.reward.isna().all()
     assert (frame[frame.state == "buffered"].env_tokens > 0).all()
     ctrl.close()
+
+
+def test_an_environment_run_s_prompt_column_is_the_rendered_prompt_the_model_read(tmp_path):
+    """On a tool environment with a chat template, a row's ``prompt`` is what the model read: the rendering with the
+    tools and ``reset``'s hint, whose tokens are the ``prompt_tokens`` (as a single-turn chat row's are), in the run
+    directory's log, a recording's view and the conversation view's prompt box; a replay of the run still runs."""
+    import asyncrl
+    from asyncrl import cli
+    from asyncrl.plots import conversation_table
+    from asyncrl.tokenizer import TOOL_CHAT_TEMPLATE, build_tokenizer
+    from tests.environment_classes import HintedCalculator
+
+    template = tmp_path / "tools.jinja"
+    template.write_text(TOOL_CHAT_TEMPLATE)
+    out = tmp_path / "run"
+    sets = ["groups_per_step=2", "group_size=2", "eval_every=null", "environment.workers=0",
+            "environment.factory=tests.environment_classes:HintedCalculator", f"model.chat_template={template}",
+            "model.max_position_embeddings=256"]
+    assert cli.main(["run", "quickstart", "--steps", "2", "--out", str(out), "--quiet", "--no-plot",
+                     *[a for s in sets for a in ("--set", s)]]) == 0
+    tok = build_tokenizer()
+    logged = pd.read_json(out / "completions.jsonl", lines=True)
+    assert len(logged) >= 2
+    for _, row in logged.iterrows():
+        assert HintedCalculator.HINT in row.prompt and "add(a, b)" in row.prompt  # reset's text, the tools rendered
+        assert row.prompt.endswith("assistant: ")  # the generation prompt: where the model began
+        assert len(tok.encode(row.prompt, add_special_tokens=False)) == row.prompt_tokens
+    rec = asyncrl.Recording(out)
+    gid = int(logged.group_id.iloc[0])
+    view = rec.at(rec.steps[-1])
+    assert view.completions(gid).prompt.tolist() == logged[logged.group_id == gid].prompt.tolist()
+    table = conversation_table(view, gid)
+    assert table[table.role == "prompt"].text.tolist() == logged[logged.group_id == gid].prompt.tolist()
+    replayed = rec.replay(sampler={"name": "weight_fifo", "max_staleness_versions": 1})  # dispatch prompts match
+    served = replayed.controller.completions  # the simulated generator's rows: its prompt's text, as it was given
+    assert len(served) > 0 and all(len(tok.encode(r.prompt)) == r.prompt_tokens for _, r in served.iterrows())

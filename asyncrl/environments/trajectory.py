@@ -35,6 +35,7 @@ class Group:
     gid: int
     n: int
     prompt_ids: list[int] = field(default_factory=list)
+    prompt_text: str = ""  # the rendered prompt ``prompt_ids`` encode (the completions log's ``prompt``)
     trajectories: list[Trajectory] = field(default_factory=list)
     started: bool = False
     turn: int = 0  # model turns generated so far (of the longest trajectory)
