@@ -1025,6 +1025,9 @@ REPORTS.update({
         f"sync `run` {r['sync_run_over_stepped']:.2f}x the stepped time, async `run` {r['async_run_speedup']:.2f}x "
         f"faster (`2026-12-04-morning`, best of 3 repeats alternating)")),
     "bench_async_vs_2b45af3_morning_sync": vs_old_sync_line("2026-12-04-vs-2b45af3-morning"),
+    "bench_async_evening_1205": lambda: "; ".join(  # the day's first and last commit, the same evening
+        f"`{n}`: async `run` {run('bench_async', n)[0]['results']['async_run_speedup']:.2f}x"
+        for n in ("2026-12-05-evening-c128a1a", "2026-12-05-evening-dbed6fd")),
     "bench_async_vs_2b45af3_no_gap": value("bench_async", "2026-12-03-vs-2b45af3-no-gap", lambda r, _: (
         f"async `run` {r['old/async run']:.1f} ms (2b45af3), {r['new/async run']:.1f} ms (main), "
         f"{r['new/async run (no gap metrics)']:.1f} ms (main without the gap metrics); async speed-up "
