@@ -58,9 +58,15 @@ def say(*args) -> None:
 
 
 def prefix_cache_counts(generator) -> dict | None:
-    """vLLM's prefix-cache counters so far, ``{"queries", "hits"}`` (prompt tokens looked up, found cached), of the
-    engine under ``generator`` (a ``VLLMGenerator``, or a ``TurnGenerator`` over one); None where vLLM keeps no
-    stats (``disable_log_stats``, the default of ``vllm.LLM``) or there is no vLLM engine."""
+    """Prompt tokens looked up and found in vLLM's prefix cache so far, ``{"queries", "hits"}``, of the engine under
+    ``generator`` (a ``VLLMGenerator``, or a ``TurnGenerator`` over one): the generator's own count from each
+    finished request's ``num_cached_tokens`` (``VLLMGenerator.prefix_cache_tokens``; a request of ``n`` > 1 counts
+    its prompt once), else vLLM's counters ``vllm:prefix_cache_queries`` / ``_hits`` (``LLM.get_metrics()``, stats
+    on). None where neither is kept. (The 2026-12-05 H100 data read the counters alone: they did not move within
+    the generator passes of ~1-2 s, though they did over the ~10 s controller runs, hence the request counts.)"""
+    own = getattr(generator, "prefix_cache_tokens", None)
+    if own is not None:
+        return own()
     llm = getattr(generator, "llm", None)
     if llm is None:
         return None

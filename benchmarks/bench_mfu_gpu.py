@@ -396,10 +396,6 @@ def run_variant(bench: Bench, variant: str, warmup: int, steps: int, limit: floa
             row["error"] = error
         say(f"  {variant}: {error}")
         traceback.clear_frames(e.__traceback__)
-        # a half-made compilation must not be reused; a build that failed compiled nothing, and an OOM leaves
-        # dynamo's caches sound (a reset costs the next variant FlexAttention's compilation again)
-        if policy is not None and not isinstance(e, torch.cuda.OutOfMemoryError):
-            torch._dynamo.reset()
         del e
     finally:
         if policy is not None:
@@ -408,7 +404,14 @@ def run_variant(bench: Bench, variant: str, warmup: int, steps: int, limit: floa
             except Exception:  # noqa: BLE001  a broken policy: its memory goes with it below
                 pass
         del policy
+        # Every variant's compiled code goes with it: dynamo's caches can keep the modules they compiled alive (and
+        # with them the weights and Adam's state). On the H100 of 2026-12-05, resetting only after failures other
+        # than OOM, 76 GiB stayed allocated after compile=layers and the micro_batch_tokens=65536 OOM, and every
+        # later variant ran out of memory; ``left_allocated_gib`` now says what each variant leaves. The cost: the
+        # next variant compiles FlexAttention again (in its warm-up, not its timed steps).
+        torch._dynamo.reset()
         release()
+        row["left_allocated_gib"] = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else math.nan
     row["wall_s"] = time.perf_counter() - t0
     return row, kernels
 
@@ -493,8 +496,8 @@ def main() -> int:
                "profile_ms_by_category": by_cat, "wall_s": time.perf_counter() - start}
     out = save("bench_mfu_gpu", table, results, before=before, out=args.out, name=args.name,
                files={"categories.csv": cats, "kernels.csv": top})
-    cols = [c for c in ("variant", "status", "step_s", "train_tflops", "mfu", "speedup", "peak_allocated_gib", "step_extra_gib",
-                        "micro_batch_tokens", "gpu_busy", "warmup_s", "error") if c in table]
+    cols = [c for c in ("variant", "status", "step_s", "train_tflops", "mfu", "speedup", "peak_allocated_gib",
+                        "step_extra_gib", "left_allocated_gib", "micro_batch_tokens", "gpu_busy", "warmup_s", "error") if c in table]
     say("\n" + table[cols].to_string(index=False, float_format=lambda x: f"{x:.3f}", max_colwidth=90))
     if len(cats):
         wide = cats[cats.variant.isin(shown)].pivot(index="category", columns="variant", values="ms")

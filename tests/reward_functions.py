@@ -18,6 +18,12 @@ def only_even(completions, completion_ids, **kwargs):
     return [1.0 if len(ids) % 2 == 0 else None for ids in completion_ids]
 
 
+def even_token_share(completions, completion_ids, **kwargs):
+    """The share of a completion's tokens with an even id: a reward that differs between a random model's samples,
+    so a group's advantages are not all zero and a step moves the weights (tests/gpu/test_lora_gpu.py)."""
+    return [sum(1 for t in ids if t % 2 == 0) / max(len(ids), 1) for ids in completion_ids]
+
+
 def never(completions, **kwargs):
     return [None] * len(completions)
 

@@ -62,6 +62,7 @@ class FakeEngine:
         self.fail_step = False
         self.eos_p = 0.2  # chance that a sampled token is eos
         self.tokenizer = make_tokenizer()  # what vLLM detokenizes with, for stop strings
+        self.seen: list[list[int]] = []  # prompts added so far (num_cached_tokens)
 
     def add_request(self, request_id, prompt, params):
         assert isinstance(request_id, str) and request_id not in self.requests
@@ -72,7 +73,11 @@ class FakeEngine:
         for i in range(params.n):
             seed = sum(ids) if params.temperature == 0 else (params.seed if params.seed is not None else 12345) + i
             samples.append({"rng": torch.Generator().manual_seed(seed), "tokens": [], "lps": [], "reason": None})
-        self.requests[request_id] = {"params": params, "samples": samples, "prompt": ids}
+        # a prefix cache in miniature: the longest prefix this prompt shares with an earlier one
+        cached = max((next((i for i, (a, b) in enumerate(zip(ids, old)) if a != b), min(len(ids), len(old)))
+                      for old in self.seen), default=0)
+        self.seen.append(ids)
+        self.requests[request_id] = {"params": params, "samples": samples, "prompt": ids, "cached": cached}
         self.added.append((request_id, self.steps))
         return request_id
 
@@ -116,6 +121,7 @@ class FakeEngine:
                                          logprobs=s["lps"] if p.logprobs is not None else None)
                          for i, s in enumerate(req["samples"])]
                 outputs.append(SimpleNamespace(request_id=rid, finished=True, prompt_token_ids=req["prompt"],
+                                               num_cached_tokens=req["cached"],
                                                outputs=comps[::-1]))  # any order: sorted by index
         return outputs
 
@@ -200,6 +206,16 @@ def step_until_running(gen, llm, steps: int = 2) -> None:
 
 
 # ---- request / response -------------------------------------------------------------------------------------------
+
+def test_prefix_cache_tokens_count_each_finished_groups_prompt_and_what_the_engine_served_from_cache():
+    # what bench_agents_gpu reads for vLLM's prefix-cache hits: vLLM's per-request num_cached_tokens, summed
+    gen, _ = make_gen(seed=3)
+    assert gen.prefix_cache_tokens() == {"queries": 0, "hits": 0}
+    gen.submit([req(1, n=2, prompt=(257, 51, 52))])
+    gen.poll()
+    gen.submit([req(2, n=2, prompt=(257, 51, 52, 53, 54))])  # a later turn: the earlier prompt is its prefix
+    gen.poll()
+    assert gen.prefix_cache_tokens() == {"queries": 3 + 5, "hits": 3}
 
 
 def test_satisfies_the_protocol():

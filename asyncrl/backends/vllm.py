@@ -130,6 +130,7 @@ class VLLMGenerator(LoadsWeights, ServesAdapters):
         self._greedy_ids = 0
         self._done: list[GroupRollouts] = []
         self._generated = [0, 0.0]  # completion tokens finished, seconds the engine was stepped: step_metrics
+        self._prefix = [0, 0]  # prompt tokens of finished group requests, of them served from the prefix cache
         self._error: BaseException | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -419,6 +420,9 @@ class VLLMGenerator(LoadsWeights, ServesAdapters):
             if group is None:  # aborted meanwhile
                 continue
             groups.append(group_rollouts(out, group.request, group.start_version, self._end_version(group)))
+            if getattr(out, "num_cached_tokens", None) is not None:  # vLLM's own count, stats on or off
+                self._prefix[0] += len(out.prompt_token_ids or ())
+                self._prefix[1] += int(out.num_cached_tokens)
         if groups:
             self._prune_adapters()
             with self._changed:
@@ -445,6 +449,12 @@ class VLLMGenerator(LoadsWeights, ServesAdapters):
         with self._state:
             (tokens, seconds), self._generated = self._generated, [0, 0.0]
         return {"gen_tokens_per_s": tokens / seconds if seconds > 0 else float("nan")}
+
+    def prefix_cache_tokens(self) -> dict[str, int]:
+        """So far, over finished group requests: ``queries`` (prompt tokens) and ``hits`` (of them, read from the
+        prefix cache: vLLM's ``RequestOutput.num_cached_tokens``; a request of ``n`` > 1 counts its prompt once)."""
+        with self._state:
+            return {"queries": self._prefix[0], "hits": self._prefix[1]}
 
     @contextmanager
     def _stepping(self) -> Iterator[None]:

@@ -37,8 +37,10 @@ def test_lora_on_vllm_one_adapter_per_version_adapter_bytes_only_nothing_lost(mo
     from tests.gpu.results import Results
 
     results = Results("lora_gpu")
+    # A reward that varies between a random model's samples (the preset's copy_first gives them all 0, so every
+    # advantage was 0 and the adapter never moved: the H100 run of 2026-12-05)
     cfg = load_config("gpu_lora_8b", eval_every=None, groups_per_step=8, group_size=4,
-                      model={"hf_path": model_dir},
+                      model={"hf_path": model_dir}, reward={"funcs": ["tests.reward_functions:even_token_share"]},
                       generation={"max_new_tokens": 32, "kv_cache_tokens": 16384, "max_num_seqs": 64,
                                   "enforce_eager": True, "gpu_memory_utilization": 0.2},
                       trainer={"lr": 1.0e-2, "micro_batch_tokens": 4096})
@@ -65,7 +67,8 @@ def test_lora_on_vllm_one_adapter_per_version_adapter_bytes_only_nothing_lost(mo
         assert spans and all(a == b for a, b in spans)
         assert int(m.lag_max.max()) <= 1
         check_accounting(ctrl)  # nothing lost
-        # two versions' tokens differ: the trained adapter changed what vLLM generates
+        # the adapter trained (lora_B starts at zero), and two versions' tokens differ: vLLM generates with it
+        assert any(float(p.abs().max()) > 0 for n, p in policy.model.named_parameters() if "lora_B" in n)
         assert before != after
         assert torch.isfinite(torch.tensor(m.loss.to_numpy())).all()
         results.record("lora_gpu_sync", {
