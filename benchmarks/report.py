@@ -1629,6 +1629,83 @@ REPORTS.update({
 })
 
 
+# --- the GPU run of 2026-12-05, evening, on one H100 (issues 46 and 48) -------------------------------------------
+H100_EVENING, CHECKS_EVENING = "2026-12-05-one-h100", "2026-12-05-one-h100-a2af9d5"
+
+
+def _checks_evening(file: str) -> dict:
+    return json.loads((DATA / "gpu_checks" / CHECKS_EVENING / file).read_text())
+
+
+def agents_gpu_test() -> str:
+    """The countdown tool task's GPU test: what one asynchronous run did (tests/gpu/test_agents_gpu.py)."""
+    info = _checks_evening("agents_gpu.json")
+    a, tool = info["agents_gpu"], info["tool_model"]
+    return (f"{a['steps']} asynchronous steps of {a['groups'] // a['steps']} groups x 8 in {a['wall_s']:.0f} s: "
+            f"{a['turns_mean']:.2f} model turns and {a['tool_calls_per_trajectory']:.2f} tool calls a trajectory "
+            f"({a['multi_turn_share']:.0%} of them more than one turn), {a['env_tokens_mean']:.0f} observation tokens "
+            f"a trajectory ({a['observation_tokens_in_batches']:,} in the train batches, all with loss mask 0), "
+            f"{a['spanning_groups']} groups spanning two weight versions, vLLM's prefix-cache hit rate "
+            f"{a['prefix_cache_hit_rate']:.2f}, reward {a['reward_mean']:.1f} (the ~{tool['parameters'] / 1e6:.0f}M "
+            f"model, warm-started in {tool['sft_s']:.0f} s on the device, called the tool in "
+            f"{tool['probe_tool_call_rate']:.0%} of sampled first turns but never solved a held-out countdown); "
+            f"`tests/gpu/test_agents_gpu.py` passed; data `benchmarks/data/gpu_checks/{CHECKS_EVENING}/agents_gpu.json`")
+
+
+def agents_gpu_line() -> str:
+    meta, rows = run("bench_agents_gpu", H100_EVENING)
+    r = meta["results"]
+    return (f"multi-turn generation ran {r['multi_over_single_tokens_per_s']:.2f}x the single-turn tokens/s over a "
+            f"pass's wall time ({r['multi_over_single_engine_tokens_per_s']:.2f}x per second the engine stepped); "
+            f"asynchronous {r['async_over_sync_steps_per_s']:.2f}x the synchronous steps/s over "
+            f"{r['steps']} timed steps; prefix-cache hit rate {r['prefix_cache_hit_rate_sync']:.2f} synchronous, "
+            f"{r['prefix_cache_hit_rate_async']:.2f} asynchronous")
+
+
+def lora_8b_line() -> str:
+    meta, rows = run("bench_lora_gpu", H100_EVENING)
+    r = meta["results"]
+    return (f"synchronous {r['steps_per_s']['sync']:.3f} and asynchronous {r['steps_per_s']['async']:.3f} steps/s "
+            f"({r['async_over_sync']:.2f}x, {r['steps']} timed steps each after {r['warmup']}), peak "
+            f"{r['peak_allocated_gib']['async']:.1f} GiB allocated; a sync sent the adapter, "
+            f"{r['sync_bytes']['adapter'] / 1e6:.0f} MB in {r['sync_ms']['adapter']:.0f} ms (median of {r['syncs']}), "
+            f"against the full weights of the 0.5B shape, {r['sync_bytes']['full_weights'] / 1e9:.2f} GB in "
+            f"{r['sync_ms']['full_weights']:.0f} ms")
+
+
+def mfu_h100_line() -> str:
+    meta, rows = run("bench_mfu_gpu", H100_EVENING)
+    r = meta["results"]
+    return (f"default {r['default']['mfu']:.1%} of the H100's dense bf16 peak ({r['default']['step_s']:.2f} s a "
+            f"step), `trainer.compile: layers` {r['best']['mfu']:.1%} ({r['best']['step_s']:.2f} s), against the "
+            f"{r['target_mfu']:.0%} aimed at")
+
+
+REPORTS.update({
+    "agents_gpu_test": agents_gpu_test,
+    "agents_gpu_line": agents_gpu_line,
+    "agents_gpu_table": csv_table("bench_agents_gpu", H100_EVENING, columns=[
+        "part", "mode", "trajectories", "turns_mean", "tool_calls_mean", "sampled_tokens", "env_tokens", "wall_s",
+        "tokens_per_s", "engine_tokens_per_s", "prefix_cache_hit_rate", "steps_per_s", "gen_busy_per_step_s",
+        "train_busy_per_step_s"]),
+    "lora_8b_line": lora_8b_line,
+    "lora_8b_table": csv_table("bench_lora_gpu", H100_EVENING, columns=[
+        "mode", "steps", "steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "train_tflops_median",
+        "mfu_median", "sync_time_s_median", "sync_bytes_median", "peak_allocated_gib"]),
+    "mfu_h100_line": mfu_h100_line,
+    "mfu_h100_best": value("bench_mfu_gpu", H100_EVENING, lambda r, _: f"{r['best']['mfu']:.0%}"),
+    "lora_8b_short": value("bench_lora_gpu", H100_EVENING, lambda r, _: (
+        f"{r['steps_per_s']['async']:.2f} steps/s asynchronous, {r['async_over_sync']:.2f}x synchronous, "
+        f"{r['peak_allocated_gib']['async']:.0f} GiB peak")),
+    "mfu_h100_table": csv_table("bench_mfu_gpu", H100_EVENING, columns=[
+        "variant", "status", "step_s", "train_tflops", "mfu", "static_gib", "step_extra_gib", "peak_allocated_gib"],
+        digits=3, note=" Each failed row's error is in the same file; the kernel time by category in "
+        "`categories.csv`."),
+    "checks_h100_evening_lora": lambda: _checks_evening("summary.json")["steps"]["tests-rest"],
+    "checks_h100_evening_notebook": lambda: _checks_evening("summary.json")["steps"]["notebook"],
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
