@@ -17,9 +17,10 @@ one Megatron policy are built and serve every part (``bench_two_gpus.one_run`` r
   excluded) over the pass's wall seconds (the environment's round trips included); ``engine_tokens_per_s``: the
   generator's own rate per second its engine stepped (``step_metrics``). The prefix cache is reset before each pass,
   so each counts its own hits. An untimed single-turn pass on other prompts warms the engine first.
-- **Prefix-cache hits**: vLLM's counters ``vllm:prefix_cache_queries`` / ``vllm:prefix_cache_hits`` (prompt tokens
-  looked up / found cached), read with ``LLM.get_metrics()`` before and after each pass or run; they need vLLM's stats
-  on (``generation.llm_kwargs: {disable_log_stats: false}``, which this bench sets). Within a weight version: the
+- **Prefix-cache hits**: prompt tokens looked up / found cached, before and after each pass or run
+  (``prefix_cache_counts``): the generator's sum of each finished request's ``num_cached_tokens``, else vLLM's
+  counters ``vllm:prefix_cache_queries`` / ``_hits`` through ``LLM.get_metrics()`` (they need vLLM's stats on:
+  ``generation.llm_kwargs: {disable_log_stats: false}``, which this bench sets). Within a weight version: the
   generator resets the cache at every weight load.
 - **Async against sync**: ``bench_two_gpus.one_run`` of the preset with ``in_order`` L=0 (sync) and its own
   ``weight_fifo`` W=1 (async), ``--warmup`` then ``--steps`` timed steps each: steps/s and each engine's busy time a
