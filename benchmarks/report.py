@@ -1652,9 +1652,7 @@ def agents_gpu_test() -> str:
             f"`tests/gpu/test_agents_gpu.py` passed; data `benchmarks/data/gpu_checks/{CHECKS_EVENING}/agents_gpu.json`")
 
 
-def agents_gpu_line() -> str:
-    meta, rows = run("bench_agents_gpu", H100_EVENING)
-    r = meta["results"]
+def agents_gpu_line(r: dict, _) -> str:
     return (f"multi-turn generation ran {r['multi_over_single_tokens_per_s']:.2f}x the single-turn tokens/s over a "
             f"pass's wall time ({r['multi_over_single_engine_tokens_per_s']:.2f}x per second the engine stepped); "
             f"asynchronous {r['async_over_sync_steps_per_s']:.2f}x the synchronous steps/s over "
@@ -1662,9 +1660,7 @@ def agents_gpu_line() -> str:
             f"{r['prefix_cache_hit_rate_async']:.2f} asynchronous")
 
 
-def lora_8b_line() -> str:
-    meta, rows = run("bench_lora_gpu", H100_EVENING)
-    r = meta["results"]
+def lora_8b_line(r: dict, _) -> str:
     return (f"synchronous {r['steps_per_s']['sync']:.3f} and asynchronous {r['steps_per_s']['async']:.3f} steps/s "
             f"({r['async_over_sync']:.2f}x, {r['steps']} timed steps each after {r['warmup']}), peak "
             f"{r['peak_allocated_gib']['async']:.1f} GiB allocated; a sync sent the adapter, "
@@ -1673,9 +1669,7 @@ def lora_8b_line() -> str:
             f"{r['sync_ms']['full_weights']:.0f} ms")
 
 
-def mfu_h100_line() -> str:
-    meta, rows = run("bench_mfu_gpu", H100_EVENING)
-    r = meta["results"]
+def mfu_h100_line(r: dict, _) -> str:
     return (f"default {r['default']['mfu']:.1%} of the H100's dense bf16 peak ({r['default']['step_s']:.2f} s a "
             f"step), `trainer.compile: layers` {r['best']['mfu']:.1%} ({r['best']['step_s']:.2f} s), against the "
             f"{r['target_mfu']:.0%} aimed at")
@@ -1683,16 +1677,16 @@ def mfu_h100_line() -> str:
 
 REPORTS.update({
     "agents_gpu_test": agents_gpu_test,
-    "agents_gpu_line": agents_gpu_line,
+    "agents_gpu_line": value("bench_agents_gpu", H100_EVENING, agents_gpu_line),
     "agents_gpu_table": csv_table("bench_agents_gpu", H100_EVENING, columns=[
         "part", "mode", "trajectories", "turns_mean", "tool_calls_mean", "sampled_tokens", "env_tokens", "wall_s",
         "tokens_per_s", "engine_tokens_per_s", "prefix_cache_hit_rate", "steps_per_s", "gen_busy_per_step_s",
         "train_busy_per_step_s"]),
-    "lora_8b_line": lora_8b_line,
+    "lora_8b_line": value("bench_lora_gpu", H100_EVENING, lora_8b_line),
     "lora_8b_table": csv_table("bench_lora_gpu", H100_EVENING, columns=[
         "mode", "steps", "steps_per_s", "gen_busy_per_step_s", "train_busy_per_step_s", "train_tflops_median",
         "mfu_median", "sync_time_s_median", "sync_bytes_median", "peak_allocated_gib"]),
-    "mfu_h100_line": mfu_h100_line,
+    "mfu_h100_line": value("bench_mfu_gpu", H100_EVENING, mfu_h100_line),
     "mfu_h100_best": value("bench_mfu_gpu", H100_EVENING, lambda r, _: f"{r['best']['mfu']:.0%}"),
     "lora_8b_short": value("bench_lora_gpu", H100_EVENING, lambda r, _: (
         f"{r['steps_per_s']['async']:.2f} steps/s asynchronous, {r['async_over_sync']:.2f}x synchronous, "
