@@ -468,8 +468,8 @@ def main(argv: list[str] | None = None) -> int:
     code = run(args)
     if argv is None:  # the `asyncrl` command, whose process ends here (not main([...]) inside another program)
         # The run's objects (model, trace, completions) go with the process: frozen, they skip the interpreter's
-        # last full garbage collection. A Ctrl-C'd guess_letter run exited 0.4 s after the signal instead of 1.5-2.0
-        # (2 cores, 2026-12-05), its summary written 0.1-0.2 s after the signal either way.
+        # last full garbage collection. A Ctrl-C'd guess_letter run exited 0.25-0.45 s after the signal instead of
+        # 1.5-2.0 (2 cores, 2026-12-05), its summary written 0.1-0.2 s after the signal either way.
         gc.freeze()
     return code
 

@@ -207,6 +207,7 @@ def step_until_running(gen, llm, steps: int = 2) -> None:
 
 # ---- request / response -------------------------------------------------------------------------------------------
 
+
 def test_prefix_cache_tokens_count_each_finished_groups_prompt_and_what_the_engine_served_from_cache():
     # what bench_agents_gpu reads for vLLM's prefix-cache hits: vLLM's per-request num_cached_tokens, summed
     gen, _ = make_gen(seed=3)
