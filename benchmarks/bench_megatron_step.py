@@ -28,7 +28,8 @@ from asyncrl.backends.megatron import MegatronPolicy
 from asyncrl.data import TrainBatch
 from asyncrl.tokenizer import build_tokenizer
 
-KINDS = [("gemm", ["gemm", "cutlass", "sm90", "nvjet", "xmma", "matmul"]), ("flex attention", ["flex", "triton_tem"]),
+KINDS = [("flash attention", ["flash_fwd", "flash_bwd"]),  # before gemm: FlashAttention's names hold "cutlass"
+         ("gemm", ["gemm", "cutlass", "sm90", "nvjet", "xmma", "matmul"]), ("flex attention", ["flex", "triton_tem"]),
          ("compiled (logprob chunk, SwiGLU)", ["triton_red", "triton_per", "triton_poi"]),
          ("optimizer", ["adam", "multi_tensor"]), ("norm", ["norm"]),
          ("elementwise", ["elementwise", "vectorized", "unrolled"]), ("reduce", ["reduce"]),

@@ -39,7 +39,8 @@ for TRL the step's time outside ``_generate_single_turn``. ``mfu`` divides by th
 time on the device lock (the weight export included): ``busy_train_tflops`` in rows.csv is that figure.
 Peak memory: ``torch.cuda.max_memory_allocated`` of each side's process (vLLM's pool and the trainer together).
 
-``--sides`` runs some sides only; with ``--reuse`` a side whose result is already in ``--out`` (from an earlier
+``--set KEY=VALUE`` (repeatable) overrides ``gpu_real_shape`` on the asyncrl side (``--set trainer.attention=flex``);
+it is part of the work a ``--reuse`` compares. ``--sides`` runs some sides only; with ``--reuse`` a side whose result is already in ``--out`` (from an earlier
 call with the same steps, warm-up and completion length) is read instead of run, so the two sides can run in two
 calls of a machine with a per-call time limit and still land in one run directory (``results.sides`` says which
 command made each). Rows through ``benchmarks/record.py`` (``--out``, default ``$OUT``, else
@@ -179,7 +180,7 @@ def summary(per_step: list[dict], params: int, device: str | None) -> dict:
 # ---- asyncrl -----------------------------------------------------------------------------------------------------
 
 def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: bool,
-                modes: tuple[str, ...] = ("sync", "async")) -> list[dict]:
+                modes: tuple[str, ...] = ("sync", "async"), sets: tuple[str, ...] = ()) -> list[dict]:
     import bench_two_gpus as b2
 
     from asyncrl import load_config
@@ -193,6 +194,7 @@ def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: b
     if dry:  # the torch engines on the CPU, the tiny directory
         over = b2.merge_overrides(over, {"model": {"dtype": "float32"}, "generation": {"device": "cpu"},
                                          "trainer": {"device": "cpu"}})
+    over = b2.merge_overrides(over, b2.parse_overrides(list(sets)))  # --set: the preset's knobs, recorded
     preset = "quickstart" if dry else "gpu_real_shape"
     cfgs = {m: load_config(preset, sampler=s, **over) for m, s in b2.SAMPLERS.items()}
     cfg = cfgs["sync"]
@@ -243,7 +245,7 @@ def child(args) -> int:
         out = run_trl(args.model_dir, args.steps, args.warmup, args.completion, args.cpu_dry_run)
     else:
         out = run_asyncrl(args.model_dir, args.steps, args.warmup, args.completion, args.cpu_dry_run,
-                          tuple(args.modes.split(",")))
+                          tuple(args.modes.split(",")), tuple(args.overrides))
     Path(args.result).write_text(json.dumps(out))
     return 0
 
@@ -259,14 +261,17 @@ def reusable(side: str, args, out: Path) -> dict | None:
     if not (args.reuse and result.exists()):
         return None
     saved = json.loads(result.read_text())
-    if "ran" in saved and saved["ran"].get("work") == work_of(args):
+    if "ran" in saved and saved["ran"].get("work") == work_of(args, side):
         return saved
-    say(f"{side}: {result} ran other work ({saved.get('ran', {}).get('work')}, not {work_of(args)}): running it again")
+    say(f"{side}: {result} ran other work ({saved.get('ran', {}).get('work')}, not {work_of(args, side)}): "
+        "running it again")
     return None
 
 
-def work_of(args) -> dict:
-    return {"steps": args.steps, "warmup": args.warmup, "completion": args.completion, "dry_run": args.cpu_dry_run}
+def work_of(args, side: str) -> dict:
+    sets = args.overrides if side == "asyncrl" else []  # --set changes the asyncrl side only
+    return {"steps": args.steps, "warmup": args.warmup, "completion": args.completion, "dry_run": args.cpu_dry_run,
+            **({"set": list(sets)} if sets else {})}
 
 
 def run_side(side: str, args, model_dir: Path, out: Path, before: dict) -> tuple[list[dict], dict]:
@@ -278,12 +283,13 @@ def run_side(side: str, args, model_dir: Path, out: Path, before: dict) -> tuple
         cmd = [sys.executable, str(Path(__file__).resolve()), "--side", side, "--result", str(result),
                "--model-dir", str(model_dir), "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--completion", str(args.completion), "--modes", args.modes] + (["--cpu-dry-run"] if args.cpu_dry_run else [])
+        cmd += [x for item in (args.overrides if side == "asyncrl" else []) for x in ("--set", item)]
         t0 = time.perf_counter()
         done = subprocess.run(cmd)
         say(f"{side}: exit {done.returncode} in {time.perf_counter() - t0:.0f} s")
         if done.returncode != 0 or not result.exists():
             return [], {}
-        saved = {"ran": {**before, "work": work_of(args)}, "result": json.loads(result.read_text())}
+        saved = {"ran": {**before, "work": work_of(args, side)}, "result": json.loads(result.read_text())}
         result.write_text(json.dumps(saved))
         reused = False
     else:
@@ -306,6 +312,8 @@ def main() -> int:
     parser.add_argument("--sides", default=",".join(SIDES), help="the sides to run or reuse (default trl,asyncrl)")
     parser.add_argument("--reuse", action="store_true", help="read a side whose result --out already holds "
                         "(same steps, warm-up and completion) instead of running it")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override gpu_real_shape for the asyncrl side (dotted key, YAML value); repeatable")
     parser.add_argument("--cpu-dry-run", action="store_true")
     parser.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)

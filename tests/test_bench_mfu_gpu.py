@@ -41,6 +41,9 @@ def test_kernels_are_charged_to_their_region_and_category():
     assert bench.category("logprobs", "gemm") == "output-layer GEMMs"
     assert bench.category("layers", bench.kind("nvjet_tst_128x256_64x4_1x2_h_bz_coopA_NNT")) == "layer GEMMs"
     assert bench.category("layers", bench.kind("triton_tem_fused_flex_attention_0")) == "attention (flex)"
+    flash = ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel"
+             "<Flash_bwd_kernel_traits<64, cutlass::bfloat16_t>>")
+    assert bench.category("layers", bench.kind(flash)) == "attention (varlen)"  # not a GEMM, though "cutlass"
 
 
 def test_the_cpu_dry_run_writes_a_row_a_variant_each_failing_alone(tmp_path):

@@ -86,7 +86,7 @@ def test_the_real_shape_preset_is_a_qwen2_5_0_5b_shaped_model_with_a_152k_vocabu
     limits = [group_max_tokens(g, cfg.seed, i) for i in range(2000)]
     assert max(limits) == 1024 and statistics.median(limits) < 200  # long-tailed: most short, a few at the cap
     assert g.kv_cache_tokens >= 2 * 256 * (len(tok.encode(prompt)) + 1024)  # two steps in flight (W=1)
-    assert cfg.trainer.micro_batch_tokens is None and cfg.trainer.attention == "auto"
+    assert cfg.trainer.micro_batch_tokens is None and cfg.trainer.attention == "varlen"  # fused, packed sequences
     assert cfg.trainer.logprob_chunk_tokens * 151936 * 4 < 2 * 2**30  # one chunk's float32 logits: < 2 GiB
     assert cfg.sampler.name == "weight_fifo" and not build_sampler(cfg.sampler, None).is_on_policy
     assert load_config("gpu_real_shape", model={"hf_path": "/some/dir"}).model.hf_path == "/some/dir"

@@ -16,7 +16,10 @@ pass of it needs.
   ``auto`` off CUDA) keeps Megatron's matmul-softmax-matmul with the boolean mask of ``micro_batches``; both see
   the same masks, so they compute the same function (tests/gpu/test_flex_attention.py on a GPU; the CPU tests run
   the unfused path and the flex one in eager mode). On CUDA the kernel is ``torch.compile``'d once, with dynamic
-  shapes (a pass's rows and width change every step).
+  shapes (a pass's rows and width change every step). ``varlen`` runs the same rule through the FlashAttention-2
+  kernel torch ships (``aten._flash_attention_forward`` with cumulative sequence lengths, ``varlen_mask``): each
+  sequence of a packed row (and each row's padding) is one causal sequence, so no mask is built at all and no
+  kernel block is spent half-empty at a sequence's edge; CUDA with compute capability 8.0+ only.
 - **Compiled layers** (``trainer.compile``, ``compile_layers``): off by default; ``layers`` compiles each transformer
   layer in place, so what eager PyTorch runs as separate kernels (RMSNorm, the rotary ``cat`` and multiplies, the
   residual adds, casts) fuses into a few, in the backward too. Same function, up to float reassociation.
@@ -33,11 +36,12 @@ from __future__ import annotations
 import copy
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["attention_kind", "layer_spec", "block_mask", "pass_mask", "compile_layers", "final_hidden", "output_weight",
+__all__ = ["attention_kind", "layer_spec", "block_mask", "varlen_mask", "VarlenMask", "pass_mask", "compile_layers", "final_hidden", "output_weight",
            "activation_bytes", "fit_micro_batch_tokens", "resolve_budget"]
 
 SAFETY = 0.85  # of the free memory a budget may plan on: the allocator's fragmentation and what is not counted
@@ -45,12 +49,22 @@ MAX_AUTO_TOKENS = 65536  # an auto budget never plans passes larger than this (n
 
 
 def attention_kind(choice: str, device: torch.device) -> str:
-    """``trainer.attention`` resolved: 'flex' or 'unfused'."""
+    """``trainer.attention`` resolved: 'varlen', 'flex' or 'unfused'."""
     if choice == "auto":
         return "flex" if device.type == "cuda" and _flex_available() else "unfused"
     if choice == "flex" and not _flex_available():
         raise ValueError("trainer.attention 'flex' needs torch.nn.attention.flex_attention (torch >= 2.5)")
+    if choice == "varlen" and not _varlen_available(device):
+        raise ValueError(f"trainer.attention 'varlen' needs a CUDA device of compute capability 8.0 or more and a "
+                         f"torch built with FlashAttention; got trainer.device {str(device)!r}: use 'flex' or 'auto'")
     return choice
+
+
+def _varlen_available(device: torch.device) -> bool:
+    if device.type != "cuda" or not hasattr(torch.ops.aten, "_flash_attention_forward"):
+        return False
+    built = getattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)()
+    return bool(built) and torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 def _flex_available() -> bool:
@@ -104,6 +118,10 @@ def _flex_core_attention():
                     packed_seq_params=None):
             if attention_mask is None:
                 attention_mask = self.pass_block_mask
+            if isinstance(attention_mask, VarlenMask):
+                if attention_bias is not None or packed_seq_params is not None:
+                    raise ValueError("the varlen attention takes neither an attention bias nor packed_seq_params")
+                return varlen_attention(query, key, value, attention_mask, self.softmax_scale)
             if not isinstance(attention_mask, BlockMask):
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
@@ -118,8 +136,9 @@ def _flex_core_attention():
 
 
 def layer_spec(spec: Any, attention: str) -> Any:
-    """The local layer spec with its core attention swapped for ``FlexCoreAttention`` when ``attention`` is flex."""
-    if attention != "flex":
+    """The local layer spec with its core attention swapped for ``FlexCoreAttention`` (which also runs the varlen
+    kernel) when ``attention`` is flex or varlen."""
+    if attention not in ("flex", "varlen"):
         return spec
     spec = copy.deepcopy(spec)
     spec.submodules.self_attention.submodules.core_attention = _flex_core_attention()
@@ -145,9 +164,56 @@ def block_mask(segments: torch.Tensor | None, rows: int, width: int, device: tor
     return create_block_mask(document, rows, None, width, width, device=device)
 
 
+@dataclass(frozen=True)
+class VarlenMask:
+    """A pass's sequences for the varlen kernel: ``cu_seqlens`` [n + 1] int32, where each of the n sequences starts
+    in the pass's positions flattened row by row (a packed row's sequences, then its padding as one more)."""
+    cu_seqlens: torch.Tensor
+
+
+def varlen_mask(segments: torch.Tensor | None, rows: int, width: int, device: torch.device) -> VarlenMask:
+    """The varlen kernel's view of a pass: with ``segments`` [R, W] (a packed micro-batch's sequence of each
+    position, -1 for padding) a sequence starts at every row's start and wherever the segment changes; without,
+    each row is one sequence (right-padded: under a causal rule no real position sees its padding)."""
+    if segments is None:
+        return VarlenMask(torch.arange(0, rows * width + 1, width, dtype=torch.int32, device=device))
+    flat = segments.reshape(-1).to(device)
+    start = torch.ones_like(flat, dtype=torch.bool)
+    start[1:] = flat[1:] != flat[:-1]
+    start[::width] = True
+    ends = torch.tensor([flat.numel()], device=device)
+    return VarlenMask(torch.cat([torch.nonzero(start).flatten(), ends]).to(torch.int32))
+
+
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: VarlenMask,
+                     scale: float | None) -> torch.Tensor:
+    """Causal attention within each of ``mask``'s sequences; ``query``/``key``/``value`` [W, R, heads, d] as
+    Megatron passes them (grouped-query: fewer key/value heads), the result [W, R, heads * d]. The longest sequence
+    is at most a row's width W, the bound the kernel's grid is sized by."""
+    width, rows = query.shape[0], query.shape[1]
+
+    def flat(t: torch.Tensor) -> torch.Tensor:  # [W, R, h, d] -> [R * W, h, d], each row's positions in order
+        return t.transpose(0, 1).reshape(rows * width, t.shape[2], t.shape[3])
+
+    out = _VARLEN_KERNEL(flat(query), flat(key), flat(value), mask.cu_seqlens, width, scale)
+    return out.view(rows, width, -1).transpose(0, 1).contiguous()
+
+
+def _flash_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int,
+                  scale: float | None) -> torch.Tensor:
+    """torch's FlashAttention-2 over packed sequences (differentiable: aten's own backward), causal, no dropout."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_seqlens, cu_seqlens, max_len, max_len, 0.0, True,
+                                                   False, scale=scale)[0]
+
+
+_VARLEN_KERNEL = _flash_varlen  # tests on the CPU swap in a reference that loops over the sequences
+
+
 def pass_mask(attention: str, mb, rows: int, width: int, device: torch.device, cache: dict) -> Any:
-    """A pass's attention mask: FlexAttention's block mask, or Megatron's boolean one (True: masked; the causal
-    one of each width cached in ``cache``)."""
+    """A pass's attention mask: the varlen kernel's sequences, FlexAttention's block mask, or Megatron's boolean
+    one (True: masked; the causal one of each width cached in ``cache``)."""
+    if attention == "varlen":
+        return varlen_mask(mb.segments, rows, width, device)
     if attention == "flex":
         return block_mask(mb.segments, rows, width, device)
     if mb.packed is not None:

@@ -123,10 +123,11 @@ class MegatronTrainerConfig(_MicroBatched):
     adam_eps: float = Field(1e-8, gt=0, description="Adam epsilon")
     compute_entropy: bool = Field(
         True, description="compute the entropy metric even when the loss has no entropy bonus (costs a pass)")
-    attention: Literal["auto", "flex", "unfused"] = Field(
-        "auto", description="'flex': FlexAttention, a fused kernel under a document-masked causal block mask "
-        "(packed sequences); 'unfused': Megatron's local matmul-softmax-matmul over a [rows, heads, W, W] score "
-        "matrix; 'auto': flex on CUDA, unfused elsewhere (asyncrl/backends/megatron_forward.py)")
+    attention: Literal["auto", "varlen", "flex", "unfused"] = Field(
+        "auto", description="'varlen': torch's FlashAttention-2 over each packed sequence (CUDA, compute capability "
+        "8.0+); 'flex': FlexAttention, a fused kernel under a document-masked causal block mask (packed sequences); "
+        "'unfused': Megatron's local matmul-softmax-matmul over a [rows, heads, W, W] score matrix; 'auto': flex on "
+        "CUDA, unfused elsewhere (asyncrl/backends/megatron_forward.py)")
     compile: Literal["none", "layers", "modules"] = Field(
         "none", description="torch.compile in the training model: 'layers' each transformer layer whole (RMSNorm, "
         "rotary, residual adds and casts fused, forward and backward), 'modules' each layer's norms, attention and "

@@ -14,6 +14,8 @@
 #            ~115 s to build, 11 steps of ~6.5 s (sync) and ~5.8 s (async): ~5 min on an H100.
 #   bench    trl then asyncrl in one call (~10 min on an H100: over a 10-minute call's limit; there, two calls:
 #            `trl`, then `asyncrl` on the same warm machine, since $BENCH_DIR and the model directory stay in /tmp)
+#   peer     both sides in one invocation of bench_trl_gpu.py into OUT_DIR (what issue 48's targets ask; ~10 min:
+#            under tests/gpu/run_bg.sh). TRL_ARGS are passed on to bench_trl_gpu.py (e.g. --set KEY=VALUE)
 #   all      tests then bench
 #   notebook notebooks/gpu_quickstart.ipynb (or $NOTEBOOK) through nbclient (tests/gpu/run_notebook.py; NB_WHEELS from tests/gpu/stage_notebook.sh go into $SITE if needed): <name>.summary.json, the executed notebook, notebook.log; ~2-3 min on an H100
 #   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
@@ -51,8 +53,8 @@ for part in $PARTS; do
       >"$OUT/pytest_gpu.log" 2>&1
     r=$?
     grep -E "^RESULT gpu_memory|passed|failed|^E  |Error|SKIPPED|Free memory on device" "$OUT/pytest_gpu.log" | cut -c1-300 | tail -n 40 ;;
-  trl|asyncrl)
-    if [ "$part" = trl ] && ! python3 -c "import trl, datasets" 2>/dev/null; then
+  trl|asyncrl|peer)
+    if [ "$part" != asyncrl ] && ! python3 -c "import trl, datasets" 2>/dev/null; then
       [ -n "${TRL_WHEELS:-}" ] && [ -n "${SITE:-}" ] || { echo "trl is not importable: set SITE and TRL_WHEELS"; exit 2; }
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$TRL_WHEELS"/*.whl || exit 2
     fi
@@ -62,11 +64,13 @@ for part in $PARTS; do
       sides=asyncrl  # a fresh machine: TRL's side would not fit this call too (merge later: docs/gpu.md)
       echo "no TRL result in $BENCH_DIR (a fresh machine?): asyncrl's side alone"
     fi
-    python3 benchmarks/bench_trl_gpu.py --sides "$sides" --reuse \
-      --model-dir "$MODEL_DIR" --out "$BENCH_DIR" 2>&1 | tee "$OUT/call_$part.log" | \
+    where="$BENCH_DIR"; reuse=--reuse
+    [ "$part" = peer ] && { sides=trl,asyncrl; where="$OUT"; reuse=; }
+    python3 benchmarks/bench_trl_gpu.py --sides "$sides" $reuse ${TRL_ARGS:-} \
+      --model-dir "$MODEL_DIR" --out "$where" 2>&1 | tee "$OUT/call_$part.log" | \
       grep -v -E "^(INFO|WARNING|DEBUG) |^\[rank|it/s\]|^Writing|^Loading" | tail -n 60
     r=${PIPESTATUS[0]}
-    if [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
+    if [ "$part" = peer ]; then :; elif [ "$part" = trl ]; then cp "$BENCH_DIR/trl.json" "$OUT/" 2>/dev/null; else
       cp "$BENCH_DIR"/{meta.json,rows.csv,steps.csv,trl.json,asyncrl.json} "$OUT/" 2>/dev/null; fi ;;
   notebook)
     if ! python3 -c "import nbclient, ipykernel, ipywidgets, matplotlib_inline" 2>/dev/null; then

@@ -1,5 +1,6 @@
-"""FlexAttention for packed sequences in the Megatron engine (the GPU default, ``trainer.attention: auto``) against
-Megatron's unfused matmul-softmax-matmul path, on one GPU, in bf16 (run on the H200).
+"""FlexAttention for packed sequences in the Megatron engine (the GPU default, ``trainer.attention: auto``) and torch's
+FlashAttention-2 over the same sequences (``varlen``, ``gpu_real_shape``'s) against Megatron's unfused
+matmul-softmax-matmul path, on one GPU, in bf16 (flex run on the H200 and the H100).
 
 The same weights, the same packed micro-batches (several sequences a row, long-tailed lengths, a row width that is
 no multiple of the kernel's 128-position blocks): the logprobs and one step's gradient of the two bf16 paths, each against the fp32 unfused path as the exact reference (TF32 off).
@@ -78,7 +79,7 @@ def test_flex_equals_the_unfused_path_within_bf16(monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     ref_lp, ref_delta, _ = logprobs_and_update(policy("unfused", "float32"), batch)
     out = {}
-    for kind in ("unfused", "flex"):
+    for kind in ("unfused", "flex", "varlen"):
         p = policy(kind)
         assert p.attention == kind
         t0 = time.perf_counter()
@@ -92,6 +93,8 @@ def test_flex_equals_the_unfused_path_within_bf16(monkeypatch):
     assert out["flex"]["logprob_err"] <= 2 * out["unfused"]["logprob_err"] + U
     assert out["flex"]["update_rel_err"] <= 2 * out["unfused"]["update_rel_err"] + U
     assert out["flex"]["logprob_err"] < 0.05 and out["flex"]["update_rel_err"] < 0.1
+    for key in ("logprob_err", "update_rel_err"):  # torch's FlashAttention-2 over the same packed sequences
+        assert out["varlen"][key] <= 2 * out["unfused"][key] + U, key
 
 
 def test_flex_keeps_memory_linear_in_positions():
@@ -100,7 +103,7 @@ def test_flex_keeps_memory_linear_in_positions():
     big = MODEL.model_copy(update={"max_position_embeddings": 1100})
     batch = batch_of([1024] * 8, seed=1)
     peaks = {}
-    for kind in ("unfused", "flex"):
+    for kind in ("unfused", "flex", "varlen"):
         cfg = MegatronTrainerConfig(device="cuda", attention=kind, optimizer="torch", micro_batch_tokens=8192)
         p = MegatronPolicy(big, cfg, GRPOLoss(), 0, build_tokenizer())
         b = replace(batch, prev_logprobs=torch.zeros_like(batch.gen_logprobs))
@@ -117,4 +120,4 @@ def test_flex_keeps_memory_linear_in_positions():
         p.finish_train_step()
         p.close()
     record("pass_peak_gib", peaks)
-    assert peaks["flex"] < 0.5 * peaks["unfused"]
+    assert peaks["flex"] < 0.5 * peaks["unfused"] and peaks["varlen"] < 0.5 * peaks["unfused"]
