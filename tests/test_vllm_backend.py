@@ -254,6 +254,33 @@ def test_sampling_params_of_a_group():
     assert p.top_k == 0 and p.stop == []  # off: vLLM's defaults, not passed
 
 
+def test_logprobs_come_flat_where_vllm_has_it_and_are_read_from_the_flat_lists():
+    """vLLM >= 0.12 returns a completion's logprobs as flat lists (``flat_logprobs``): asked for where
+    ``SamplingParams`` has the field, read straight from them, and position by position when they are not exactly
+    one entry (the sampled token) a position."""
+    from asyncrl.backends.vllm_requests import completion_logprobs, flat_logprobs
+
+    class FlatParams(FakeSamplingParams):
+        flat_logprobs = False
+
+        def __init__(self, flat_logprobs=False, **kw):
+            super().__init__(**kw)
+            self.flat_logprobs = flat_logprobs
+
+    assert flat_logprobs(FakeSamplingParams) == {} and flat_logprobs(FlatParams) == {"flat_logprobs": True}
+    gen, _ = make_gen(seed=3)
+    gen._sp = FlatParams
+    assert gen._params(req(7)).flat_logprobs is True
+    flat = SimpleNamespace(token_ids=[5, 9, 5], logprobs=[-0.5, -1.25, -2.0])
+    assert completion_logprobs(flat, [5, 9, 5]) == [-0.5, -1.25, -2.0]
+
+    class Listed(list):  # what a list of {token_id: logprob} positions is, with flat lists that do not match
+        token_ids, logprobs = [5, 1, 9, 5], [-0.5, -3.0, -1.25, -2.0]
+
+    per_position = Listed([{5: -0.5, 1: -3.0}, {9: -1.25}, {5: -2.0}])
+    assert completion_logprobs(per_position, [5, 9, 5]) == [-0.5, -1.25, -2.0]
+
+
 def test_top_k_and_stop_strings_reach_vllm_and_a_stop_ends_the_completion_at_its_token():
     """``generation.top_k`` and ``generation.stop`` become vLLM's ``top_k`` and ``stop`` (which vLLM matches on
     the text it detokenizes, so detokenizing is on exactly then); the group comes back cut at the stop."""

@@ -6,6 +6,7 @@ request and the ``GroupRollouts`` of its finished output.
   group's last completion ended (``FINAL_ONLY``), eos as a stop token.
 - A group's length limit (``max_new_tokens`` or its long-tailed limit) and its sampling seed derive from the run's
   seed and the group id only, so what a group samples does not depend on what else runs with it.
+- Logprobs flat (``flat_logprobs``, where vLLM has it): no Python object a token in the engine's loop.
 - Token ids in, token ids out: the engine detokenizes nothing (the controller decodes with its own tokenizer)
   unless stop strings are set, which vLLM matches on the detokenized text.
 """
@@ -65,7 +66,17 @@ def sampling_params(sp_cls: Any, gen_cfg: Any, seed: int, request: GenerationReq
         **stop,  # vLLM matches stop strings on the text it decodes: only then does it detokenize
         detokenize=bool(stop),  # otherwise the controller decodes with its own tokenizer
         output_kind=output_kind,  # one output per group, when its last completion ended
+        **flat_logprobs(sp_cls),
     )
+
+
+def flat_logprobs(sp_cls: Any) -> dict:
+    """``flat_logprobs=True`` where ``sp_cls`` has it (vLLM >= 0.12): a completion's logprobs come back as a few
+    flat lists instead of a ``{token_id: Logprob}`` dict a token, objects the engine would otherwise make and the
+    garbage collector walk at every decode step (256 a step here)."""
+    fields = getattr(sp_cls, "__struct_fields__", None)
+    has = "flat_logprobs" in fields if fields is not None else hasattr(sp_cls, "flat_logprobs")
+    return {"flat_logprobs": True} if has else {}
 
 
 def greedy_params(sp_cls: Any, max_tokens: int, eos_id: int | None, output_kind: Any, stop: list[str]) -> Any:
@@ -91,11 +102,20 @@ def sampled_logprob(entry: Any, token_id: int) -> float:
     return float(getattr(value, "logprob", value))
 
 
+def completion_logprobs(logprobs: Any, ids: list[int]) -> list[float]:
+    """Each sampled token's logprob: read straight from vLLM's ``FlatLogprobs`` when it holds exactly one entry a
+    position, the sampled token's (``logprobs=0``), else position by position."""
+    flat, flat_ids = getattr(logprobs, "logprobs", None), getattr(logprobs, "token_ids", None)
+    if flat is not None and flat_ids is not None and len(flat) == len(ids) and list(flat_ids) == ids:
+        return [float(x) for x in flat]
+    return [sampled_logprob(logprobs[i], t) for i, t in enumerate(ids)]
+
+
 def group_rollouts(out: Any, request: GenerationRequest, start_version: int, end_version: int) -> GroupRollouts:
     """The ``GroupRollouts`` of a finished request output (its completions in sample order)."""
     completions = sorted(out.outputs, key=lambda c: c.index)
     ids = [list(c.token_ids) for c in completions]
-    lps = [[sampled_logprob(c.logprobs[i], t) for i, t in enumerate(tok)] for c, tok in zip(completions, ids)]
+    lps = [completion_logprobs(c.logprobs, tok) for c, tok in zip(completions, ids)]
     return GroupRollouts(
         group_id=request.group_id, prompt_ids=list(request.prompt_ids), completion_ids=ids, logprobs=lps,
         gen_start_version=start_version, gen_end_version=end_version,
