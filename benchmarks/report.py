@@ -1700,6 +1700,53 @@ REPORTS.update({
 })
 
 
+# --- issue 48, 2026-12-06 on one H100: varlen attention, compiled layers, unseeded groups ----------------------
+TRL_0612, MFU_REAL_0612, CHECKS_0612 = "2026-12-06-one-h100-varlen", "2026-12-06-real-shape-h100", \
+    "2026-12-06-one-h100-2db142f"
+
+
+def _ratio_0612(key: str) -> Callable[[], str]:
+    return value("bench_trl_gpu", TRL_0612, lambda r, _: f"{r['ratios'][key]:.2f}x")
+
+
+def _asyncrl_mfu(rows: pd.DataFrame, mode: str) -> str:
+    row = rows[(rows["side"] == "asyncrl") & (rows["mode"] == mode)].iloc[0]
+    return f"{row['mfu']:.1%}"
+
+
+def mfu_real_line(r: dict, rows: pd.DataFrame) -> str:
+    ok = rows[rows["status"] == "ok"].set_index("variant")
+    flex = ok.loc["attention=flex"] if "attention=flex" in ok.index else None
+    return (f"the preset's step (varlen attention, compiled layers) {r['default']['mfu']:.1%} of the H100's dense "
+            f"bf16 peak ({r['default']['step_s']:.3f} s for {r['positions']:,} positions)"
+            + ("" if flex is None else f", the same with FlexAttention {flex['mfu']:.1%} ({flex['step_s']:.3f} s)"))
+
+
+def checks_0612_tests() -> str:
+    """tests/gpu in one process: pytest's summary line, and the varlen kernel's errors beside flex's."""
+    log = (DATA / "gpu_checks" / CHECKS_0612 / "pytest_gpu.log").read_text().splitlines()
+    summary = next(line for line in reversed(log) if " passed" in line).strip("= ")
+    errs = json.loads((DATA / "gpu_checks" / CHECKS_0612 / "flex_attention.json").read_text())["flex_vs_unfused"]
+    return (f"tests/gpu in one process on an H100 80GB: {summary} (the skip: test_megatron_dp needs 2 GPUs); "
+            f"test_flex_attention's bf16 logprob error against fp32 was {errs['varlen']['logprob_err']:.4f} for "
+            f"varlen, {errs['flex']['logprob_err']:.4f} for flex and {errs['unfused']['logprob_err']:.4f} for the "
+            f"unfused path")
+
+
+REPORTS.update({
+    "trl_0612": trl_rows(TRL_0612),
+    "trl_0612_sync_steps": _ratio_0612("asyncrl_sync_over_trl_steps_per_s"),
+    "trl_0612_async_steps": _ratio_0612("asyncrl_async_over_trl_steps_per_s"),
+    "trl_0612_sync_tflops": _ratio_0612("asyncrl_sync_over_trl_useful_train_tflops"),
+    "trl_0612_sync_mfu": value("bench_trl_gpu", TRL_0612, lambda _, rows: _asyncrl_mfu(rows, "sync")),
+    "mfu_real_0612_line": value("bench_mfu_gpu", MFU_REAL_0612, mfu_real_line),
+    "mfu_real_0612_table": csv_table("bench_mfu_gpu", MFU_REAL_0612, columns=[
+        "variant", "status", "step_s", "train_tflops", "mfu", "micro_batch_tokens", "peak_allocated_gib"], digits=3,
+        note=" The kernel time by category in `categories.csv`."),
+    "checks_0612_tests": checks_0612_tests,
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",

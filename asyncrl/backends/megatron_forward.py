@@ -167,8 +167,10 @@ def block_mask(segments: torch.Tensor | None, rows: int, width: int, device: tor
 @dataclass(frozen=True)
 class VarlenMask:
     """A pass's sequences for the varlen kernel: ``cu_seqlens`` [n + 1] int32, where each of the n sequences starts
-    in the pass's positions flattened row by row (a packed row's sequences, then its padding as one more)."""
+    in the pass's positions flattened row by row (a packed row's sequences, then its padding as one more), and the
+    longest one's length (the kernel's grid is sized by it)."""
     cu_seqlens: torch.Tensor
+    max_len: int
 
 
 def varlen_mask(segments: torch.Tensor | None, rows: int, width: int, device: torch.device) -> VarlenMask:
@@ -176,26 +178,27 @@ def varlen_mask(segments: torch.Tensor | None, rows: int, width: int, device: to
     position, -1 for padding) a sequence starts at every row's start and wherever the segment changes; without,
     each row is one sequence (right-padded: under a causal rule no real position sees its padding)."""
     if segments is None:
-        return VarlenMask(torch.arange(0, rows * width + 1, width, dtype=torch.int32, device=device))
+        return VarlenMask(torch.arange(0, rows * width + 1, width, dtype=torch.int32, device=device), width)
     flat = segments.reshape(-1).to(device)
     start = torch.ones_like(flat, dtype=torch.bool)
     start[1:] = flat[1:] != flat[:-1]
     start[::width] = True
     ends = torch.tensor([flat.numel()], device=device)
-    return VarlenMask(torch.cat([torch.nonzero(start).flatten(), ends]).to(torch.int32))
+    cu = torch.cat([torch.nonzero(start).flatten(), ends]).to(torch.int32)
+    return VarlenMask(cu, int((cu[1:] - cu[:-1]).max()))
 
 
 def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: VarlenMask,
                      scale: float | None) -> torch.Tensor:
     """Causal attention within each of ``mask``'s sequences; ``query``/``key``/``value`` [W, R, heads, d] as
-    Megatron passes them (grouped-query: fewer key/value heads), the result [W, R, heads * d]. The longest sequence
-    is at most a row's width W, the bound the kernel's grid is sized by."""
+    Megatron passes them (grouped-query: fewer key/value heads), the result [W, R, heads * d]. ``final_hidden``
+    runs a varlen pass as one row (R = 1), where both reshapes are views: no copy of q, k, v or the output."""
     width, rows = query.shape[0], query.shape[1]
 
     def flat(t: torch.Tensor) -> torch.Tensor:  # [W, R, h, d] -> [R * W, h, d], each row's positions in order
         return t.transpose(0, 1).reshape(rows * width, t.shape[2], t.shape[3])
 
-    out = _VARLEN_KERNEL(flat(query), flat(key), flat(value), mask.cu_seqlens, width, scale)
+    out = _VARLEN_KERNEL(flat(query), flat(key), flat(value), mask.cu_seqlens, mask.max_len, scale)
     return out.view(rows, width, -1).transpose(0, 1).contiguous()
 
 
@@ -315,8 +318,13 @@ def _hand_over_block_mask(model, mask: Any) -> Any:
 
 def final_hidden(model, forward_module, input_ids: torch.Tensor, mask: Any) -> torch.Tensor:
     """[S, B, H] hidden states after the final norm (what the output layer would multiply), through
-    ``forward_module`` (the model or its DDP wrapper)."""
+    ``forward_module`` (the model or its DDP wrapper). A varlen pass of R rows runs as one row of R x S positions
+    (its sequences already cut by ``cu_seqlens``), so Megatron's [S, B] layout is the kernel's packed one and no
+    layer transposes q, k, v or its output; rotary embeddings depend only on the distance between two positions,
+    so a sequence's offset in that row changes nothing but float rounding (fp32 angles: ~1e-3 rad at 65k)."""
     B, S = input_ids.shape
+    if isinstance(mask, VarlenMask) and B > 1:
+        return final_hidden(model, forward_module, input_ids.reshape(1, B * S), mask).view(B, S, -1).transpose(0, 1)
     pos = torch.arange(S, device=input_ids.device).unsqueeze(0).expand(B, S)
     with _without_output_layer(model):
         return forward_module(input_ids, pos, _hand_over_block_mask(model, mask))

@@ -97,6 +97,25 @@ def test_flex_equals_the_unfused_path_within_bf16(monkeypatch):
         assert out["varlen"][key] <= 2 * out["unfused"][key] + U, key
 
 
+def test_varlen_in_compiled_layers_computes_what_it_does_eagerly():
+    """``gpu_real_shape``'s pair: each layer compiled whole (``trainer.compile: layers``) around the varlen kernel
+    gives the eager layers' logprobs and update, within bf16."""
+    batch = batch_of(LENGTHS, seed=3)
+    out = {}
+    for how in ("none", "layers"):
+        cfg = MegatronTrainerConfig(device="cuda", attention="varlen", optimizer="torch", grad_clip=None,
+                                    micro_batch_tokens=1024, compile=how)
+        p = MegatronPolicy(MODEL, cfg, GRPOLoss(), 0, build_tokenizer())
+        p.optimizer = torch.optim.SGD(p.model.parameters(), lr=1.0)
+        out[how] = logprobs_and_update(p, batch)
+        p.close()
+    mask = batch.loss_mask > 0
+    lp_err = float((out["layers"][0] - out["none"][0]).abs()[mask].mean())
+    upd_err = float((out["layers"][1] - out["none"][1]).norm() / out["none"][1].norm())
+    record("varlen_compiled_vs_eager", {"logprob_err": lp_err, "update_rel_err": upd_err})
+    assert lp_err < 0.01 and upd_err < 0.05
+
+
 def test_flex_keeps_memory_linear_in_positions():
     """A pass of 8 rows of 1,024 positions: the unfused path keeps each layer's [8, 6, 1024, 1024] scores (fp32
     softmax and bf16 probabilities), flex keeps its inputs and outputs."""
