@@ -393,6 +393,19 @@ def _policy(tok, seed=3, loss=None, **knobs):
     return MegatronPolicy(ModelConfig(), cfg, GRPOLoss(loss), seed, tok)
 
 
+def sgd_step(policy, batch) -> tuple[torch.Tensor, dict, dict[str, torch.Tensor]]:
+    """One step of plain SGD at lr 1 (the weight change is the gradient) on ``batch`` with behaviour logprobs a
+    little off the policy's: its logprobs, metrics and each parameter's change."""
+    policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
+    w0 = weights(policy)
+    lp = policy.logprobs(batch)
+    b = replace(batch, gen_logprobs=(lp - 0.1 * torch.cos(batch.input_ids * 0.3)) * batch.loss_mask)
+    policy.begin_train_step()
+    policy.train_microbatches(b)
+    m = policy.finish_train_step()
+    return lp, m, {k: v - w0[k] for k, v in weights(policy).items()}
+
+
 def test_small_logprob_chunks_give_the_whole_pass_step(megatron_cpu, tok):
     """The output layer cut into chunks of 5 positions gives the logprobs, the step's metrics and the weight change
     (the gradient through the chunked backward, entropy bonus included) of one chunk for the whole pass, on packed
@@ -400,15 +413,7 @@ def test_small_logprob_chunks_give_the_whole_pass_step(megatron_cpu, tok):
     batch = long_tailed_batch(LONG_TAIL, seed=4)
     runs = []
     for chunk in (4096, 5):
-        policy = _policy(tok, loss=LossConfig(entropy_coef=0.05), logprob_chunk_tokens=chunk)
-        policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
-        w0 = weights(policy)
-        lp = policy.logprobs(batch)
-        b = replace(batch, gen_logprobs=(lp - 0.1 * torch.cos(batch.input_ids * 0.3)) * batch.loss_mask)
-        policy.begin_train_step()
-        policy.train_microbatches(b)
-        m = policy.finish_train_step()
-        runs.append((lp, m, {k: v - w0[k] for k, v in weights(policy).items()}))
+        runs.append(sgd_step(_policy(tok, loss=LossConfig(entropy_coef=0.05), logprob_chunk_tokens=chunk), batch))
     (lp_a, m_a, d_a), (lp_b, m_b, d_b) = runs
     torch.testing.assert_close(lp_b, lp_a, atol=2e-6, rtol=0)
     for key in ("loss", "grad_norm", "entropy", "tokens"):

@@ -5,8 +5,6 @@ CUDA-only one. The kernel itself against the unfused path runs on a GPU (tests/g
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +14,7 @@ from asyncrl.backends import megatron_forward
 from asyncrl.backends.megatron_forward import attention_kind, varlen_mask
 from asyncrl.config import MegatronTrainerConfig
 from tests.test_megatron_backend import (LONG_TAIL, _policy, long_tailed_batch, megatron_cpu,  # noqa: F401
-                                         tok, weights)
+                                         sgd_step, tok)
 
 
 def reference_varlen(q, k, v, cu_seqlens, max_len, scale):
@@ -77,14 +75,7 @@ def test_varlen_computes_what_the_unfused_path_does(megatron_cpu, tok, varlen_on
     for kind in ("unfused", "varlen"):
         policy = _policy(tok, attention=kind)
         assert policy.attention == kind
-        policy.optimizer = torch.optim.SGD(policy.model.parameters(), lr=1.0)
-        w0 = weights(policy)
-        lp = policy.logprobs(batch)
-        b = replace(batch, gen_logprobs=(lp - 0.1 * torch.cos(batch.input_ids * 0.3)) * batch.loss_mask)
-        policy.begin_train_step()
-        policy.train_microbatches(b)
-        policy.finish_train_step()
-        deltas[kind] = {k: v - w0[k] for k, v in weights(policy).items()}
+        deltas[kind] = sgd_step(policy, batch)[2]
     moved = sum(float(d.abs().sum()) for d in deltas["varlen"].values())
     assert moved > 0
     for k in deltas["unfused"]:
