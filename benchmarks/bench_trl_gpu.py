@@ -40,11 +40,11 @@ time on the device lock (the weight export included): ``busy_train_tflops`` in r
 Peak memory: ``torch.cuda.max_memory_allocated`` of each side's process (vLLM's pool and the trainer together).
 
 ``--set KEY=VALUE`` (repeatable) overrides ``gpu_real_shape`` on the asyncrl side (``--set trainer.attention=flex``);
-it is part of the work a ``--reuse`` compares. ``--sides`` runs some sides only; with ``--reuse`` a side whose result is already in ``--out`` (from an earlier
-call with the same steps, warm-up and completion length) is read instead of run, so the two sides can run in two
-calls of a machine with a per-call time limit and still land in one run directory (``results.sides`` says which
-command made each). Rows through ``benchmarks/record.py`` (``--out``, default ``$OUT``, else
-``benchmarks/data/bench_trl_gpu/<UTC>``).
+it is part of the work a ``--reuse`` compares. ``--sides`` runs some sides only; with ``--reuse`` a side whose
+result is already in ``--out`` (from an earlier call with the same steps, warm-up and completion length) is read
+instead of run, so the two sides can run in two calls of a machine with a per-call time limit and still land in one
+run directory (``results.sides`` says which command made each). Rows through ``benchmarks/record.py`` (``--out``,
+default ``$OUT``, else ``benchmarks/data/bench_trl_gpu/<UTC>``).
 """
 
 from __future__ import annotations

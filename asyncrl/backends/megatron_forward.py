@@ -41,8 +41,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["attention_kind", "layer_spec", "block_mask", "varlen_mask", "VarlenMask", "pass_mask", "compile_layers", "final_hidden", "output_weight",
-           "activation_bytes", "fit_micro_batch_tokens", "resolve_budget"]
+__all__ = ["attention_kind", "layer_spec", "block_mask", "varlen_mask", "VarlenMask", "varlen_attention", "pass_mask",
+           "compile_layers", "final_hidden", "output_weight", "activation_bytes", "fit_micro_batch_tokens",
+           "resolve_budget"]
 
 SAFETY = 0.85  # of the free memory a budget may plan on: the allocator's fragmentation and what is not counted
 MAX_AUTO_TOKENS = 65536  # an auto budget never plans passes larger than this (no gain past a few 10k positions)
