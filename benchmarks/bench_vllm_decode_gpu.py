@@ -163,12 +163,16 @@ def run_variant(name: str, args, first: bool, notes: list[str]) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("variants", nargs="*", metavar="VARIANT", help=f"of {', '.join(VARIANTS)} (default: all)")
     parser.add_argument("--model-dir", default="/tmp/qwen")
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
     args = parser.parse_args()
+    unknown = [v for v in args.variants if v not in VARIANTS]
+    if unknown:
+        parser.error(f"unknown variant(s) {unknown}: choose from {list(VARIANTS)}")
+    args.variants = args.variants or list(VARIANTS)
     if not Path(args.model_dir, "config.json").exists():
         from bench_trl_gpu import build_model_dir
 
