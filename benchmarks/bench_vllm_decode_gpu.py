@@ -17,7 +17,8 @@ Engine variants (``VARIANTS``): ``default`` (the preset as it is), ``async_sched
 overlapping the next step's CPU work with the GPU's, turned off: what it buys), ``engine_process`` (vLLM's engine
 core in a process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the output handling in this process overlaps
 the engine's loop; asyncrl runs the engine in-process so that weights pass by reference).
-Rows through ``benchmarks/record.py`` (``--out``, default ``$OUT``, else ``benchmarks/data/bench_vllm_decode_gpu/<UTC>``).
+Rows through ``benchmarks/record.py`` (``--out``, default ``$OUT``, else
+``benchmarks/data/bench_vllm_decode_gpu/<UTC>``).
 """
 
 from __future__ import annotations
