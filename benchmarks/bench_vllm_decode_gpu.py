@@ -16,7 +16,8 @@ functions by their own time (``profile.txt``).
 Engine variants (``VARIANTS``): ``default`` (the preset as it is), ``async_scheduling=false`` (vLLM's scheduler
 overlapping the next step's CPU work with the GPU's, turned off: what it buys), ``engine_process`` (vLLM's engine
 core in a process of its own, ``VLLM_ENABLE_V1_MULTIPROCESSING=1``: the output handling in this process overlaps
-the engine's loop; asyncrl runs the engine in-process so that weights pass by reference).
+the engine's loop; asyncrl runs the engine in-process so that weights pass by reference), ``flat_logprobs=false``
+(the requests ask for vLLM's per-position logprob dicts instead of its flat lists).
 Rows through ``benchmarks/record.py`` (``--out``, default ``$OUT``, else
 ``benchmarks/data/bench_vllm_decode_gpu/<UTC>``).
 """
@@ -38,10 +39,11 @@ from record import meta, save
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 GROUPS, GROUP_SIZE = 32, 8
-VARIANTS = {  # name -> (vllm.LLM keyword arguments, environment)
-    "default": ({}, {}),
-    "async_scheduling=false": ({"async_scheduling": False}, {}),
-    "engine_process": ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}),
+VARIANTS = {  # name -> (vllm.LLM keyword arguments, environment, flat logprobs)
+    "default": ({}, {}, True),
+    "async_scheduling=false": ({"async_scheduling": False}, {}, True),
+    "engine_process": ({}, {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}, True),
+    "flat_logprobs=false": ({}, {}, False),
 }
 
 
@@ -99,11 +101,11 @@ def generator_batch(gen, tok, batch: int, clock: StepClock) -> dict:
 
 def generate_batch(gen, tok, batch: int, completion: int, logprobs: bool) -> dict:
     import vllm
-    from asyncrl.backends.vllm_requests import flat_logprobs
+    from asyncrl.backends import vllm_requests
 
+    lp = {"logprobs": 0, **vllm_requests.flat_logprobs(vllm.SamplingParams)} if logprobs else {}
     sp = vllm.SamplingParams(n=GROUP_SIZE, temperature=1.0, max_tokens=completion, detokenize=False,
-                             stop_token_ids=[gen.eos_id], **({"logprobs": 0, **flat_logprobs(vllm.SamplingParams)}
-                                                             if logprobs else {}))
+                             stop_token_ids=[gen.eos_id], **lp)
     prompts = [{"prompt_token_ids": r.prompt_ids} for r in requests(tok, batch)]
     t0 = time.perf_counter()
     outs = gen.llm.generate(prompts, sp, use_tqdm=False)
@@ -123,7 +125,19 @@ def gpu_busy(gen, tok, batch: int, clock: StepClock) -> tuple[float, dict]:
 
 
 def run_variant(name: str, args, first: bool, notes: list[str]) -> list[dict]:
-    llm_kwargs, env = VARIANTS[name]
+    from asyncrl.backends import vllm_requests
+
+    llm_kwargs, env, flat = VARIANTS[name]
+    flat_fn = vllm_requests.flat_logprobs
+    if not flat:  # the requests (the generator's and generate's) ask for vLLM's per-position logprob dicts
+        vllm_requests.flat_logprobs = lambda sp_cls: {}
+    try:
+        return _run_variant(name, args, first, notes, llm_kwargs, env)
+    finally:
+        vllm_requests.flat_logprobs = flat_fn
+
+
+def _run_variant(name: str, args, first: bool, notes: list[str], llm_kwargs: dict, env: dict) -> list[dict]:
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     t0 = time.perf_counter()
@@ -144,7 +158,7 @@ def run_variant(name: str, args, first: bool, notes: list[str]) -> list[dict]:
                 rows.append({"variant": name, "run": kind, "rep": rep, "build_s": build_s, **row,
                              "tokens_per_s": row["tokens"] / row["wall_s"]})
                 print(f"  {name} {kind} {rep}: {row}", flush=True)
-        if first:
+        if first and args.profile:
             batch += 1
             busy, row = gpu_busy(gen, tok, batch, clock)
             rows.append({"variant": name, "run": "generator (profiled: CUDA)", "rep": 0, "build_s": build_s, **row,
@@ -169,6 +183,7 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=512)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=os.environ.get("OUT"))
+    parser.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled batches")
     args = parser.parse_args()
     unknown = [v for v in args.variants if v not in VARIANTS]
     if unknown:
