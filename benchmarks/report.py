@@ -1747,6 +1747,61 @@ REPORTS.update({
 })
 
 
+# --- issue 48, 2026-12-06 (second session): the varlen pass as one row, where a generation batch goes -------------
+TRL_0612B, DECODE_0612, DECODE_0612_DICT = "2026-12-06-one-h100-onerow", "2026-12-06-one-h100", \
+    "2026-12-06-one-h100-dict-logprobs"
+
+
+def _ratio_0612b(key: str) -> Callable[[], str]:
+    return value("bench_trl_gpu", TRL_0612B, lambda r, _: f"{r['ratios'][key]:.2f}x")
+
+
+def decode_table() -> str:
+    """bench_vllm_decode_gpu's medians by variant and way of generating, both H100 runs of 2026-12-06."""
+    parts, where = [], []
+    for name in (DECODE_0612, DECODE_0612_DICT):
+        meta, rows = run("bench_vllm_decode_gpu", name)
+        rows = rows[rows["run"] != "failed"]
+        rows = rows if "gpu_busy" in rows else rows.assign(gpu_busy=float("nan"))  # a run without the profiled batch
+        parts.append(rows.groupby(["variant", "run"], sort=False)[
+            ["wall_s", "tokens_per_s", "engine_steps", "ms_per_step", "gpu_busy"]].median().reset_index())
+        where.append(f"{machine(meta)}; `{meta['command']}`; data `benchmarks/data/bench_vllm_decode_gpu/{name}/`")
+    data = pd.concat(parts)
+    lines = ["| variant | run | seconds a batch | tokens/s | engine steps | ms a step | GPU busy |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in data.itertuples():
+        cell = lambda x, f: "" if pd.isna(x) else format(x, f)  # noqa: E731
+        lines.append(f"| {r.variant} | {r.run} | {r.wall_s:.2f} | {r.tokens_per_s / 1e3:.1f}k | "
+                     f"{cell(r.engine_steps, '.0f')} | {cell(r.ms_per_step, '.1f')} | {cell(r.gpu_busy, '.0%')} |")
+    return "\n" + "\n\n".join(where) + "\n\n" + "\n".join(lines)
+
+
+def decode_share(what: str) -> Callable[[], str]:
+    """From the first decode run: the GPU's busy share of a profiled batch, or the sampled token's logprob's cost
+    (``LLM.generate`` with it against without it)."""
+    def make() -> str:
+        _, rows = run("bench_vllm_decode_gpu", DECODE_0612)
+        med = rows[rows["variant"] == "default"].groupby("run")["wall_s"].median()
+        if what == "gpu_busy":
+            return f"{rows['gpu_busy'].dropna().iloc[0]:.0%}"
+        return f"{1 - med['generate_nolp'] / med['generate']:.0%}"
+    return make
+
+
+REPORTS.update({
+    "trl_0612b": trl_rows(TRL_0612B),
+    "trl_0612b_sync_steps": _ratio_0612b("asyncrl_sync_over_trl_steps_per_s"),
+    "trl_0612b_async_steps": _ratio_0612b("asyncrl_async_over_trl_steps_per_s"),
+    "trl_0612b_sync_tflops": _ratio_0612b("asyncrl_sync_over_trl_useful_train_tflops"),
+    "trl_0612b_async_tflops": _ratio_0612b("asyncrl_async_over_trl_useful_train_tflops"),
+    "trl_0612b_async_mfu": value("bench_trl_gpu", TRL_0612B, lambda _, rows: _asyncrl_mfu(rows, "async")),
+    "trl_0612b_sync_mfu": value("bench_trl_gpu", TRL_0612B, lambda _, rows: _asyncrl_mfu(rows, "sync")),
+    "decode_0612_table": decode_table,
+    "decode_0612_gpu_busy": decode_share("gpu_busy"),
+    "decode_0612_logprob_cost": decode_share("logprobs"),
+})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true",
