@@ -20,6 +20,7 @@
 #   notebook notebooks/gpu_quickstart.ipynb (or $NOTEBOOK) through nbclient (tests/gpu/run_notebook.py; NB_WHEELS from tests/gpu/stage_notebook.sh go into $SITE if needed): <name>.summary.json, the executed notebook, notebook.log; ~2-3 min on an H100
 #   lora     benchmarks/bench_lora_gpu.py --preset gpu_lora_8b (8B LoRA; 3 + LORA_STEPS=4 steps a mode): 5 files, ~7-10 min
 #   agents   benchmarks/bench_agents_gpu.py (the countdown tool task: multi- vs single-turn tokens/s, prefix-cache hits, async/sync) into OUT_DIR: ~4 min on an H100
+#   decode   benchmarks/bench_vllm_decode_gpu.py (vLLM alone on the peer bench's generation work; $DECODE_ARGS passed on) into OUT_DIR/decode: ~4 min
 #   mfu      benchmarks/bench_mfu_gpu.py (Megatron step variants at the 0.5B shape; $MFU_ARGS passed on) into OUT_DIR/mfu: ~4.5 min
 #
 # GPU_TESTS (the tests part): the files to run instead of all of tests/gpu, in one process all the same.
@@ -92,6 +93,11 @@ for part in $PARTS; do
     mkdir -p "$OUT/mfu"
     python3 benchmarks/bench_mfu_gpu.py ${MFU_ARGS:-} --out "$OUT/mfu" 2>&1 | tee "$OUT/mfu/run.log" | \
       grep -v -E "^(INFO|WARNING|DEBUG) |Warning|warnings.warn|^USDT|^\[rank" | tail -n 70
+    r=${PIPESTATUS[0]} ;;
+  decode)
+    mkdir -p "$OUT/decode"
+    python3 benchmarks/bench_vllm_decode_gpu.py --model-dir "$MODEL_DIR" ${DECODE_ARGS:-} --out "$OUT/decode" 2>&1 | \
+      tee "$OUT/decode/run.log" | grep -v -E "^(INFO|WARNING|DEBUG) |^\(EngineCore|Warning|warnings.warn" | tail -n 40
     r=${PIPESTATUS[0]} ;;
   *) echo "unknown part $part (the parts: this file's header)"; exit 2 ;;
   esac
