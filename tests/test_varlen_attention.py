@@ -116,3 +116,16 @@ def test_compiled_layers_trace_the_varlen_pass(megatron_cpu, tok, monkeypatch): 
         assert not any("varlen" in b.lower() or "VarlenMask" in b for b in breaks), breaks
     finally:
         torch._dynamo.reset()
+
+
+
+@pytest.mark.parametrize("attention", ["varlen", "flex"])
+def test_every_model_gets_the_same_core_attention_class(megatron_cpu, attention):  # noqa: F811
+    """Compiled layers guard on their modules' types: a policy built again (a benchmark's second mode, a restart)
+    reuses the compiled layers only if its core attention is of the same class."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    specs = [megatron_forward.layer_spec(get_gpt_layer_local_spec(normalization="RMSNorm"), attention)
+             for _ in range(2)]
+    a, b = (s.submodules.self_attention.submodules.core_attention for s in specs)
+    assert a is b and a.__name__ == "FlexCoreAttention"

@@ -34,6 +34,7 @@ pass of it needs.
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -105,10 +106,13 @@ def _raise_recompile_limit(limit: int = 64) -> None:
             setattr(dynamo, name, max(getattr(dynamo, name), limit))
 
 
+@functools.cache
 def _flex_core_attention():
     """The core-attention module class: Megatron's ``DotProductAttention`` (same constructor, so any megatron-core
     of the supported range builds it), whose forward takes a FlexAttention ``BlockMask`` where the unfused one
-    takes a boolean mask."""
+    takes a boolean mask. One class per process: compiled layers guard on their modules' types, so a class made
+    anew for each model recompiled the layers of a rebuilt policy (the TRL comparison's asynchronous mode, whose
+    policy is built again, trained its first step in 9.7 s against 1.2 s on an H100, 2026-12-06)."""
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from torch.nn.attention.flex_attention import BlockMask
 
