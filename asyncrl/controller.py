@@ -487,6 +487,7 @@ class Controller(FixedParts, TurnsView):  # policy, generator, task, sampler, bu
 
     def close(self) -> None:
         """Release the backends (and their Ray actors). The controller's history stays readable."""
+        self._train.end_beside()  # the gap pass's thread measures with the policy: it ends first
         for backend in (self.generator, self.policy):
             backend.close()
         self._rollout.close()

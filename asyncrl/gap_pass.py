@@ -64,6 +64,15 @@ class GapPass:
                 self._thread = threading.Thread(target=self._loop, daemon=True, name="asyncrl-gap-pass")
                 self._thread.start()
 
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the thread to end (within ``WAIT_S`` of its run's end, after the
+        measurement in progress). Why: a daemon thread still inside a torch op when the process exits aborts it
+        ("terminate called without an active exception", seen once in CI after an attached ``stop``), and the
+        policy it measures with must not be closed under it."""
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread() and not self._running():
+            thread.join(timeout)
+
     def claim(self, group_ids: Iterable[int]) -> dict[int, list]:
         """Under the controller's lock: the known values of ``group_ids`` (waiting while one of them is being
         measured); they are never measured here afterwards."""

@@ -318,6 +318,11 @@ class TrainPump:
         if self.gap is not None:
             self.gap.start(running)
 
+    def end_beside(self, timeout: float = 30.0) -> None:
+        """Wait for the gap pass's thread to end (its run has ended): before the policy closes (``GapPass.join``)."""
+        if self.gap is not None:
+            self.gap.join(timeout)
+
     def step_state(self) -> dict:
         """What this pump counted towards the next step (evictions before a select that waited): a checkpoint keeps
         it, so the resumed step's metrics row counts them too."""

@@ -87,6 +87,27 @@ def test_a_run_measures_beside_training_and_its_metrics_equal_hand_ticks():
         assert not thread.is_alive()
 
 
+def test_close_waits_for_the_measurement_in_progress_before_closing_the_policy():
+    """A process exits right after ``close()`` (the CLI): the gap pass's thread must not be inside the policy's
+    forward then (a daemon thread in a torch op at exit aborts the process), nor measure with a closed policy."""
+    ctrl = Controller.from_config(load_config("quickstart", **CPU, loss={"gap_completions": None}))
+    logprobs_at, close = ctrl.policy.logprobs_at, ctrl.policy.close
+    events: list[str] = []
+
+    def slow(batch, version, current):  # a measurement the run's end finds in progress
+        if threading.current_thread().name == "asyncrl-gap-pass":
+            time.sleep(0.5)
+            events.append("measured")
+        return logprobs_at(batch, version, current)
+
+    ctrl.policy.logprobs_at = slow
+    ctrl.policy.close = lambda: (events.append("closed"), close())
+    ctrl.run(4, progress=False)
+    ctrl.close()
+    assert "closed" in events and "measured" in events and events[-1] == "closed", events
+    assert not [t for t in threading.enumerate() if t.name == "asyncrl-gap-pass" and t.is_alive()]
+
+
 def test_hand_ticks_measure_on_their_own_thread():
     ctrl = Controller.from_config(load_config("quickstart", **CPU))
     calls = count_calls(ctrl.policy)
