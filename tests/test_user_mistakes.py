@@ -203,8 +203,10 @@ def test_a_run_whose_environment_always_fails_stalls_naming_the_environment_s_er
     the environment's error in the run's one line (not only a count of pending groups)."""
     from asyncrl.run_loop import StallError
 
-    cfg = load_config("guess_letter", groups_per_step=2, group_size=2, eval_every=None, stall_timeout_s=3,
-                      environment={"workers": 1})
+    # One dispatch per group and a 6 s stall: on a loaded 2-core machine the first rollout tick alone took over 3 s,
+    # so a 3 s stall fired before any group had been given up (a CI failure, not a behaviour change).
+    cfg = load_config("guess_letter", groups_per_step=2, group_size=2, eval_every=None, stall_timeout_s=6,
+                      environment={"workers": 1}, faults={"max_dispatch_attempts": 1})
     ctrl = Controller.from_config(cfg, environment_factory=ResetRaises)
     with pytest.raises(StallError) as err:
         ctrl.run(1, progress=False)
