@@ -41,6 +41,8 @@ from typing import Any
 import pandas as pd
 import torch
 
+from asyncrl.backends.device_lock import share_device
+from asyncrl.config.placement import shared_cuda_index
 from asyncrl.pump_threads import _libgomp_pause, release_idle_openmp_workers, torch_threads_per_pump  # noqa: F401
 from asyncrl.reports import TickReport
 from asyncrl.trace import SKIP, TRACE_EVENTS, StepEvent, TraceRow
@@ -157,11 +159,18 @@ class RunHandle:
     def _launch(self) -> None:
         self._started_at = time.monotonic()
         release_idle_openmp_workers()
+        self._share("overlap")
         self._subscription = self.ctrl.subscribe(self._on_event)
         with self._cv:
             self.ctrl.clock.__enter__()
             self._clocked = True
         self._supervisor.start()
+
+    def _share(self, mode: str) -> None:
+        """``device_sharing: overlap`` holds only while the pumps run (backends/device_lock.py)."""
+        cfg = self.ctrl.cfg
+        if cfg.device_sharing == "overlap":
+            share_device(f"cuda:{shared_cuda_index(cfg.generation, cfg.trainer)}", mode)
 
     def _on_event(self, event: TraceRow | StepEvent) -> None:
         """Every event of the controller, at the end of the tick that recorded it. Only events of this run's pumps
@@ -348,6 +357,7 @@ class RunHandle:
                 self.error, self._end = exc, "failed"
         if self._bar is not None:
             self._bar.close()
+        self._share("turns")  # hand ticks after the run take turns again
         if self._torch_threads is not None:  # back to the caller's count for threads started later (and MKL's)
             torch.set_num_threads(self._caller_threads)
         if self._subscription is not None:
@@ -472,18 +482,8 @@ def runs_in_lockstep(cfg: Any, admits_ahead: bool) -> bool:
     thread on one GPU")."""
     if cfg.pump_threads != "auto":
         return cfg.pump_threads == 1
-    gen, trainer = cfg.generation, cfg.trainer
-    index = _cuda_index(str(gen.device))
-    shared = (gen.placement == trainer.placement == "local" and index is not None
-              and index == _cuda_index(str(trainer.device)))
+    shared = shared_cuda_index(cfg.generation, cfg.trainer) is not None and cfg.device_sharing == "turns"
     return not admits_ahead or shared
-
-
-def _cuda_index(device: str) -> int | None:
-    """``cuda`` is the current device, taken as 0 (a process that moves it also names its devices)."""
-    if not device.startswith("cuda"):
-        return None
-    return int(device.partition(":")[2] or 0)
 
 
 def _progress_bar(start: int, target: int):

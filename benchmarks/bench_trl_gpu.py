@@ -197,6 +197,8 @@ def run_asyncrl(model_dir: str, steps: int, warmup: int, completion: int, dry: b
     over = b2.merge_overrides(over, b2.parse_overrides(list(sets)))  # --set: the preset's knobs, recorded
     preset = "quickstart" if dry else "gpu_real_shape"
     cfgs = {m: load_config(preset, sampler=s, **over) for m, s in b2.SAMPLERS.items()}
+    for m in set(modes) & set(b2.EXTRA_MODES):  # async_overlap and the others of bench_two_gpus.py, by name
+        cfgs[m] = load_config(preset, sampler=b2.SAMPLERS["async"], **b2.merge_overrides(over, b2.EXTRA_MODES[m]))
     cfg = cfgs["sync"]
     task, tok = build_task(cfg.task), load_tokenizer(cfg.model)
     policy = b2.build(cfg.trainer.backend, POLICIES, (cfg.model, cfg.trainer, GRPOLoss(cfg.loss), cfg.seed, tok),
@@ -308,7 +310,8 @@ def main() -> int:
                         "there (default: a temporary one)")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--name", default=None)
-    parser.add_argument("--modes", default="sync,async", help="asyncrl's modes, comma-separated (sync, async)")
+    parser.add_argument("--modes", default="sync,async", help="asyncrl's modes, comma-separated: sync, async, and any of bench_two_gpus.py's EXTRA_MODES "
+                        "(async_overlap: the trainer's passes beside vLLM's decoding)")
     parser.add_argument("--sides", default=",".join(SIDES), help="the sides to run or reuse (default trl,asyncrl)")
     parser.add_argument("--reuse", action="store_true", help="read a side whose result --out already holds "
                         "(same steps, warm-up and completion) instead of running it")
@@ -324,6 +327,11 @@ def main() -> int:
     if not sides or set(sides) - set(SIDES) or args.steps < 1 or args.warmup < 0:
         parser.error(f"--sides {args.sides!r}: a comma-separated subset of {','.join(SIDES)}; --steps >= 1, "
                      f"--warmup >= 0 (got {args.steps}, {args.warmup})")
+    from bench_two_gpus import EXTRA_MODES
+
+    allowed = ("sync", "async", *EXTRA_MODES)
+    if not args.modes or set(args.modes.split(",")) - set(allowed):
+        parser.error(f"--modes {args.modes!r}: a comma-separated subset of {','.join(allowed)}")
     if args.side:
         return child(args)
     before = meta("bench_trl_gpu")

@@ -95,10 +95,11 @@ SAMPLERS = {
 # generator reads generation.weight_update at every load); --no-gap / --gap, async without / with the gap metrics'
 # no-grad pass under kept weights (on one GPU it takes the device lock on the train thread: what measuring the gap
 # costs there; the one-GPU presets turn it off); --two-threads, async with a thread per pump (pump_threads 2: on one
-# GPU, pump_threads auto drives both pumps from one thread).
+# GPU, pump_threads auto drives both pumps from one thread); --overlap, async with the trainer's passes beside vLLM's
+# decoding on the GPU both share (device_sharing overlap: a thread per pump, backends/device_lock.py).
 EXTRA_MODES = {"async_inflight": {"generation": {"weight_update": "inflight"}},
                "async_nogap": {"loss": {"gap_metrics": False}}, "async_gap": {"loss": {"gap_metrics": True}},
-               "async_two_threads": {"pump_threads": 2}}
+               "async_two_threads": {"pump_threads": 2}, "async_overlap": {"device_sharing": "overlap"}}
 GEN_ENGINE, TRAIN_ENGINE = ("VLLMGenerator", "TorchGenerator"), ("MegatronPolicy", "TorchPolicy")
 GEN_CALLS = ("poll", "generate_greedy", "load_weights")  # CPU dry run: no device lock, the actors' call times
 THROUGHPUT_COLUMNS = ("train_tokens", "train_padded_tokens", "train_tflops", "mfu", "gen_tokens_per_s")
@@ -464,7 +465,7 @@ def plot(curves: pd.DataFrame, path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colours = {"sync": "tab:blue", "async": "tab:orange", "async_inflight": "tab:green", "async_nogap": "tab:red",
-               "async_gap": "tab:purple", "async_two_threads": "tab:brown"}
+               "async_gap": "tab:purple", "async_two_threads": "tab:brown", "async_overlap": "tab:olive"}
     for (mode, repeat), per in curves.groupby(["mode", "repeat"]):
         ax.plot(per.wall_s, per.reward.rolling(5, min_periods=1).mean(), color=colours[mode], alpha=0.8,
                 label=f"{mode}" if repeat == 0 else None)
@@ -585,6 +586,9 @@ def main() -> int:
     parser.add_argument("--gap", action="store_true", help="also run async with loss.gap_metrics=true (mode async_gap)")
     parser.add_argument("--two-threads", action="store_true",
                         help="also run async with a thread per pump (pump_threads=2; mode async_two_threads)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="also run async with the trainer's passes beside vLLM's decoding on one GPU "
+                        "(device_sharing=overlap; mode async_overlap)")
     args = parser.parse_args()
     before = meta("bench_two_gpus")
     dry = args.cpu_dry_run
@@ -602,7 +606,7 @@ def main() -> int:
             raise SystemExit(f"a probe may not change the engine (model.*, generation.* other than "
                              f"{sorted(SAMPLING_KEYS)}): {probe}")
     wanted = {"async_inflight": args.inflight, "async_nogap": args.no_gap, "async_gap": args.gap,
-              "async_two_threads": args.two_threads}
+              "async_two_threads": args.two_threads, "async_overlap": args.overlap}
     extra = tuple(mode for mode, on in wanted.items() if on)
     cfgs = configs(args.preset, dry, overrides, extra)
     for probe in probes:  # validate every candidate before anything is built

@@ -78,3 +78,90 @@ def test_holds_device_uses_the_engines_device(monkeypatch):
             return x + 1
 
     assert Engine().step(1) == 2 and seen == [True]
+
+
+class _Streams:
+    """CPU stand-ins for the CUDA stream calls ``beside_device`` makes, logging what happens to which stream."""
+
+    def __init__(self, monkeypatch, log: list[str]) -> None:
+        from contextlib import contextmanager
+
+        self.log = log
+        monkeypatch.setattr(device_lock, "_SHARING", {})
+        monkeypatch.setattr(device_lock, "_BESIDE", {})
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: log.append(f"sync-device{index}"))
+        monkeypatch.setattr(torch.cuda, "Stream", lambda index=None: self.Stream(f"beside{index}"))
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: self.Stream("current"))
+
+        @contextmanager
+        def on(stream):
+            log.append(f"on-{stream.name}")
+            yield
+
+        monkeypatch.setattr(torch.cuda, "stream", on)
+
+    def Stream(self, name: str):
+        log = self.log
+
+        class Stream:
+            def wait_stream(self, other):
+                log.append(f"{name}-waits-{other.name}")
+
+            def synchronize(self):
+                log.append(f"sync-{name}")
+
+        stream = Stream()
+        stream.name = name
+        return stream
+
+
+class _Trainer:
+    device = torch.device("cuda", 0)
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    @device_lock.beside_device
+    def passes(self):
+        lock = device_lock._LOCKS.get(0)
+        self.log.append(f"passes (lock held: {lock is not None and lock._is_owned()})")
+        return "done"
+
+
+def test_overlap_runs_the_passes_beside_a_held_block_on_their_own_stream(monkeypatch):
+    log: list[str] = []
+    _Streams(monkeypatch, log)
+    device_lock.share_device("cuda:0", "overlap")
+    assert device_lock.device_sharing("cuda:0") == "overlap" and device_lock.device_sharing("cpu") == "turns"
+    inside, release = threading.Event(), threading.Event()
+
+    def vllm():
+        with exclusive_device("cuda:0", "VLLMGenerator"):
+            inside.set()
+            assert release.wait(5)
+
+    t = threading.Thread(target=vllm)
+    t.start()
+    assert inside.wait(5)
+    assert _Trainer(log).passes() == "done"  # while vLLM holds the device: it would deadlock under "turns"
+    release.set()
+    t.join(5)
+    # after what the thread issued before, on the beside stream, that stream finished before returning; the held
+    # block ends with its own stream finished, not the device (which would wait for the passes)
+    assert log == ["beside0-waits-current", "on-beside0", "passes (lock held: False)", "sync-beside0", "sync-current"]
+    assert device_lock.device_lock_stats()["_Trainer beside"]["blocks"] >= 1
+
+
+def test_taking_turns_again_the_passes_wait_for_the_device(monkeypatch):
+    log: list[str] = []
+    _Streams(monkeypatch, log)
+    device_lock.share_device("cuda:0", "overlap")
+    device_lock.share_device("cuda:0", "turns")
+    assert _Trainer(log).passes() == "done"
+    assert log == ["passes (lock held: True)", "sync-device0"]
+    try:
+        device_lock.share_device("cuda:0", "sometimes")
+    except ValueError as err:
+        assert str(err) == "device sharing 'sometimes': use 'turns' or 'overlap'"
+    else:
+        raise AssertionError("an unknown sharing mode was accepted")

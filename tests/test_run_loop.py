@@ -10,6 +10,7 @@ from __future__ import annotations
 import _thread
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -476,6 +477,23 @@ def test_auto_runs_an_asynchronous_sampler_on_one_thread_when_both_engines_share
     assert runs_in_lockstep(cfg, admits_ahead=True) is lockstep
     assert runs_in_lockstep(cfg.model_copy(update={"pump_threads": 2}), admits_ahead=True) is False
     assert runs_in_lockstep(cfg, admits_ahead=False) is True  # nothing to overlap
+
+
+def test_overlap_runs_a_pump_a_thread_on_the_shared_gpu_and_needs_vllm_and_megatron_sharing_one():
+    cfg = load_config("gpu_real_shape", device_sharing="overlap")  # the trainer's passes beside vLLM's decoding
+    assert runs_in_lockstep(cfg, admits_ahead=True) is False
+    assert runs_in_lockstep(cfg.model_copy(update={"device_sharing": "turns"}), admits_ahead=True) is True
+    assert runs_in_lockstep(cfg, admits_ahead=False) is True  # a synchronous sampler: nothing to overlap
+    with pytest.raises(ValueError, match=re.escape(
+            "device_sharing 'overlap' runs Megatron's passes beside vLLM on the CUDA device both use in this process; "
+            "got generation 'vllm' on 'cuda:0' (local) and trainer 'megatron' on 'cuda:1' (local): use "
+            "device_sharing 'turns'")):
+        load_config("gpu_real_shape", device_sharing="overlap", trainer={"device": "cuda:1"},
+                    generation={"device": "cuda:0"})
+    with pytest.raises(ValueError, match="got generation 'torch' on 'cpu'"):
+        load_config("quickstart", device_sharing="overlap")
+    with pytest.raises(ValueError, match=r"device_sharing[\s\S]*'turns' or 'overlap'"):
+        load_config("gpu_real_shape", device_sharing="always")
 
 
 def test_pump_threads_refuses_other_values_naming_the_allowed_ones():

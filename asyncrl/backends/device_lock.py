@@ -22,6 +22,14 @@ a loop) is usually taken again before a waiting thread wakes up, so the waiter c
 ``make_way(device)`` before each block: if another engine of the process waits for the device, it returns once that
 one has taken it (or after a timeout), so the engines alternate block by block. ``device_waiters(device)`` says
 whether anyone waits (a loop that holds the device across several steps stops at that point).
+
+Overlap (``share_device(device, "overlap")``, which a run sets for config ``device_sharing: overlap``): decoding a
+small model leaves the GPU mostly idle (vLLM's CPU loop), so the trainer's forward/backward passes (methods marked
+``beside_device``) run outside the lock, on a CUDA stream of the device's own, beside whatever vLLM runs; each such
+call synchronises that stream before it returns. Everything else still takes turns: the optimizer step (Megatron's
+grad-norm ``all_reduce``, the collective that crashed unserialised), weight export and load, a reward model. Kept
+invariant: locked blocks never run at once, and each ends with *its own* stream finished (not the device's, which
+would wait for the passes beside it); nothing beside the lock is in flight when its thread next takes the lock.
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["exclusive_device", "holds_device", "device_lock_stats", "device_lock_spans", "device_waiters", "make_way"]
+__all__ = ["exclusive_device", "holds_device", "beside_device", "share_device", "device_sharing", "finish_own_work",
+           "device_lock_stats", "device_lock_spans", "device_waiters", "make_way"]
 
 _GUARD = threading.Lock()
 _LOCKS: dict[int, threading.RLock] = {}
@@ -46,6 +55,8 @@ _TAKEN: dict[int, int] = defaultdict(int)  # device -> outer blocks started (mak
 # The latest blocks as (name, start, end) in time.perf_counter() seconds: CLOCK_MONOTONIC on Linux, one clock for
 # every process of the host, so a benchmark can lay the GPU blocks of two actors beside the driver's calls.
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20_000)
+_SHARING: dict[int, str] = {}  # device -> "overlap" while a run shares it so (share_device); absent: "turns"
+_BESIDE: dict[int, Any] = {}  # device -> the CUDA stream that ``beside_device`` work runs on (made at first use)
 
 
 @contextmanager
@@ -77,19 +88,57 @@ def exclusive_device(device: Any, name: str = "engine") -> Iterator[None]:
             yield
         finally:
             try:
-                torch.cuda.synchronize(index)  # nothing of this block still runs when the other engine starts
+                finish_own_work(index)  # nothing of this block still runs when the other engine starts
             finally:
                 _DEPTH.n -= 1
                 if outer:
-                    end = time.perf_counter()
-                    with _GUARD:  # read by device_lock_spans() from another thread
-                        _SPANS.append((name, got, end))
-                    entry = _STATS[name]
-                    entry[0] += end - got
-                    entry[1] += got - asked
-                    entry[2] += 1
+                    _record(name, asked, got, time.perf_counter())
     finally:
         lock.release()
+
+
+def _record(name: str, asked: float, got: float, end: float) -> None:
+    with _GUARD:  # read by device_lock_spans() and device_lock_stats() from other threads
+        _SPANS.append((name, got, end))
+        entry = _STATS[name]
+        entry[0] += end - got
+        entry[1] += got - asked
+        entry[2] += 1
+
+
+def finish_own_work(device: Any) -> None:
+    """Wait until the GPU work this thread issued on ``device`` has finished: the whole device under "turns", the
+    thread's current stream under "overlap" (the device would also wait for the passes running beside)."""
+    index = device if isinstance(device, int) else _index(torch.device(device))
+    if _SHARING.get(index) == "overlap":
+        torch.cuda.current_stream(index).synchronize()
+    else:
+        torch.cuda.synchronize(index)
+
+
+def share_device(device: Any, mode: str) -> None:
+    """How the engines of this process share ``device`` from now on: "turns" (every block of GPU work exclusive)
+    or "overlap" (``beside_device`` work outside the lock: module docstring). No-op off CUDA."""
+    if mode not in ("turns", "overlap"):
+        raise ValueError(f"device sharing {mode!r}: use 'turns' or 'overlap'")
+    dev = torch.device(device)
+    if dev.type != "cuda" or device_sharing(dev) == mode:
+        return
+    with _GUARD:
+        if mode == "overlap":
+            _SHARING[_index(dev)] = mode
+        else:
+            _SHARING.pop(_index(dev), None)
+    # The caching allocator keeps freed blocks per stream, and the trainer's passes change stream here: give back
+    # what the other stream cached, or a micro-batch budget fitted to the memory free at the first step (Megatron
+    # on CUDA) would need its activations' memory twice.
+    torch.cuda.empty_cache()
+
+
+def device_sharing(device: Any) -> str:
+    """"turns" or "overlap" (``share_device``); "turns" off CUDA."""
+    dev = torch.device(device)
+    return _SHARING.get(_index(dev), "turns") if dev.type == "cuda" else "turns"
 
 
 def _index(dev: torch.device) -> int:
@@ -132,6 +181,34 @@ def holds_device(method):
     def wrapper(self, *args, **kwargs):
         with exclusive_device(self.device, type(self).__name__):
             return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+def beside_device(method):
+    """Method decorator for a trainer's forward/backward passes: as ``holds_device``, except while the device is
+    shared by "overlap" (and the thread holds no block): then outside the lock, on the device's beside stream
+    (after the work this thread issued before), synchronised before returning, recorded as "<class> beside"."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        dev = torch.device(self.device)
+        if device_sharing(dev) != "overlap" or getattr(_DEPTH, "n", 0):
+            with exclusive_device(dev, type(self).__name__):
+                return method(self, *args, **kwargs)
+        index = _index(dev)
+        with _GUARD:
+            if index not in _BESIDE:
+                _BESIDE[index] = torch.cuda.Stream(index)
+            stream = _BESIDE[index]
+        start = time.perf_counter()
+        stream.wait_stream(torch.cuda.current_stream(index))  # its inputs, copied on the thread's stream, first
+        try:
+            with torch.cuda.stream(stream):
+                return method(self, *args, **kwargs)
+        finally:
+            stream.synchronize()
+            _record(f"{type(self).__name__} beside", start, start, time.perf_counter())
 
     return wrapper
 

@@ -56,7 +56,7 @@ from asyncrl.algorithms import Loss
 from asyncrl.logprobs import chunked_logprobs
 from asyncrl.backends.base import Capabilities, KeptVersions
 from asyncrl.backends.data_parallel import DataParallel
-from asyncrl.backends.device_lock import holds_device
+from asyncrl.backends.device_lock import beside_device, holds_device
 from asyncrl.backends.hf import build_hf_config, init_hf_state_dict, load_hf_state_dict
 from asyncrl.backends.lr_schedule import set_lr
 from asyncrl.backends.megatron_forward import (attention_kind, compile_layers, final_hidden, layer_spec, output_weight,
@@ -378,7 +378,7 @@ class MegatronPolicy(KeptVersions):
             yield (mb, seqs, micro_batches.scatter_positions(lp, dst, shape),
                    None if ent is None else micro_batches.scatter_positions(ent, dst, shape))
 
-    @holds_device
+    @beside_device  # beside vLLM's decoding under device_sharing 'overlap' (device_lock.py), else its turn
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[B, S] float32 logprobs of ``batch.input_ids`` (0 off ``loss_mask``), on the CPU: of the whole batch it
@@ -409,7 +409,7 @@ class MegatronPolicy(KeptVersions):
         lo, hi = B * self.dp_rank // self.dp, B * (self.dp_rank + 1) // self.dp
         return batch.slice(lo, hi)
 
-    @holds_device
+    @beside_device
     def train_microbatches(self, batch: TrainBatch) -> dict[str, float]:
         """Forward/backward over this DP rank's rows of ``batch`` in micro-batches; gradients of the un-normalised
         loss accumulate until ``finish_train_step``."""

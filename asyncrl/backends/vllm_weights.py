@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from asyncrl.backends.device_lock import exclusive_device
+from asyncrl.backends.device_lock import exclusive_device, finish_own_work
 
 
 class Staged(NamedTuple):
@@ -76,8 +76,8 @@ def load_in_place(llm: Any, weights: Mapping[str, torch.Tensor], weight_load: st
             llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         else:  # the model's own load_weights, directly (unquantized models need no re-processing)
             llm.apply_model(lambda model: model.load_weights(items) and None)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        if device.type == "cuda":
+            finish_own_work(device)  # this thread's stream only while a trainer's passes run beside (device_lock)
         t1 = t2 = time.perf_counter()
         if reset_prefix_cache:
             llm.reset_prefix_cache()

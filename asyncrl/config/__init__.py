@@ -39,7 +39,7 @@ from asyncrl.config.generation import (
     TorchGenerationConfig,
     VLLMGenerationConfig,
 )
-from asyncrl.config.placement import RayConfig, check_placement
+from asyncrl.config.placement import RayConfig, check_overlap, check_placement
 from asyncrl.config.sampling import (
     check_sampler_config,
     check_sampler_fits,
@@ -106,7 +106,14 @@ class Config(BaseModel):
     pump_threads: Literal["auto", 1, 2] = Field(
         "auto", description="threads a run drives the pumps with: 1 (a rollout tick then a train tick, as stepping "
         "does), 2 (a rollout pump and a train pump, overlapping), 'auto': 1 when the sampler cannot admit ahead or "
-        "generation and training share one CUDA device in this process, else 2")
+        "generation and training share one CUDA device in this process with device_sharing 'turns', else 2")
+    # Overlap on that one GPU (asyncrl/backends/device_lock.py): vLLM's decoding of a small model leaves the GPU mostly
+    # idle, so the trainer's passes may run beside it on a stream of their own. Not yet measured on a GPU (issue 48).
+    device_sharing: Literal["turns", "overlap"] = Field(
+        "turns", description="how vLLM and Megatron share the CUDA device they are both on in this process: "
+        "'turns' (each engine's GPU work in turn under the device lock), 'overlap' (during a run the trainer's "
+        "forward/backward passes run beside vLLM's decoding, on a CUDA stream of their own; the optimizer step and "
+        "weight sync still take turns; pump_threads 'auto' is then 2)")
     # A run fails with a StallError (what each pump waits for, and the sampler's verdicts) when no group was
     # committed, trained, evicted or aborted for this long: groups that never come back, or a deadlocked policy.
     # Generous by default, for slow generation on big models.
@@ -198,6 +205,8 @@ class Config(BaseModel):
                              f"min_groups_per_chunk {self.chunk_bounds[0]} < groups_per_step {N} does not know yet: "
                              "use 'group', or unset min_groups_per_chunk")
         check_placement(self.generation, self.trainer)
+        if self.device_sharing == "overlap":
+            check_overlap(self.generation, self.trainer)
         check_sampler_config(self)
         return self
 

@@ -66,6 +66,26 @@ def check_placement(gen: Any, trainer: Any) -> None:
         _check_collective_weight_sync(gen, trainer)
 
 
+def shared_cuda_index(gen: Any, trainer: Any) -> int | None:
+    """The CUDA device generation and training share in this process (both placed 'local'), else None. ``cuda``
+    is the current device, taken as 0 (a process that moves it also names its devices)."""
+    def index(device: Any) -> int | None:
+        device = str(device)
+        return int(device.partition(":")[2] or 0) if device.startswith("cuda") else None
+
+    same = gen.placement == trainer.placement == "local" and index(gen.device) == index(trainer.device)
+    return index(gen.device) if same else None
+
+
+def check_overlap(gen: Any, trainer: Any) -> None:
+    """``device_sharing: overlap`` runs Megatron's passes beside vLLM on the one CUDA device they share here."""
+    if (gen.backend, trainer.backend) != ("vllm", "megatron") or shared_cuda_index(gen, trainer) is None:
+        raise ValueError(
+            f"device_sharing 'overlap' runs Megatron's passes beside vLLM on the CUDA device both use in this "
+            f"process; got generation {gen.backend!r} on {gen.device!r} ({gen.placement}) and trainer "
+            f"{trainer.backend!r} on {trainer.device!r} ({trainer.placement}): use device_sharing 'turns'")
+
+
 def _check_collective_weight_sync(gen: Any, trainer: Any) -> None:
     placements = (trainer.placement, gen.placement)
     if placements != ("ray", "ray"):
