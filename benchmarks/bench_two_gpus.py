@@ -137,7 +137,8 @@ class Engine:
             locks = ray.get(self.backend.apply_remote(_lock_stats, False))
         else:
             locks = device_lock_stats()
-        held = sum(v["held_s"] for k, v in locks.items() if k in self.engines)
+        # "<engine> beside": its passes outside the lock (device_sharing overlap) count as its busy time too
+        held = sum(v["held_s"] for k, v in locks.items() if k.split(" ")[0] in self.engines)
         if held or not isinstance(self.backend, RemoteBackend):
             return held
         times = self.backend.call_times()
@@ -229,7 +230,7 @@ def timeline_report(timeline: Timeline, generator, policy, t0: float, t1: float,
 
             timeline.add_gpu(lane, ray.get(backend.apply_remote(_gpu_spans)))
         else:
-            timeline.add_gpu(lane, [span for span in local if span[0] in names])
+            timeline.add_gpu(lane, [span for span in local if span[0].split(" ")[0] in names])  # "beside" too
     f = timeline.frame(t0, t1)
     f.assign(start=f.start - t0, end=f.end - t0).to_csv(out / f"timeline_{mode}.csv", index=False)
     table = f.groupby(["lane", "name"]).ms.agg(["count", "sum", "median", "max"])
