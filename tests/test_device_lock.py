@@ -89,14 +89,24 @@ class _Streams:
         self.log = log
         monkeypatch.setattr(device_lock, "_SHARING", {})
         monkeypatch.setattr(device_lock, "_BESIDE", {})
+        monkeypatch.setattr(device_lock, "_DECODE", {})
         monkeypatch.setattr(torch.cuda, "synchronize", lambda index=None: log.append(f"sync-device{index}"))
-        monkeypatch.setattr(torch.cuda, "Stream", lambda index=None: self.Stream(f"beside{index}"))
-        monkeypatch.setattr(torch.cuda, "current_stream", lambda index=None: self.Stream("current"))
+        def stream(index=None, priority=0):
+            return self.Stream(f"{'decode' if priority < 0 else 'beside'}{index}")
+
+        monkeypatch.setattr(torch.cuda, "Stream", stream)
+        self.current = threading.local()
+        monkeypatch.setattr(torch.cuda, "current_stream",
+                            lambda index=None: getattr(self.current, "stream", None) or self.Stream("current"))
 
         @contextmanager
         def on(stream):
             log.append(f"on-{stream.name}")
-            yield
+            before, self.current.stream = getattr(self.current, "stream", None), stream
+            try:
+                yield
+            finally:
+                self.current.stream = before
 
         monkeypatch.setattr(torch.cuda, "stream", on)
 
@@ -136,7 +146,7 @@ def test_overlap_runs_the_passes_beside_a_held_block_on_their_own_stream(monkeyp
     inside, release = threading.Event(), threading.Event()
 
     def vllm():
-        with exclusive_device("cuda:0", "VLLMGenerator"):
+        with device_lock.decode_stream("cuda:0"), exclusive_device("cuda:0", "VLLMGenerator"):
             inside.set()
             assert release.wait(5)
 
@@ -146,9 +156,11 @@ def test_overlap_runs_the_passes_beside_a_held_block_on_their_own_stream(monkeyp
     assert _Trainer(log).passes() == "done"  # while vLLM holds the device: it would deadlock under "turns"
     release.set()
     t.join(5)
-    # after what the thread issued before, on the beside stream, that stream finished before returning; the held
-    # block ends with its own stream finished, not the device (which would wait for the passes)
-    assert log == ["beside0-waits-current", "on-beside0", "passes (lock held: False)", "sync-beside0", "sync-current"]
+    # vLLM steps on its high-priority stream; the passes after what their thread issued before, on the beside
+    # stream, that stream finished before returning; the held block ends with its own stream finished, not the
+    # device's (which would wait for the passes)
+    assert log == ["decode0-waits-current", "on-decode0", "beside0-waits-current", "on-beside0",
+                   "passes (lock held: False)", "sync-beside0", "sync-decode0"]
     assert device_lock.device_lock_stats()["_Trainer beside"]["blocks"] >= 1
 
 
@@ -158,7 +170,9 @@ def test_taking_turns_again_the_passes_wait_for_the_device(monkeypatch):
     device_lock.share_device("cuda:0", "overlap")
     device_lock.share_device("cuda:0", "turns")
     assert _Trainer(log).passes() == "done"
-    assert log == ["passes (lock held: True)", "sync-device0"]
+    with device_lock.decode_stream("cuda:0"), exclusive_device("cuda:0", "VLLMGenerator"):
+        log.append("steps")
+    assert log == ["passes (lock held: True)", "sync-device0", "steps", "sync-device0"]  # the thread's own stream
     try:
         device_lock.share_device("cuda:0", "sometimes")
     except ValueError as err:

@@ -26,8 +26,10 @@ whether anyone waits (a loop that holds the device across several steps stops at
 Overlap (``share_device(device, "overlap")``, which a run sets for config ``device_sharing: overlap``): decoding a
 small model leaves the GPU mostly idle (vLLM's CPU loop), so the trainer's forward/backward passes (methods marked
 ``beside_device``) run outside the lock, on a CUDA stream of the device's own, beside whatever vLLM runs; each such
-call synchronises that stream before it returns. Everything else still takes turns: the optimizer step (Megatron's
-grad-norm ``all_reduce``, the collective that crashed unserialised), weight export and load, a reward model. Kept
+call synchronises that stream before it returns, and vLLM steps on a high-priority stream (``decode_stream``), so
+that its short kernels are not queued behind the passes' long ones. Everything else still takes turns: the
+optimizer step (Megatron's grad-norm ``all_reduce``, the collective that crashed unserialised), weight export and
+load, a reward model. Kept
 invariant: locked blocks never run at once, and each ends with *its own* stream finished (not the device's, which
 would wait for the passes beside it); nothing beside the lock is in flight when its thread next takes the lock.
 """
@@ -43,8 +45,8 @@ from typing import Any, Iterator
 
 import torch
 
-__all__ = ["exclusive_device", "holds_device", "beside_device", "share_device", "device_sharing", "finish_own_work",
-           "device_lock_stats", "device_lock_spans", "device_waiters", "make_way"]
+__all__ = ["exclusive_device", "holds_device", "beside_device", "decode_stream", "share_device", "device_sharing",
+           "finish_own_work", "device_lock_stats", "device_lock_spans", "device_waiters", "make_way"]
 
 _GUARD = threading.Lock()
 _LOCKS: dict[int, threading.RLock] = {}
@@ -57,6 +59,7 @@ _TAKEN: dict[int, int] = defaultdict(int)  # device -> outer blocks started (mak
 _SPANS: deque[tuple[str, float, float]] = deque(maxlen=20_000)
 _SHARING: dict[int, str] = {}  # device -> "overlap" while a run shares it so (share_device); absent: "turns"
 _BESIDE: dict[int, Any] = {}  # device -> the CUDA stream that ``beside_device`` work runs on (made at first use)
+_DECODE: dict[int, Any] = {}  # device -> the high-priority stream a generator steps on beside them (decode_stream)
 
 
 @contextmanager
@@ -183,6 +186,26 @@ def holds_device(method):
             return method(self, *args, **kwargs)
 
     return wrapper
+
+
+@contextmanager
+def decode_stream(device: Any) -> Iterator[None]:
+    """The generator's engine steps while the device is shared by "overlap": on a high-priority stream of the
+    device's own, so that the GPU's scheduler starts a decode step's kernels before the pending blocks of the passes
+    beside it (a step's latency is what paces vLLM's loop); otherwise on the thread's stream. Enter it before the
+    step's ``exclusive_device``, whose end then waits for this stream."""
+    dev = torch.device(device)
+    if device_sharing(dev) != "overlap":
+        yield
+        return
+    index = _index(dev)
+    with _GUARD:
+        if index not in _DECODE:
+            _DECODE[index] = torch.cuda.Stream(index, priority=-1)
+        stream = _DECODE[index]
+    stream.wait_stream(torch.cuda.current_stream(index))
+    with torch.cuda.stream(stream):
+        yield
 
 
 def beside_device(method):

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 from asyncrl.backends.base import Capabilities
-from asyncrl.backends.device_lock import device_waiters, exclusive_device, make_way
+from asyncrl.backends.device_lock import decode_stream, device_waiters, exclusive_device, make_way
 from asyncrl.backends.sampling import group_seed
 from asyncrl.backends.vllm_build import build_llm, shutdown_llm
 from asyncrl.backends.vllm_requests import (Group, eos_token_id, eval_sampling_params, greedy_params,
@@ -342,7 +342,8 @@ class VLLMGenerator(LoadsWeights, ServesAdapters):
         if not self._has_work():
             return
         make_way(self.device)
-        with exclusive_device(self.device, type(self).__name__), self._stepping():
+        # decode_stream first: the block's end then waits for the stream the steps ran on (device_lock.py)
+        with decode_stream(self.device), exclusive_device(self.device, type(self).__name__), self._stepping():
             while True:
                 if drain is None:
                     self._settle_staged()
