@@ -29,9 +29,9 @@ small model leaves the GPU mostly idle (vLLM's CPU loop), so the trainer's forwa
 call synchronises that stream before it returns, and vLLM steps on a high-priority stream (``decode_stream``), so
 that its short kernels are not queued behind the passes' long ones. Everything else still takes turns: the
 optimizer step (Megatron's grad-norm ``all_reduce``, the collective that crashed unserialised), weight export and
-load, a reward model. Kept
-invariant: locked blocks never run at once, and each ends with *its own* stream finished (not the device's, which
-would wait for the passes beside it); nothing beside the lock is in flight when its thread next takes the lock.
+load, a reward model. Kept invariant: locked blocks never run at once, and each ends with *its own* stream
+finished (not the device's, which would wait for the passes beside it); nothing beside the lock is in flight when
+its thread next takes the lock.
 """
 
 from __future__ import annotations
@@ -188,6 +188,14 @@ def holds_device(method):
     return wrapper
 
 
+def _stream(streams: dict[int, Any], index: int, **kwargs: Any) -> Any:
+    """The stream of ``streams`` for device ``index``, made at first use (``torch.cuda.Stream`` keyword arguments)."""
+    with _GUARD:
+        if index not in streams:
+            streams[index] = torch.cuda.Stream(index, **kwargs)
+        return streams[index]
+
+
 @contextmanager
 def decode_stream(device: Any) -> Iterator[None]:
     """The generator's engine steps while the device is shared by "overlap": on a high-priority stream of the
@@ -199,10 +207,7 @@ def decode_stream(device: Any) -> Iterator[None]:
         yield
         return
     index = _index(dev)
-    with _GUARD:
-        if index not in _DECODE:
-            _DECODE[index] = torch.cuda.Stream(index, priority=-1)
-        stream = _DECODE[index]
+    stream = _stream(_DECODE, index, priority=-1)
     stream.wait_stream(torch.cuda.current_stream(index))
     with torch.cuda.stream(stream):
         yield
@@ -220,10 +225,7 @@ def beside_device(method):
             with exclusive_device(dev, type(self).__name__):
                 return method(self, *args, **kwargs)
         index = _index(dev)
-        with _GUARD:
-            if index not in _BESIDE:
-                _BESIDE[index] = torch.cuda.Stream(index)
-            stream = _BESIDE[index]
+        stream = _stream(_BESIDE, index)
         start = time.perf_counter()
         stream.wait_stream(torch.cuda.current_stream(index))  # its inputs, copied on the thread's stream, first
         try:
